@@ -1,0 +1,93 @@
+// common.h: the core's vocabulary (dtypes, activations) and error helpers.
+// Vendor-neutral: everything vendor-specific comes from vendor.h.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "vendor.h"
+
+namespace fusedenc {
+
+// Numbering is part of the Python <-> C++ contract (fusedenc/_native.py).
+enum class DType : int { f16 = 0, bf16 = 1, f32 = 2 };
+
+enum class Activation : int {
+  none = 0,
+  relu = 1,
+  gelu_tanh = 2,
+  gelu = 3,  // exact, erf-based
+  swish = 4, // SiLU: x * sigmoid(x)
+  mish = 5,
+  relu2 = 6, // relu(x)^2
+  selu = 7,
+  tanh = 8,
+  sigmoid = 9,
+};
+constexpr int kNumActivations = 10;
+
+inline const char* activation_name(Activation a) {
+  static const char* names[kNumActivations] = {"none",  "relu",  "gelu_tanh", "gelu",
+                                               "swish", "mish",  "relu2",     "selu",
+                                               "tanh",  "sigmoid"};
+  int i = static_cast<int>(a);
+  return (i >= 0 && i < kNumActivations) ? names[i] : "invalid";
+}
+
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::f16: return "float16";
+    case DType::bf16: return "bfloat16";
+    case DType::f32: return "float32";
+  }
+  return "invalid";
+}
+
+inline int dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+
+// Library and runtime failures become std::runtime_error (RuntimeError in
+// Python) naming the call and the status; bad arguments that slipped past the
+// Python checks become std::invalid_argument (ValueError).
+[[noreturn]] inline void throw_blas(const char* what, blasStatus_t st) {
+  throw std::runtime_error(std::string(FUSEDENC_BLASLT_NAME) + ": " + what + " failed with " +
+                           blasLtStatusName(st));
+}
+[[noreturn]] inline void throw_gpu(const char* what, gpuError_t err) {
+  throw std::runtime_error(std::string(FUSEDENC_VENDOR) + " runtime: " + what + " failed with " +
+                           gpuGetErrorName(err));
+}
+
+#define FUSEDENC_CHECK_BLAS(expr)                                  \
+  do {                                                             \
+    blasStatus_t fusedenc_st_ = (expr);                            \
+    if (fusedenc_st_ != BLAS_STATUS_SUCCESS) ::fusedenc::throw_blas(#expr, fusedenc_st_); \
+  } while (0)
+
+#define FUSEDENC_CHECK_GPU(expr)                                   \
+  do {                                                             \
+    gpuError_t fusedenc_err_ = (expr);                             \
+    if (fusedenc_err_ != gpuSuccess) ::fusedenc::throw_gpu(#expr, fusedenc_err_); \
+  } while (0)
+
+// Makes `device` current for the guard's lifetime and restores the caller's
+// device after, so the core never leaves the process on another device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    FUSEDENC_CHECK_GPU(gpuGetDevice(&previous_));
+    if (previous_ != device) FUSEDENC_CHECK_GPU(gpuSetDevice(device));
+    switched_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (switched_) (void)gpuSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+}  // namespace fusedenc

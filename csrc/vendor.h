@@ -1,0 +1,225 @@
+// vendor.h: the one file in fusedenc that names a vendor API.
+//
+// Every CUDA/cuBLASLt or HIP/hipBLASLt name used by the core is mapped here to a
+// neutral name (gpu* for the runtime, blasLt* / BLASLT_* for the GEMM library),
+// the way ggml-cuda's vendors/hip.h lets one source tree serve both vendors.
+// Code outside this file uses only the neutral names, so a reader never has to
+// wonder which vendor a line is for.  Enum *values* differ between the two
+// libraries (e.g. GELU_BIAS), so everything is mapped by name, never by number.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(FUSEDENC_HIP)
+// ---------------------------------------------------------------- ROCm / HIP --
+#include <hip/hip_runtime.h>
+#include <hipblaslt/hipblaslt.h>
+#if defined(__HIPCC__)
+#include <hip/hip_bf16.h>
+#include <hip/hip_fp16.h>
+#endif
+
+#define FUSEDENC_VENDOR "hip"
+#define FUSEDENC_BLASLT_NAME "hipBLASLt"
+
+using gpuStream_t = hipStream_t;
+using gpuError_t = hipError_t;
+#define gpuSuccess hipSuccess
+#define gpuGetDevice hipGetDevice
+#define gpuSetDevice hipSetDevice
+#define gpuGetLastError hipGetLastError
+#define gpuGetErrorName hipGetErrorName
+#define gpuDeviceGetAttribute hipDeviceGetAttribute
+#define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+
+#if defined(__HIPCC__)
+using gpu_half = __half;
+using gpu_bf16 = __hip_bfloat16;
+#endif
+
+using blasStatus_t = hipblasStatus_t;
+using blasLtHandle_t = hipblasLtHandle_t;
+using blasLtMatmulDesc_t = hipblasLtMatmulDesc_t;
+using blasLtMatrixLayout_t = hipblasLtMatrixLayout_t;
+using blasLtMatmulPreference_t = hipblasLtMatmulPreference_t;
+using blasLtMatmulHeuristicResult_t = hipblasLtMatmulHeuristicResult_t;
+using blasLtEpilogue_t = hipblasLtEpilogue_t;
+using blasDataType_t = hipDataType;
+using blasOperation_t = hipblasOperation_t;
+
+#define BLAS_STATUS_SUCCESS HIPBLAS_STATUS_SUCCESS
+#define BLAS_OP_N HIPBLAS_OP_N
+#define BLAS_OP_T HIPBLAS_OP_T
+#define BLAS_R_16F HIP_R_16F
+#define BLAS_R_16BF HIP_R_16BF
+#define BLAS_R_32F HIP_R_32F
+#define BLAS_COMPUTE_32F HIPBLAS_COMPUTE_32F
+
+#define BLASLT_EPILOGUE_DEFAULT HIPBLASLT_EPILOGUE_DEFAULT
+#define BLASLT_EPILOGUE_BIAS HIPBLASLT_EPILOGUE_BIAS
+#define BLASLT_EPILOGUE_RELU HIPBLASLT_EPILOGUE_RELU
+#define BLASLT_EPILOGUE_RELU_BIAS HIPBLASLT_EPILOGUE_RELU_BIAS
+#define BLASLT_EPILOGUE_GELU HIPBLASLT_EPILOGUE_GELU
+#define BLASLT_EPILOGUE_GELU_BIAS HIPBLASLT_EPILOGUE_GELU_BIAS
+
+// SWISH_EXT / SWISH_BIAS_EXT arrived with hipBLASLt 1.0 (ROCm 7.0).  Older
+// releases get the BIAS epilogue plus our activation kernel instead; the
+// capability report says which one a build has.
+#if defined(HIPBLASLT_VERSION_MAJOR) && HIPBLASLT_VERSION_MAJOR >= 1
+#define FUSEDENC_HAS_SWISH_EPILOGUE 1
+#define BLASLT_EPILOGUE_SWISH HIPBLASLT_EPILOGUE_SWISH_EXT
+#define BLASLT_EPILOGUE_SWISH_BIAS HIPBLASLT_EPILOGUE_SWISH_BIAS_EXT
+#else
+#define FUSEDENC_HAS_SWISH_EPILOGUE 0
+#endif
+
+#define BLASLT_MATMUL_DESC_TRANSA HIPBLASLT_MATMUL_DESC_TRANSA
+#define BLASLT_MATMUL_DESC_TRANSB HIPBLASLT_MATMUL_DESC_TRANSB
+#define BLASLT_MATMUL_DESC_EPILOGUE HIPBLASLT_MATMUL_DESC_EPILOGUE
+#define BLASLT_MATMUL_DESC_BIAS_POINTER HIPBLASLT_MATMUL_DESC_BIAS_POINTER
+#define BLASLT_MATMUL_DESC_BIAS_DATA_TYPE HIPBLASLT_MATMUL_DESC_BIAS_DATA_TYPE
+#define BLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES HIPBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+
+#define blasLtCreate hipblasLtCreate
+#define blasLtMatmulDescCreate hipblasLtMatmulDescCreate
+#define blasLtMatmulDescDestroy hipblasLtMatmulDescDestroy
+#define blasLtMatmulDescSetAttribute hipblasLtMatmulDescSetAttribute
+#define blasLtMatrixLayoutCreate hipblasLtMatrixLayoutCreate
+#define blasLtMatrixLayoutDestroy hipblasLtMatrixLayoutDestroy
+#define blasLtMatmulPreferenceCreate hipblasLtMatmulPreferenceCreate
+#define blasLtMatmulPreferenceDestroy hipblasLtMatmulPreferenceDestroy
+#define blasLtMatmulPreferenceSetAttribute hipblasLtMatmulPreferenceSetAttribute
+#define blasLtMatmulAlgoGetHeuristic hipblasLtMatmulAlgoGetHeuristic
+#define blasLtMatmul hipblasLtMatmul
+
+// hipBLASLt has no minimum-alignment preferences: its heuristic checks the
+// pointers itself.  Our callers guarantee 16-byte alignment anyway.
+inline blasStatus_t blasLtSetAlignmentPreferences(blasLtMatmulPreference_t, uint32_t, uint32_t,
+                                                  uint32_t, uint32_t) {
+  return HIPBLAS_STATUS_SUCCESS;
+}
+
+inline const char* blasLtStatusName(blasStatus_t status) {
+  switch (status) {
+    case HIPBLAS_STATUS_SUCCESS: return "HIPBLAS_STATUS_SUCCESS";
+    case HIPBLAS_STATUS_NOT_INITIALIZED: return "HIPBLAS_STATUS_NOT_INITIALIZED";
+    case HIPBLAS_STATUS_ALLOC_FAILED: return "HIPBLAS_STATUS_ALLOC_FAILED";
+    case HIPBLAS_STATUS_INVALID_VALUE: return "HIPBLAS_STATUS_INVALID_VALUE";
+    case HIPBLAS_STATUS_MAPPING_ERROR: return "HIPBLAS_STATUS_MAPPING_ERROR";
+    case HIPBLAS_STATUS_EXECUTION_FAILED: return "HIPBLAS_STATUS_EXECUTION_FAILED";
+    case HIPBLAS_STATUS_INTERNAL_ERROR: return "HIPBLAS_STATUS_INTERNAL_ERROR";
+    case HIPBLAS_STATUS_NOT_SUPPORTED: return "HIPBLAS_STATUS_NOT_SUPPORTED";
+    case HIPBLAS_STATUS_ARCH_MISMATCH: return "HIPBLAS_STATUS_ARCH_MISMATCH";
+    case HIPBLAS_STATUS_HANDLE_IS_NULLPTR: return "HIPBLAS_STATUS_HANDLE_IS_NULLPTR";
+    case HIPBLAS_STATUS_INVALID_ENUM: return "HIPBLAS_STATUS_INVALID_ENUM";
+    default: return "HIPBLAS_STATUS_UNKNOWN";
+  }
+}
+
+// Version of the library the core was compiled against, as major*10000 +
+// minor*100 + patch (hipBLASLt's own runtime query needs a handle; the SONAME
+// pins the major version).
+inline long blasLtVersion() {
+  return HIPBLASLT_VERSION_MAJOR * 10000L + HIPBLASLT_VERSION_MINOR * 100L + HIPBLASLT_VERSION_PATCH;
+}
+
+#else
+// ------------------------------------------------------------ NVIDIA / CUDA --
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+#define FUSEDENC_VENDOR "cuda"
+#define FUSEDENC_BLASLT_NAME "cuBLASLt"
+
+using gpuStream_t = cudaStream_t;
+using gpuError_t = cudaError_t;
+#define gpuSuccess cudaSuccess
+#define gpuGetDevice cudaGetDevice
+#define gpuSetDevice cudaSetDevice
+#define gpuGetLastError cudaGetLastError
+#define gpuGetErrorName cudaGetErrorName
+#define gpuDeviceGetAttribute cudaDeviceGetAttribute
+#define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+
+#if defined(__CUDACC__)
+using gpu_half = __half;
+using gpu_bf16 = __nv_bfloat16;
+#endif
+
+using blasStatus_t = cublasStatus_t;
+using blasLtHandle_t = cublasLtHandle_t;
+using blasLtMatmulDesc_t = cublasLtMatmulDesc_t;
+using blasLtMatrixLayout_t = cublasLtMatrixLayout_t;
+using blasLtMatmulPreference_t = cublasLtMatmulPreference_t;
+using blasLtMatmulHeuristicResult_t = cublasLtMatmulHeuristicResult_t;
+using blasLtEpilogue_t = cublasLtEpilogue_t;
+using blasDataType_t = cudaDataType_t;
+using blasOperation_t = cublasOperation_t;
+
+#define BLAS_STATUS_SUCCESS CUBLAS_STATUS_SUCCESS
+#define BLAS_OP_N CUBLAS_OP_N
+#define BLAS_OP_T CUBLAS_OP_T
+#define BLAS_R_16F CUDA_R_16F
+#define BLAS_R_16BF CUDA_R_16BF
+#define BLAS_R_32F CUDA_R_32F
+#define BLAS_COMPUTE_32F CUBLAS_COMPUTE_32F
+
+#define BLASLT_EPILOGUE_DEFAULT CUBLASLT_EPILOGUE_DEFAULT
+#define BLASLT_EPILOGUE_BIAS CUBLASLT_EPILOGUE_BIAS
+#define BLASLT_EPILOGUE_RELU CUBLASLT_EPILOGUE_RELU
+#define BLASLT_EPILOGUE_RELU_BIAS CUBLASLT_EPILOGUE_RELU_BIAS
+#define BLASLT_EPILOGUE_GELU CUBLASLT_EPILOGUE_GELU
+#define BLASLT_EPILOGUE_GELU_BIAS CUBLASLT_EPILOGUE_GELU_BIAS
+
+// cuBLASLt has no swish/SiLU epilogue: BIAS plus our activation kernel.
+#define FUSEDENC_HAS_SWISH_EPILOGUE 0
+
+#define BLASLT_MATMUL_DESC_TRANSA CUBLASLT_MATMUL_DESC_TRANSA
+#define BLASLT_MATMUL_DESC_TRANSB CUBLASLT_MATMUL_DESC_TRANSB
+#define BLASLT_MATMUL_DESC_EPILOGUE CUBLASLT_MATMUL_DESC_EPILOGUE
+#define BLASLT_MATMUL_DESC_BIAS_POINTER CUBLASLT_MATMUL_DESC_BIAS_POINTER
+#define BLASLT_MATMUL_DESC_BIAS_DATA_TYPE CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE
+#define BLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+
+#define blasLtCreate cublasLtCreate
+#define blasLtMatmulDescCreate cublasLtMatmulDescCreate
+#define blasLtMatmulDescDestroy cublasLtMatmulDescDestroy
+#define blasLtMatmulDescSetAttribute cublasLtMatmulDescSetAttribute
+#define blasLtMatrixLayoutCreate cublasLtMatrixLayoutCreate
+#define blasLtMatrixLayoutDestroy cublasLtMatrixLayoutDestroy
+#define blasLtMatmulPreferenceCreate cublasLtMatmulPreferenceCreate
+#define blasLtMatmulPreferenceDestroy cublasLtMatmulPreferenceDestroy
+#define blasLtMatmulPreferenceSetAttribute cublasLtMatmulPreferenceSetAttribute
+#define blasLtMatmulAlgoGetHeuristic cublasLtMatmulAlgoGetHeuristic
+#define blasLtMatmul cublasLtMatmul
+
+// The heuristic may pick kernels that assume more alignment than a call's
+// pointers have unless it is told the real alignment (PyTorch does the same).
+inline blasStatus_t blasLtSetAlignmentPreferences(blasLtMatmulPreference_t pref, uint32_t a,
+                                                  uint32_t b, uint32_t c, uint32_t d) {
+  const struct {
+    cublasLtMatmulPreferenceAttributes_t attr;
+    uint32_t bytes;
+  } items[] = {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a},
+               {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, b},
+               {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c},
+               {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, d}};
+  for (const auto& item : items) {
+    blasStatus_t st =
+        cublasLtMatmulPreferenceSetAttribute(pref, item.attr, &item.bytes, sizeof(item.bytes));
+    if (st != CUBLAS_STATUS_SUCCESS) return st;
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+inline const char* blasLtStatusName(blasStatus_t status) { return cublasLtGetStatusName(status); }
+
+// Runtime version of the loaded cuBLASLt, as major*10000 + minor*100 + patch.
+inline long blasLtVersion() { return static_cast<long>(cublasLtGetVersion()); }
+
+#endif

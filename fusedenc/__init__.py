@@ -1,0 +1,28 @@
+"""fusedenc: fast transformer-encoder inference on AMD and NVIDIA GPUs.
+
+GEMM + bias + activation (and residual) fused in hipBLASLt/cuBLASLt epilogues,
+one GEMM for Q, K and V, and PyTorch references for every op.
+"""
+
+from ._native import Backend, backend
+from ._report import capabilities, clear_plan_cache, fallback_events, plan_cache_info, set_plan_cache_limit
+from .activations import ACTIVATIONS
+from .ops import FallbackWarning, fused_qkv, linear, pack_qkv, reference_linear
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACTIVATIONS",
+    "Backend",
+    "FallbackWarning",
+    "backend",
+    "capabilities",
+    "clear_plan_cache",
+    "fallback_events",
+    "fused_qkv",
+    "linear",
+    "pack_qkv",
+    "plan_cache_info",
+    "reference_linear",
+    "set_plan_cache_limit",
+]

@@ -1,0 +1,189 @@
+"""Argument checks shared by the ops: everything is validated before a launch.
+
+Wrong types and dtypes raise TypeError, everything else ValueError, and each
+message names the offending argument and its value.  The same rules hold on
+every backend, so code that passes on the CPU reference passes on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+#: Dtypes the ops accept (fp16/bf16 are the fast path; fp32 accumulates in fp32
+#: without TF32, like torch's default).
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+#: Rows and row strides of every GEMM operand must span whole 16-byte vectors:
+#: the vectorized epilogue kernel and the fast library kernels both need it.
+ALIGN_BYTES = 16
+
+
+def align_elems(dtype: torch.dtype) -> int:
+    return ALIGN_BYTES // (4 if dtype == torch.float32 else 2)
+
+
+class LinearProblem(NamedTuple):
+    m: int
+    n: int
+    k: int
+    x2d: torch.Tensor  # [m, k] view of x
+    ldx: int
+    ldw: int
+    residual2d: torch.Tensor | None
+    ldr: int
+    ldo: int  # row stride of out (n when the op allocates it)
+    out_shape: tuple[int, ...]
+
+
+def _tensor(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _same_kind(t: torch.Tensor, name: str, x: torch.Tensor) -> None:
+    if t.dtype != x.dtype:
+        raise TypeError(f"{name}.dtype={t.dtype} does not match x.dtype={x.dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def _rows(t: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
+    """View ``t`` as [rows, cols] with unit column stride; return it and its row stride."""
+    cols = t.shape[-1]
+    try:
+        t2 = t.view(-1, cols)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as rows "
+            "without a copy; make it contiguous"
+        ) from None
+    if t2.shape[0] <= 1:
+        return t2, max(cols, 1)
+    if t2.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+    if t2.stride(0) < cols:
+        raise ValueError(f"{name} has overlapping rows (row stride {t2.stride(0)} < {cols} columns)")
+    return t2, t2.stride(0)
+
+
+def _check_aligned(t: torch.Tensor, name: str, ld: int, align: int) -> None:
+    if ld % align:
+        raise ValueError(
+            f"{name} row stride {ld} must be a multiple of {align} elements ({ALIGN_BYTES} bytes)"
+        )
+    if t.device.type != "meta" and not _is_fake(t) and t.data_ptr() % ALIGN_BYTES:
+        raise ValueError(
+            f"{name} data pointer is not {ALIGN_BYTES}-byte aligned (storage offset {t.storage_offset()})"
+        )
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, FakeTensor)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) byte range that ``t`` touches."""
+    start = t.data_ptr()
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return start, start + extent * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, a1 = _span(a)
+    b0, b1 = _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_scalar(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value} is not finite")
+    return float(value)
+
+
+def check_linear(
+    x: object,
+    weight: object,
+    bias: object,
+    activation: str,
+    residual: object,
+    alpha: float,
+    beta: float,
+    out: object,
+) -> LinearProblem:
+    x = _tensor(x, "x")
+    weight = _tensor(weight, "weight")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x.dtype={x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., K], got a scalar")
+    _same_kind(weight, "weight", x)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x.shape[-1]={x.shape[-1]} does not match weight.shape[1]={k}")
+    align = align_elems(x.dtype)
+    if k == 0 or k % align:
+        raise ValueError(f"K=x.shape[-1]={k} must be a positive multiple of {align} for {x.dtype}")
+    if n == 0 or n % align:
+        raise ValueError(f"N=weight.shape[0]={n} must be a positive multiple of {align} for {x.dtype}")
+    out_shape = tuple(x.shape[:-1]) + (n,)
+
+    x2d, ldx = _rows(x, "x")
+    _check_aligned(x, "x", ldx, align)
+    if weight.stride(1) != 1 or weight.stride(0) < k:
+        raise ValueError(f"weight must be row-major with unit column stride, got strides {weight.stride()}")
+    ldw = weight.stride(0)
+    _check_aligned(weight, "weight", ldw, align)
+
+    if bias is not None:
+        bias = _tensor(bias, "bias")
+        _same_kind(bias, "bias", x)
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+        if bias.stride(0) != 1:
+            raise ValueError(f"bias must be contiguous, got stride {bias.stride()}")
+        _check_aligned(bias, "bias", n, align)
+
+    if activation != "none" and residual is not None:
+        raise ValueError(
+            f"activation={activation!r} cannot be combined with residual: where the library adds "
+            "beta*C relative to the activation is not specified; apply the residual separately"
+        )
+    residual2d, ldr = None, 0
+    if residual is not None:
+        residual = _tensor(residual, "residual")
+        _same_kind(residual, "residual", x)
+        if tuple(residual.shape) != out_shape:
+            raise ValueError(f"residual must have shape {out_shape}, got {tuple(residual.shape)}")
+        residual2d, ldr = _rows(residual, "residual")
+        _check_aligned(residual, "residual", ldr, align)
+    elif beta != 1.0:
+        raise ValueError(f"beta={beta} has no effect without a residual")
+
+    ldo = n
+    if out is not None:
+        out = _tensor(out, "out")
+        _same_kind(out, "out", x)
+        if tuple(out.shape) != out_shape:
+            raise ValueError(f"out must have shape {out_shape}, got {tuple(out.shape)}")
+        _, ldo = _rows(out, "out")
+        _check_aligned(out, "out", ldo, align)
+        if not _is_fake(out):
+            for other, name in ((x, "x"), (weight, "weight"), (bias, "bias")):
+                if other is not None and _overlaps(out, other):
+                    raise ValueError(f"out overlaps {name}: the GEMM cannot write over its own inputs")
+            if residual is not None and _overlaps(out, residual):
+                same = out.data_ptr() == residual.data_ptr() and out.stride() == residual.stride()
+                if not same:
+                    raise ValueError("out partially overlaps residual; it may only be the very same tensor")
+    return LinearProblem(x2d.shape[0], n, k, x2d, ldx, ldw, residual2d, ldr, ldo, out_shape)

@@ -1,0 +1,84 @@
+"""What the installed core can do: capabilities, plan cache and fallback reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _native
+from .activations import ACTIVATIONS
+
+__all__ = ["capabilities", "clear_plan_cache", "fallback_events", "plan_cache_info", "set_plan_cache_limit"]
+
+_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def capabilities() -> dict[str, Any]:
+    """Which fusions are native library epilogues and which are fallback kernels.
+
+    ``activations[dtype][activation]`` is a dict with ``fusion`` ("native": the
+    library epilogue applies bias and activation; "fallback": the BIAS epilogue
+    plus fusedenc's activation kernel; "reference": PyTorch ops), ``epilogue``
+    (the library epilogue used with a bias) and ``kernel`` (what runs after it).
+    The table describes the built core even when no GPU is present;
+    ``active`` says whether GPU tensors use it now (see ``backend()``).
+    A heuristic can still refuse a fused epilogue for one shape at run time:
+    ``fallback_events()`` lists those cases.
+    """
+    b = _native.backend()
+    module = _native.native_module()
+    report: dict[str, Any] = {
+        "backend": b.name,
+        "reason": b.reason,
+        "active": b.name != "reference",
+        "vendor": module.VENDOR if module else None,
+        "library": b.library,
+        "dtypes": list(_DTYPES),
+        "activations": {},
+        "residual": {},
+    }
+    epilogues = module.native_epilogues() if module else None
+    for dtype in _DTYPES:
+        per_act = {}
+        for act in ACTIVATIONS:
+            if epilogues is None:
+                per_act[act] = {"fusion": "reference", "epilogue": None, "kernel": "torch"}
+            elif epilogues[act]["bias"] is not None:
+                per_act[act] = {"fusion": "native", "epilogue": epilogues[act]["bias"], "kernel": None}
+            else:
+                per_act[act] = {"fusion": "fallback", "epilogue": "BIAS", "kernel": "bias_activation"}
+        report["activations"][dtype] = per_act
+        report["residual"][dtype] = (
+            {"fusion": "native", "epilogue": "BIAS with beta*C, C != D", "kernel": None}
+            if module
+            else {"fusion": "reference", "epilogue": None, "kernel": "torch"}
+        )
+    return report
+
+
+def fallback_events() -> list[dict[str, str]]:
+    """Every GEMM shape whose fused epilogue the library refused, with the reason."""
+    module = _native.native_module()
+    return list(module.fallback_events()) if module else []
+
+
+def plan_cache_info() -> dict[str, int]:
+    """Size, limit, hits, misses and evictions of the native GEMM plan cache."""
+    module = _native.native_module()
+    if module is None:
+        return {"size": 0, "limit": 0, "hits": 0, "misses": 0, "evictions": 0}
+    return dict(module.plan_cache_info())
+
+
+def set_plan_cache_limit(limit: int) -> None:
+    """Bound the plan cache to ``limit`` entries (least recently used are evicted)."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive int, got {limit!r}")
+    module = _native.native_module()
+    if module is not None:
+        module.set_plan_cache_limit(limit)
+
+
+def clear_plan_cache() -> None:
+    module = _native.native_module()
+    if module is not None:
+        module.clear_plan_cache()
