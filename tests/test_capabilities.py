@@ -1,0 +1,68 @@
+"""backend() and capabilities() describe the install truthfully."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fusedenc
+from fusedenc import _native
+
+
+def test_backend_reports_a_reason():
+    b = fusedenc.backend()
+    assert b.name in ("cuda", "hip", "reference")
+    assert b.reason
+    assert str(b).startswith(b.name)
+    if not torch.cuda.is_available():
+        assert b.name == "reference"
+
+
+def test_capability_table_shape():
+    caps = fusedenc.capabilities()
+    assert caps["backend"] == fusedenc.backend().name
+    assert set(caps["activations"]) == {"float16", "bfloat16", "float32"}
+    for dtype, table in caps["activations"].items():
+        assert set(table) == set(fusedenc.ACTIVATIONS)
+        for act, entry in table.items():
+            assert entry["fusion"] in ("native", "fallback", "reference"), (dtype, act)
+        assert caps["residual"][dtype]["fusion"] in ("native", "reference")
+
+
+def test_capabilities_of_the_built_core():
+    """What each vendor's library fuses natively (DESIGN.md), as the core reports it."""
+    module = _native.native_module()
+    if module is None:
+        caps = fusedenc.capabilities()
+        assert all(e["fusion"] == "reference" for e in caps["activations"]["float16"].values())
+        return
+    table = fusedenc.capabilities()["activations"]["float16"]
+    assert table["relu"] == {"fusion": "native", "epilogue": "RELU_BIAS", "kernel": None}
+    assert table["gelu_tanh"] == {"fusion": "native", "epilogue": "GELU_BIAS", "kernel": None}
+    assert table["none"]["epilogue"] == "BIAS"
+    for act in ("gelu", "mish", "relu2", "selu", "tanh", "sigmoid"):
+        assert table[act] == {"fusion": "fallback", "epilogue": "BIAS", "kernel": "bias_activation"}, act
+    if module.VENDOR == "cuda":
+        assert table["swish"]["fusion"] == "fallback"  # cuBLASLt has no swish epilogue
+    elif module.HAS_SWISH_EPILOGUE:
+        assert table["swish"]["epilogue"] == "SWISH_BIAS_EXT"
+    assert fusedenc.capabilities()["library"].startswith(module.LIBRARY)
+
+
+def test_native_core_was_built_when_required():
+    """CI sets FUSEDENC_REQUIRE_NATIVE=cuda: a broken native build must fail the run."""
+    required = os.environ.get("FUSEDENC_REQUIRE_NATIVE")
+    if not required:
+        pytest.skip("FUSEDENC_REQUIRE_NATIVE not set")
+    module = _native.native_module()
+    assert module is not None, f"native core missing: {fusedenc.backend()}"
+    assert module.VENDOR == required
+    assert module.library_version() > 0
+
+
+def test_fallback_events_and_plan_cache_without_gpu():
+    assert isinstance(fusedenc.fallback_events(), list)
+    info = fusedenc.plan_cache_info()
+    assert set(info) == {"size", "limit", "hits", "misses", "evictions"}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the CUDA core, run the GPU test suite, run
+# the host-overhead benchmark.  Logs go to $OUT (or ./gpu-out); a short
+# summary is printed last.  Usage: bash tools/gpu_check.sh [pytest args...]
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FUSEDENC_REQUIRE_GPU=1 FUSEDENC_REQUIRE_NATIVE=cuda
+export FUSEDENC_CUDA_ARCHITECTURES=${FUSEDENC_CUDA_ARCHITECTURES:-90}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+} > "$OUT/env.txt" 2>&1
+
+if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+
+python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" "$@" > "$OUT/gpu-tests.log" 2>&1
+tests_rc=$?
+python3 -m pytest -m "not gpu" -q -p no:cacheprovider > "$OUT/cpu-tests.log" 2>&1
+cpu_rc=$?
+python3 bench/host_overhead.py --json "$OUT/host_overhead.json" > "$OUT/host_overhead.txt" 2>&1
+
+echo "==== environment"; cat "$OUT/env.txt"
+echo "==== GPU tests (rc=$tests_rc)"; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -3
+[ $tests_rc -ne 0 ] && grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -30
+echo "==== CPU tests on the GPU machine (rc=$cpu_rc)"; tail -1 "$OUT/cpu-tests.log"
+echo "==== host overhead"; cat "$OUT/host_overhead.txt"
+exit $tests_rc
