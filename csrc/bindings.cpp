@@ -10,6 +10,7 @@
 #include "common.h"
 #include "gemm.h"
 #include "kernels/bias_activation.h"
+#include "kernels/layer_norm.h"
 
 namespace py = pybind11;
 using namespace fusedenc;
@@ -61,6 +62,26 @@ void bias_activation_binding(int device, uintptr_t stream, uintptr_t d, int64_t 
                   to_activation(act), reinterpret_cast<gpuStream_t>(stream));
 }
 
+void layer_norm_binding(int device, uintptr_t stream, int64_t rows, int64_t cols, uintptr_t x,
+                        int64_t ldx, uintptr_t residual, int64_t ldr, uintptr_t x_bias,
+                        uintptr_t weight, uintptr_t bias, uintptr_t out, int64_t ldo,
+                        uintptr_t sum_out, int64_t lds, int dtype, double eps, double alpha) {
+  LayerNormArgs a;
+  a.rows = rows; a.cols = cols;
+  a.x = ptr<const void>(x); a.ldx = ldx;
+  a.residual = ptr<const void>(residual); a.ldr = ldr;
+  a.x_bias = ptr<const void>(x_bias);
+  a.weight = ptr<const void>(weight);
+  a.bias = ptr<const void>(bias);
+  a.out = ptr<void>(out); a.ldo = ldo;
+  a.sum_out = ptr<void>(sum_out); a.lds = lds;
+  a.dtype = to_dtype(dtype);
+  a.eps = static_cast<float>(eps);
+  a.alpha = static_cast<float>(alpha);
+  DeviceGuard guard(device);
+  layer_norm(a, reinterpret_cast<gpuStream_t>(stream));
+}
+
 py::dict native_epilogues() {
   py::dict out;
   for (int i = 0; i < kNumActivations; ++i) {
@@ -98,6 +119,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("bias_activation", &bias_activation_binding, py::arg("device"), py::arg("stream"),
         py::arg("d"), py::arg("ldd"), py::arg("m"), py::arg("n"), py::arg("bias"),
         py::arg("dtype"), py::arg("activation"), "In place: d = act(d + bias).");
+
+  m.def("layer_norm", &layer_norm_binding, py::arg("device"), py::arg("stream"), py::arg("rows"),
+        py::arg("cols"), py::arg("x"), py::arg("ldx"), py::arg("residual"), py::arg("ldr"),
+        py::arg("x_bias"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("ldo"),
+        py::arg("sum_out"), py::arg("lds"), py::arg("dtype"), py::arg("eps"), py::arg("alpha"),
+        "out = LayerNorm(alpha * (x + x_bias) + residual) * weight + bias over rows of cols "
+        "elements; sum_out (optional) gets the pre-norm sum. Null (0) pointers: absent.");
 
   m.def("plan_cache_info", [] {
     PlanCacheInfo i = plan_cache_info();

@@ -36,6 +36,21 @@ using gpuError_t = hipError_t;
 #if defined(__HIPCC__)
 using gpu_half = __half;
 using gpu_bf16 = __hip_bfloat16;
+
+// Lanes per warp (wavefront): 64 on CDNA (MI200/MI300), 32 on RDNA.  The
+// compiler defines __AMDGCN_WAVEFRONT_SIZE in device compilation only; host
+// code must not depend on this value.
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+#define FUSEDENC_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
+#else
+#define FUSEDENC_WARP_SIZE 64
+#endif
+
+// value from the lane whose index is this lane's XOR lane_mask, whole warp.
+template <typename T>
+__device__ __forceinline__ T gpu_shfl_xor(T value, int lane_mask) {
+  return __shfl_xor(value, lane_mask);
+}
 #endif
 
 using blasStatus_t = hipblasStatus_t;
@@ -149,6 +164,16 @@ using gpuError_t = cudaError_t;
 #if defined(__CUDACC__)
 using gpu_half = __half;
 using gpu_bf16 = __nv_bfloat16;
+
+// Lanes per warp.
+#define FUSEDENC_WARP_SIZE 32
+
+// value from the lane whose index is this lane's XOR lane_mask; every lane of
+// the warp must take part (no divergent early exit before a call).
+template <typename T>
+__device__ __forceinline__ T gpu_shfl_xor(T value, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, value, lane_mask);
+}
 #endif
 
 using blasStatus_t = cublasStatus_t;

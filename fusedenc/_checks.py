@@ -187,3 +187,135 @@ def check_linear(
                 if not same:
                     raise ValueError("out partially overlaps residual; it may only be the very same tensor")
     return LinearProblem(x2d.shape[0], n, k, x2d, ldx, ldw, residual2d, ldr, ldo, out_shape)
+
+
+# ------------------------------------------------------------ layer_norm ----
+
+#: Longest row the fused LayerNorm kernel holds in registers (csrc/kernels/layer_norm.h).
+LAYER_NORM_MAX_DIM = 16384
+
+
+class LayerNormProblem(NamedTuple):
+    rows: int  # T
+    cols: int  # D
+    x2d: torch.Tensor  # [T, D] view of x
+    ldx: int
+    ldr: int  # row stride of residual (0 without one)
+    ldo: int  # row stride of out (D when the op allocates it)
+    lds: int  # row stride of sum_out (0 without one)
+    out_shape: tuple[int, ...]
+
+
+def _real_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` has real storage whose addresses can be compared."""
+    return t.device.type != "meta" and not _is_fake(t)
+
+
+def _check_vector(t: object, name: str, x: torch.Tensor, d: int, align: int) -> torch.Tensor | None:
+    """A per-column ``[D]`` parameter (weight, bias, x_bias): contiguous and aligned, or None."""
+    if t is None:
+        return None
+    t = _tensor(t, name)
+    _same_kind(t, name, x)
+    if tuple(t.shape) != (d,):
+        raise ValueError(f"{name} must have shape ({d},), got {tuple(t.shape)}")
+    if t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+    _check_aligned(t, name, d, align)
+    return t
+
+
+def _check_like_x(t: object, name: str, x: torch.Tensor, align: int) -> tuple[torch.Tensor, int]:
+    """A ``[..., D]`` operand with x's shape, dtype and device; returns it and its row stride."""
+    t = _tensor(t, name)
+    _same_kind(t, name, x)
+    if tuple(t.shape) != tuple(x.shape):
+        raise ValueError(f"{name} must have shape {tuple(x.shape)} like x, got {tuple(t.shape)}")
+    _, ld = _rows(t, name)
+    _check_aligned(t, name, ld, align)
+    return t, ld
+
+
+def check_layer_norm(
+    x: object,
+    weight: object,
+    bias: object,
+    eps: float,
+    residual: object,
+    alpha: float,
+    x_bias: object,
+    out: object,
+    sum_out: object,
+) -> LayerNormProblem:
+    """Validate ``layer_norm``'s arguments (eps and alpha already through ``check_scalar``)."""
+    x = _tensor(x, "x")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x.dtype={x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., D], got a scalar")
+    d = x.shape[-1]
+    align = align_elems(x.dtype)
+    if d == 0 or d % align or d > LAYER_NORM_MAX_DIM:
+        raise ValueError(
+            f"D=x.shape[-1]={d} must be a positive multiple of {align} for {x.dtype}, "
+            f"at most {LAYER_NORM_MAX_DIM}"
+        )
+    if eps < 0:
+        raise ValueError(f"eps={eps} must be >= 0")
+    x2d, ldx = _rows(x, "x")
+    _check_aligned(x, "x", ldx, align)
+
+    vectors = {
+        "weight": _check_vector(weight, "weight", x, d, align),
+        "bias": _check_vector(bias, "bias", x, d, align),
+        "x_bias": _check_vector(x_bias, "x_bias", x, d, align),
+    }
+    ldr = 0
+    if residual is not None:
+        residual, ldr = _check_like_x(residual, "residual", x, align)
+    ldo = d
+    if out is not None:
+        out, ldo = _check_like_x(out, "out", x, align)
+    lds = 0
+    if sum_out is not None:
+        sum_out, lds = _check_like_x(sum_out, "sum_out", x, align)
+
+    # Each thread reads its own elements before writing them, but threads do
+    # not wait for one another: outputs must not overlap inputs (or each
+    # other), except sum_out being residual itself (an in-place residual stream).
+    # Byte ranges come from the row strides already known (cheaper than _span).
+    rows = x2d.shape[0]
+    if rows and (
+        (out is not None and _real_memory(out)) or (sum_out is not None and _real_memory(sum_out))
+    ):
+        es = x.element_size()
+
+        def rows_span(t: torch.Tensor, n: int, ld: int) -> tuple[int, int]:
+            start = t.data_ptr()
+            return start, start + ((n - 1) * ld + d) * es
+
+        inputs = {"x": rows_span(x, rows, ldx)}
+        if residual is not None:
+            inputs["residual"] = rows_span(residual, rows, ldr)
+        for name, t in vectors.items():
+            if t is not None:
+                inputs[name] = rows_span(t, 1, d)
+        out_span = None
+        if out is not None:
+            out_span = rows_span(out, rows, ldo)
+            for name, (a0, a1) in inputs.items():
+                if a0 < out_span[1] and out_span[0] < a1:
+                    raise ValueError(f"out overlaps {name}: it must be a separate buffer")
+        if sum_out is not None:
+            s0, s1 = rows_span(sum_out, rows, lds)
+            if out_span is not None and out_span[0] < s1 and s0 < out_span[1]:
+                raise ValueError("sum_out overlaps out")
+            for name, (a0, a1) in inputs.items():
+                if not (a0 < s1 and s0 < a1):
+                    continue
+                if name == "residual":
+                    if s0 == a0 and lds == ldr and sum_out.stride() == residual.stride():
+                        continue
+                    raise ValueError("sum_out partially overlaps residual; it may only be the very same tensor")
+                raise ValueError(f"sum_out overlaps {name}: it must be a separate buffer or residual itself")
+    return LayerNormProblem(x2d.shape[0], d, x2d, ldx, ldr, ldo, lds, tuple(x.shape))

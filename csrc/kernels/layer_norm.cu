@@ -1,0 +1,364 @@
+// Fused residual + scale + bias + LayerNorm: one read of each input row, one
+// write of each output row, everything in between in registers.
+//
+// Work split.  A row of D elements is `vecs` 16-byte vectors (8 halves or 4
+// floats).  A *group* of G consecutive threads (G a power of two) owns one row;
+// thread `lane` of the group holds vectors lane, lane + G, lane + 2G, ... (at
+// most kMaxChunks of them), so each load instruction of a group reads G
+// consecutive vectors (coalesced).  The number of chunks per thread is a
+// template parameter, so the register arrays are indexed only by compile-time
+// constants and never spill to local memory.
+//   - rows of up to 32 vectors (D <= 256 fp16, D <= 128 fp32): one vector per
+//     thread, G = vecs rounded up to a power of two, several rows per block;
+//   - longer rows: the smallest G that needs at most kMaxChunks vectors per
+//     thread; G <= 1024 covers D = 16384 for every dtype (4096 fp32 vectors =
+//     1024 threads x 4 chunks).  D = 768 fp16 is G = 32 (one warp, no shared
+//     memory) x 3 chunks, 4 rows per block.
+// A block is max(G, 128) threads: 128 / G rows for small rows, one row for
+// G >= 128.  Small-row blocks keep each block's work (and the number of
+// blocks) reasonable; 128 is a multiple of both warp sizes (32 and 64), so no
+// warp ever straddles a block edge.
+//
+// Reductions.  Two per row: sum(h) -> mean0, then sum(d) and sum(d^2) with
+// d = h - mean0 from the registers (a two-pass variance, never E[h^2]-E[h]^2).
+// sum(d)/D corrects mean0's own rounding error (mean = mean0 + shift, the
+// "corrected two-pass" algorithm), and the output is computed as
+// (d - shift) * rstd, so a row like 1000 + N(0, 1) loses no accuracy to the
+// rounding of its mean.  A reduction is an xor-butterfly of warp shuffles
+// within the group (or within each warp of it) and, when G exceeds the warp,
+// a pass through shared memory over the group's warps.  Both steps give every
+// thread of the group the bit-identical sum.  Correct for warps of 32 and 64
+// lanes: groups smaller than a warp are aligned and the xor offsets stay below
+// G; groups larger than a warp are whole warps.
+#include "layer_norm.h"
+
+#include <cmath>
+#include <string>
+
+namespace fusedenc {
+namespace {
+
+constexpr int kVecBytes = 16;
+constexpr int kMaxChunks = 4;           // 16-byte vectors held per thread
+constexpr int kSmallRowVecs = 32;       // rows of up to this many vectors: one per thread
+constexpr int kMaxBlockThreads = 1024;  // G for D = 16384 fp32
+constexpr int kMinBlockThreads = 128;   // a multiple of every warp size
+constexpr int kMaxWarpsPerBlock = kMaxBlockThreads / 32;  // bound for any warp size >= 32
+
+// ---- dtype conversions ----
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_float<gpu_half>(gpu_half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float<gpu_bf16>(gpu_bf16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ gpu_half from_float<gpu_half>(float v) { return __float2half(v); }
+template <> __device__ __forceinline__ gpu_bf16 from_float<gpu_bf16>(float v) { return __float2bfloat16(v); }
+
+template <typename T>
+struct alignas(kVecBytes) Vec {
+  static constexpr int size = kVecBytes / sizeof(T);
+  T v[size];
+};
+
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T>*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T>& v) {
+  *reinterpret_cast<Vec<T>*>(p) = v;
+}
+
+// Sizes and scalars of one launch (pointers are separate kernel arguments so
+// that the read-only ones can be __restrict__).
+struct Shape {
+  int64_t rows;
+  int64_t ldx, ldr, ldo, lds;
+  int cols;
+  int vecs;         // cols / elements per vector
+  int group_shift;  // G = 1 << group_shift threads per row
+  float eps;
+  float alpha;
+};
+
+// Sum of N values over the G = 1 << group_shift threads that share a row.
+// Every thread of the block must call it (it may __syncthreads); `scratch`
+// holds N * kMaxWarpsPerBlock floats used by no other call in this kernel.
+template <int N>
+__device__ __forceinline__ void group_sum(float (&v)[N], int group_shift, float* scratch) {
+  constexpr int kWarp = FUSEDENC_WARP_SIZE;
+  const int group = 1 << group_shift;
+  const int width = group < kWarp ? group : kWarp;
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += gpu_shfl_xor(v[i], offset);
+  }
+  if (group > kWarp) {  // the same branch for the whole block
+    const int warp = threadIdx.x / kWarp;
+    const int warps_per_group = group / kWarp;
+    const int first = (threadIdx.x >> group_shift) * warps_per_group;
+    if (threadIdx.x % kWarp == 0) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) scratch[i * kMaxWarpsPerBlock + warp] = v[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float s = 0.f;
+      for (int w = 0; w < warps_per_group; ++w) s += scratch[i * kMaxWarpsPerBlock + first + w];
+      v[i] = s;
+    }
+  }
+}
+
+// residual and sum_out are not __restrict__: sum_out may be residual itself.
+// Each thread reads its residual vectors (first loop) before it writes the
+// same vectors of sum_out (after the first reduction), so that is safe.
+// Largest block a dtype ever launches (G for D = 16384): 1024 threads for fp32,
+// 512 for 16-bit types, whose kernels may then use up to 128 registers (the
+// conversions of 4 chunks x 8 values need more than 64 without spilling).
+template <typename T>
+constexpr int max_block_threads() {
+  return static_cast<int>(kLayerNormMaxCols * sizeof(T) / kVecBytes / kMaxChunks);
+}
+static_assert(max_block_threads<float>() == kMaxBlockThreads, "fp32 rows of D = 16384 need 1024 threads");
+
+template <typename T, int kChunks>
+__global__ void __launch_bounds__(max_block_threads<T>())
+layer_norm_kernel(const T* __restrict__ x, const T* residual, const T* __restrict__ x_bias,
+                  const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ out,
+                  T* sum_out, const Shape s) {
+  using V = Vec<T>;
+  constexpr int kV = V::size;
+  __shared__ float scratch[3 * kMaxWarpsPerBlock];  // [0, W): sum(h); [W, 3W): sum(d), sum(d^2)
+
+  const int lane = threadIdx.x & ((1 << s.group_shift) - 1);
+  const int64_t row =
+      static_cast<int64_t>(blockIdx.x) * (blockDim.x >> s.group_shift) + (threadIdx.x >> s.group_shift);
+  // Threads past the last row hold nothing but still take part in the
+  // reductions (shuffles and barriers need the whole warp / block).
+  const bool live = row < s.rows;
+  bool has[kChunks];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) has[c] = live && (lane + (c << s.group_shift)) < s.vecs;
+  auto column = [&](int c) { return static_cast<int64_t>(lane + (c << s.group_shift)) * kV; };
+
+  // 1. Issue every load of the row before any arithmetic or store.
+  V xv[kChunks], rv[kChunks];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (has[c]) {
+      xv[c] = load_vec(x + row * s.ldx + column(c));
+      if (residual) rv[c] = load_vec(residual + row * s.ldr + column(c));
+    }
+  }
+
+  // 2. h = alpha * (x + x_bias) + residual in fp32, and its sum.
+  float h[kChunks][kV];
+  float sum[1] = {0.f};
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (has[c]) {
+      V bv;
+      if (x_bias) bv = load_vec(x_bias + column(c));
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        float v = to_float(xv[c].v[j]);
+        if (x_bias) v += to_float(bv.v[j]);
+        v *= s.alpha;
+        if (residual) v += to_float(rv[c].v[j]);
+        h[c][j] = v;
+        sum[0] += v;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kV; ++j) h[c][j] = 0.f;
+    }
+  }
+  group_sum(sum, s.group_shift, scratch);
+  const float mean0 = sum[0] / static_cast<float>(s.cols);
+
+  // 3. The residual stream, rounded once (stored while the next reduction runs).
+  if (sum_out) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (has[c]) {
+        V o;
+#pragma unroll
+        for (int j = 0; j < kV; ++j) o.v[j] = from_float<T>(h[c][j]);
+        store_vec(sum_out + row * s.lds + column(c), o);
+      }
+    }
+  }
+
+  // 4. Second pass over the registers: sum(d) and sum(d^2), d = h - mean0.
+  float dsum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (has[c]) {
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        const float d = h[c][j] - mean0;
+        dsum[0] += d;
+        dsum[1] += d * d;
+      }
+    }
+  }
+  group_sum(dsum, s.group_shift, scratch + kMaxWarpsPerBlock);
+  const float shift = dsum[0] / static_cast<float>(s.cols);  // mean = mean0 + shift
+  float var = dsum[1] / static_cast<float>(s.cols) - shift * shift;
+  if (var < 0.f) var = 0.f;  // rounding only; a comparison keeps NaN (fmaxf would not)
+  const float rstd = 1.f / sqrtf(var + s.eps);
+
+  // 5. Normalize, scale, shift, round once.
+  if (!live) return;  // no barrier or shuffle below
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (has[c]) {
+      V wv, bv;
+      if (weight) wv = load_vec(weight + column(c));
+      if (bias) bv = load_vec(bias + column(c));
+      V o;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        float y = ((h[c][j] - mean0) - shift) * rstd;
+        if (weight) y *= to_float(wv.v[j]);
+        if (bias) y += to_float(bv.v[j]);
+        o.v[j] = from_float<T>(y);
+      }
+      store_vec(out + row * s.ldo + column(c), o);
+    }
+  }
+}
+
+struct Config {
+  int group_shift;  // G = 1 << group_shift threads per row
+  int chunks;       // vectors per thread, 1..kMaxChunks
+  int threads;      // per block
+};
+
+Config choose_config(int vecs) {
+  int shift = 0;
+  while ((1 << shift) < vecs && (1 << shift) < kSmallRowVecs) ++shift;
+  while ((vecs + (1 << shift) - 1) >> shift > kMaxChunks) ++shift;
+  const int group = 1 << shift;
+  Config cfg;
+  cfg.group_shift = shift;
+  cfg.chunks = (vecs + group - 1) / group;
+  cfg.threads = group > kMinBlockThreads ? group : kMinBlockThreads;
+  return cfg;
+}
+
+template <typename T, int kChunks>
+void launch_chunks(const LayerNormArgs& a, const Shape& s, int64_t blocks, int threads,
+                   gpuStream_t stream) {
+  layer_norm_kernel<T, kChunks><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const T*>(a.residual),
+      static_cast<const T*>(a.x_bias), static_cast<const T*>(a.weight),
+      static_cast<const T*>(a.bias), static_cast<T*>(a.out), static_cast<T*>(a.sum_out), s);
+}
+
+template <typename T>
+void launch(const LayerNormArgs& a, gpuStream_t stream) {
+  const int vecs = static_cast<int>(a.cols / Vec<T>::size);
+  const Config cfg = choose_config(vecs);
+  const int64_t rows_per_block = cfg.threads >> cfg.group_shift;
+  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  // Grid limits of both vendors (HIP counts threads in 32 bits).
+  if (blocks > 0x7fffffffLL || blocks * cfg.threads > 0xffffffffLL)
+    throw std::invalid_argument("layer_norm: " + std::to_string(a.rows) +
+                                " rows are more than one launch can cover");
+  Shape s;
+  s.rows = a.rows;
+  s.ldx = a.ldx; s.ldr = a.ldr; s.ldo = a.ldo; s.lds = a.lds;
+  s.cols = static_cast<int>(a.cols);
+  s.vecs = vecs;
+  s.group_shift = cfg.group_shift;
+  s.eps = a.eps;
+  s.alpha = a.alpha;
+  switch (cfg.chunks) {
+    case 1: launch_chunks<T, 1>(a, s, blocks, cfg.threads, stream); break;
+    case 2: launch_chunks<T, 2>(a, s, blocks, cfg.threads, stream); break;
+    case 3: launch_chunks<T, 3>(a, s, blocks, cfg.threads, stream); break;
+    case 4: launch_chunks<T, 4>(a, s, blocks, cfg.threads, stream); break;
+    default: throw std::logic_error("layer_norm: no kernel for " + std::to_string(cfg.chunks) + " chunks");
+  }
+  FUSEDENC_CHECK_GPU(gpuGetLastError());
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % kVecBytes) == 0; }
+
+[[noreturn]] void bad(const std::string& what) { throw std::invalid_argument("layer_norm: " + what); }
+
+// Byte range [first, last) touched by a [rows, cols] matrix with row stride ld.
+struct Span {
+  uintptr_t first, last;
+};
+Span span(const void* p, int64_t rows, int64_t cols, int64_t ld, int es) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p);
+  return {first, first + static_cast<uintptr_t>(((rows - 1) * ld + cols) * es)};
+}
+bool overlap(const Span& a, const Span& b) { return a.first < b.last && b.first < a.last; }
+
+void check_rows(const char* name, const void* p, int64_t ld, const LayerNormArgs& a, int64_t per_vec) {
+  if (ld < a.cols || ld % per_vec)
+    bad(std::string(name) + " row stride " + std::to_string(ld) + " must be >= D=" +
+        std::to_string(a.cols) + " and a multiple of " + std::to_string(per_vec) + " elements");
+  if (!aligned16(p)) bad(std::string(name) + " must be 16-byte aligned");
+}
+
+}  // namespace
+
+void layer_norm(const LayerNormArgs& a, gpuStream_t stream) {
+  if (a.dtype != DType::f16 && a.dtype != DType::bf16 && a.dtype != DType::f32) bad("unknown dtype");
+  const int es = dtype_size(a.dtype);
+  const int64_t per_vec = kVecBytes / es;
+  if (a.rows < 0) bad("negative number of rows " + std::to_string(a.rows));
+  if (a.cols <= 0 || a.cols > kLayerNormMaxCols || a.cols % per_vec)
+    bad("D=" + std::to_string(a.cols) + " must be a positive multiple of " + std::to_string(per_vec) +
+        " for " + dtype_name(a.dtype) + ", at most " + std::to_string(kLayerNormMaxCols));
+  if (!std::isfinite(a.eps) || a.eps < 0.f) bad("eps=" + std::to_string(a.eps) + " must be finite and >= 0");
+  if (!std::isfinite(a.alpha)) bad("alpha=" + std::to_string(a.alpha) + " is not finite in fp32");
+  if (a.rows == 0) return;
+  if (!a.x || !a.out) bad("x and out must not be null");
+  check_rows("x", a.x, a.ldx, a, per_vec);
+  check_rows("out", a.out, a.ldo, a, per_vec);
+  if (a.residual) check_rows("residual", a.residual, a.ldr, a, per_vec);
+  if (a.sum_out) check_rows("sum_out", a.sum_out, a.lds, a, per_vec);
+  const char* vec_names[] = {"x_bias", "weight", "bias"};
+  const void* vec_ptrs[] = {a.x_bias, a.weight, a.bias};
+  for (int i = 0; i < 3; ++i)
+    if (vec_ptrs[i] && !aligned16(vec_ptrs[i])) bad(std::string(vec_names[i]) + " must be 16-byte aligned");
+
+  // Outputs must not overlap inputs (or each other); sum_out may be exactly residual.
+  const Span out_span = span(a.out, a.rows, a.cols, a.ldo, es);
+  const Span x_span = span(a.x, a.rows, a.cols, a.ldx, es);
+  Span inputs[4] = {x_span, {0, 0}, {0, 0}, {0, 0}};
+  int n_inputs = 1;
+  for (const void* v : vec_ptrs)
+    if (v) inputs[n_inputs++] = span(v, 1, a.cols, a.cols, es);
+  for (int i = 0; i < n_inputs; ++i)
+    if (overlap(out_span, inputs[i])) bad("out overlaps an input");
+  if (a.residual && overlap(out_span, span(a.residual, a.rows, a.cols, a.ldr, es)))
+    bad("out overlaps residual");
+  if (a.sum_out) {
+    const Span sum_span = span(a.sum_out, a.rows, a.cols, a.lds, es);
+    if (overlap(sum_span, out_span)) bad("sum_out overlaps out");
+    for (int i = 0; i < n_inputs; ++i)
+      if (overlap(sum_span, inputs[i])) bad("sum_out overlaps an input");
+    if (a.residual && overlap(sum_span, span(a.residual, a.rows, a.cols, a.ldr, es)) &&
+        !(a.sum_out == a.residual && a.lds == a.ldr))
+      bad("sum_out partially overlaps residual; it may only be residual itself");
+  }
+
+  switch (a.dtype) {
+    case DType::f16: return launch<gpu_half>(a, stream);
+    case DType::bf16: return launch<gpu_bf16>(a, stream);
+    case DType::f32: return launch<float>(a, stream);
+  }
+}
+
+}  // namespace fusedenc
