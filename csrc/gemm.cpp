@@ -7,7 +7,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <unordered_map>
 #include <utility>
 
@@ -98,12 +97,14 @@ struct PlanKeyHash {
   }
 };
 
+// Plain string building, no iostreams: formatting a number through an
+// ostringstream segfaulted inside libstdc++ in the GPU image's torch process
+// (stream locale machinery); std::to_string does not touch it.
 std::string describe(const PlanKey& k) {
-  std::ostringstream s;
-  s << "m=" << k.m << " n=" << k.n << " k=" << k.k << " " << dtype_name(static_cast<DType>(k.dtype))
-    << " activation=" << activation_name(static_cast<Activation>(k.act))
-    << (k.has_bias ? " bias" : "") << (k.has_c ? " residual" : "");
-  return s.str();
+  return "m=" + std::to_string(k.m) + " n=" + std::to_string(k.n) + " k=" + std::to_string(k.k) +
+         " " + dtype_name(static_cast<DType>(k.dtype)) +
+         " activation=" + activation_name(static_cast<Activation>(k.act)) +
+         (k.has_bias ? " bias" : "") + (k.has_c ? " residual" : "");
 }
 
 // Everything needed to launch one GEMM shape: descriptors and the algorithm.

@@ -1,12 +1,17 @@
 """fusedenc: fast transformer-encoder inference on AMD and NVIDIA GPUs.
 
 GEMM + bias + activation (and residual) fused in hipBLASLt/cuBLASLt epilogues,
-one GEMM for Q, K and V, and PyTorch references for every op.
+one GEMM for Q, K and V, a flash-attention call on the packed QKV buffer, a
+fused residual + LayerNorm kernel, ``EncoderBlock`` / ``EncoderStack`` built
+from them, and PyTorch references for every op.
 """
 
 from ._native import Backend, backend
 from ._report import capabilities, clear_plan_cache, fallback_events, plan_cache_info, set_plan_cache_limit
 from .activations import ACTIVATIONS
+from .attention import attention
+from .encoder import EncoderBlock, EncoderStack, GraphRunner
+from .norm import layer_norm
 from .ops import FallbackWarning, fused_qkv, linear, pack_qkv, reference_linear
 
 __version__ = "0.1.0"
@@ -14,12 +19,17 @@ __version__ = "0.1.0"
 __all__ = [
     "ACTIVATIONS",
     "Backend",
+    "EncoderBlock",
+    "EncoderStack",
+    "GraphRunner",
     "FallbackWarning",
     "backend",
     "capabilities",
     "clear_plan_cache",
     "fallback_events",
+    "attention",
     "fused_qkv",
+    "layer_norm",
     "linear",
     "pack_qkv",
     "plan_cache_info",

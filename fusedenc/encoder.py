@@ -1,0 +1,754 @@
+"""EncoderBlock and EncoderStack: a transformer encoder layer built from the fused ops.
+
+Data path of one post-LN block (DESIGN.md), ``T = B*S`` rows of ``D``::
+
+    qkv = x @ Wqkv^T + bqkv              one GEMM, bias in the epilogue        [T, 3D]
+    a   = attention(q, k, v views)       reads the packed buffer, writes       [T, D]
+    y   = a @ Wo^T + bo                  GEMM, bias in the epilogue
+    h   = LN1(x + alpha * y)             one fused residual + scale + LayerNorm kernel
+    f   = act(h @ W1^T + b1)             GEMM + bias + activation epilogue (or + one kernel)
+    g   = f @ W2^T + b2                  GEMM
+    out = LN2(h + alpha * g)             fused kernel
+
+Pre-LN (``norm_first=True``) computes ``x + alpha * sublayer(LN(x))`` for both
+sublayers; the attention residual rides in the LayerNorm kernel (which also
+writes the new residual stream) and the FFN residual in the last GEMM's
+epilogue (``beta * C``).  No separate add, scale or bias kernel runs.
+
+Two ways to run the same data path:
+  * the *ops* path calls the public ops (``fusedenc.linear``, ``layer_norm``,
+    ``attention``); it serves CPU tensors (the PyTorch references), a build
+    without a native core, and ``torch.compile`` (the ops are custom ops);
+  * the *native* path, for eager calls on the GPU, validates a call's
+    signature once and then calls the core directly with raw pointers, so a
+    block costs a few microseconds of host time per op instead of the ops'
+    per-call argument checks.
+Both compute bit-identical results on the GPU (tested).
+
+Inference only: no autograd, no dropout.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import _native
+from . import attention as _attention
+from .activations import activation_id, canonical_activation
+from .norm import layer_norm
+from .ops import _current_stream, _report_fallback, linear, pack_qkv
+
+__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]
+
+_QKV_KEYS = ("q_weight", "k_weight", "v_weight")
+_QKV_BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
+
+#: Row length (elements) every GEMM operand and LayerNorm row must be a multiple of:
+#: 16 bytes of fp16/bf16.  fp32 would need only 4; one rule keeps it simple.
+_DIM_MULTIPLE = 8
+
+
+# ------------------------------------------------------------ activations ----
+
+
+def _activation_from_torch(act: object) -> str:
+    """Our activation name for what nn.TransformerEncoderLayer holds in ``.activation``."""
+    if isinstance(act, str):
+        return canonical_activation(act)
+    if act is F.relu:
+        return "relu"
+    if act is F.gelu:
+        return "gelu"
+    if act is F.silu:
+        return "swish"
+    if act is F.mish:
+        return "mish"
+    if act in (torch.tanh, F.tanh):
+        return "tanh"
+    if act in (torch.sigmoid, F.sigmoid):
+        return "sigmoid"
+    if act is F.selu:
+        return "selu"
+    modules = {nn.ReLU: "relu", nn.SiLU: "swish", nn.Mish: "mish", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SELU: "selu"}
+    for cls, name in modules.items():
+        if type(act) is cls:
+            return name
+    if type(act) is nn.GELU:
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    raise TypeError(
+        f"activation {act!r} has no fusedenc equivalent; supported: relu, gelu (exact or tanh), "
+        "silu, mish, tanh, sigmoid, selu (as functions, nn modules or names)"
+    )
+
+
+# ------------------------------------------------------------ executors ----
+# The data path is written once (EncoderBlock._run) against these two small
+# executors.  Each returns new tensors; the native one trusts that the block
+# validated the call's signature.
+
+
+class _OpsExecutor:
+    """Runs each step through the public ops: references on CPU, custom ops under torch.compile."""
+
+    def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
+        return linear(x, w, b, activation, residual, alpha=alpha)
+
+    def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
+        return layer_norm(x, w, b, eps, residual=residual, alpha=alpha, x_bias=x_bias)
+
+    def layer_norm_sum(self, x, w, b, eps, residual, alpha, x_bias):
+        """(h, LN(h)) with h = alpha * (x + x_bias) + residual."""
+        h = torch.empty_like(x)
+        out = layer_norm(x, w, b, eps, residual=residual, alpha=alpha, x_bias=x_bias, sum_out=h)
+        return h, out
+
+    def attention(self, qkv, batch, seq, heads, attn_bias, key_padding_mask):
+        q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
+        return _attention.attention(q, k, v, attn_bias, key_padding_mask)
+
+
+class _NativeExecutor:
+    """Calls the native core directly: no per-call argument checks (done once per signature)."""
+
+    __slots__ = ("core", "device", "index", "stream", "ws", "ws_bytes", "dtype", "code", "attn_plan")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, attn_plan):
+        self.core = _native.native_module()
+        self.device = device
+        self.index = device.index
+        self.stream = _current_stream(device)
+        ws = _native.workspace(device, self.stream)
+        self.ws, self.ws_bytes = ws.data_ptr(), ws.numel()
+        self.dtype = dtype
+        self.code = _native.dtype_code(dtype)
+        self.attn_plan = attn_plan
+
+    def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
+        m, k = x.shape
+        n = w.shape[0]
+        out = torch.empty((m, n), dtype=self.dtype, device=self.device)
+        fell_back = self.core.gemm(
+            self.index, self.stream, m, n, k, x.data_ptr(), k, w.data_ptr(), k,
+            0 if b is None else b.data_ptr(), 0 if residual is None else residual.data_ptr(), n,
+            out.data_ptr(), n, self.code, activation_id(activation), alpha,
+            1.0, self.ws, self.ws_bytes,
+        )  # fmt: skip
+        if fell_back:
+            _report_fallback(self.core)
+        return out
+
+    def _layer_norm(self, x, w, b, eps, residual, alpha, x_bias, sum_out):
+        rows, cols = x.shape
+        out = torch.empty((rows, cols), dtype=self.dtype, device=self.device)
+        self.core.layer_norm(
+            self.index, self.stream, rows, cols, x.data_ptr(), cols,
+            0 if residual is None else residual.data_ptr(), cols,
+            0 if x_bias is None else x_bias.data_ptr(),
+            0 if w is None else w.data_ptr(), 0 if b is None else b.data_ptr(),
+            out.data_ptr(), cols, 0 if sum_out is None else sum_out.data_ptr(), cols,
+            self.code, eps, alpha,
+        )  # fmt: skip
+        return out
+
+    def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
+        return self._layer_norm(x, w, b, eps, residual, alpha, x_bias, None)
+
+    def layer_norm_sum(self, x, w, b, eps, residual, alpha, x_bias):
+        h = torch.empty_like(x)
+        return h, self._layer_norm(x, w, b, eps, residual, alpha, x_bias, h)
+
+    def attention(self, qkv, batch, seq, heads, attn_bias, key_padding_mask):
+        q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
+        return self.attn_plan.run(q, k, v, attn_bias, key_padding_mask)
+
+
+def _native_active(device: torch.device) -> bool:
+    return device.type == "cuda" and _native.backend().name != "reference"
+
+
+# ------------------------------------------------------------ the block ----
+
+
+class EncoderBlock(nn.Module):
+    """A transformer encoder layer (self-attention + FFN) on fusedenc's fused ops.
+
+    Args:
+        d_model: model width D (a multiple of 8).
+        n_heads: attention heads H (must divide D).
+        d_ff: FFN width F (a multiple of 8).
+        activation: FFN activation, one of ``fusedenc.ACTIVATIONS`` ("gelu" is exact erf).
+        norm_first: pre-LN (``x + alpha * f(LN(x))``) instead of post-LN (``LN(x + alpha * f(x))``).
+        residual_alpha: the Lc0 scale alpha on each sublayer's output (1 for plain post-LN).
+        layer_norm_eps: epsilon of both LayerNorms.
+        bias: whether the linear layers and LayerNorms have biases (as ``nn.TransformerEncoderLayer``).
+        batch_first: input is ``[B, S, D]`` (True) or ``[S, B, D]`` (False).
+        dtype, device: of the parameters.
+
+    Parameters: ``qkv_weight [3D, D]`` (rows q, k, v, like ``in_proj_weight``),
+    ``qkv_bias [3D]``, ``out_weight [D, D]``, ``out_bias``, ``norm1_weight``,
+    ``norm1_bias`` (the LayerNorm after attention in post-LN, before it in
+    pre-LN), ``ffn1_weight [F, D]``, ``ffn1_bias [F]``, ``ffn2_weight [D, F]``,
+    ``ffn2_bias``, ``norm2_weight``, ``norm2_bias``.  ``load_state_dict`` also
+    accepts separate ``q_weight``, ``k_weight``, ``v_weight`` (and ``q_bias``,
+    ``k_bias``, ``v_bias``) in place of the packed ones.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        activation: str = "relu",
+        *,
+        norm_first: bool = False,
+        residual_alpha: float = 1.0,
+        layer_norm_eps: float = 1e-5,
+        bias: bool = True,
+        batch_first: bool = True,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("d_ff", d_ff)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if d_model % n_heads:
+            raise ValueError(f"n_heads={n_heads} does not divide d_model={d_model}")
+        for name, value in (("d_model", d_model), ("d_ff", d_ff)):
+            if value % _DIM_MULTIPLE:
+                raise ValueError(f"{name}={value} must be a multiple of {_DIM_MULTIPLE} (16-byte rows for the GEMMs)")
+        for name, value in (("residual_alpha", residual_alpha), ("layer_norm_eps", layer_norm_eps)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if layer_norm_eps < 0:
+            raise ValueError(f"layer_norm_eps={layer_norm_eps} must be >= 0")
+        self.d_model, self.n_heads, self.d_ff = d_model, n_heads, d_ff
+        self.head_dim = d_model // n_heads
+        self.activation = canonical_activation(activation)
+        self.norm_first = bool(norm_first)
+        self.residual_alpha = float(residual_alpha)
+        self.layer_norm_eps = float(layer_norm_eps)
+        self.batch_first = bool(batch_first)
+
+        kw = {"dtype": dtype, "device": device}
+        d, f = d_model, d_ff
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(shape, **kw), requires_grad=False)
+
+        shapes = {"qkv": (3 * d, d), "out": (d, d), "norm1": (d,), "ffn1": (f, d), "ffn2": (d, f), "norm2": (d,)}
+        for name, shape in shapes.items():
+            self.register_parameter(f"{name}_weight", param(*shape))
+            # bias=False drops every bias, the LayerNorms' too (as nn.TransformerEncoderLayer does).
+            self.register_parameter(f"{name}_bias", param(shape[0]) if bias else None)
+        self.reset_parameters()
+        self._plans: dict = {}
+        self._plans_lock = threading.Lock()
+
+    _PARAM_NAMES = (
+        "qkv_weight", "qkv_bias", "out_weight", "out_bias", "norm1_weight", "norm1_bias",
+        "ffn1_weight", "ffn1_bias", "ffn2_weight", "ffn2_bias", "norm2_weight", "norm2_bias",
+    )  # fmt: skip
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The initialisation of ``nn.TransformerEncoderLayer`` (xavier QKV, Linear defaults, zero biases)."""
+        nn.init.xavier_uniform_(self.qkv_weight)
+        for w in (self.out_weight, self.ffn1_weight, self.ffn2_weight):
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        for b, fan_in in ((self.ffn1_bias, self.d_model), (self.ffn2_bias, self.d_ff)):
+            if b is not None:
+                bound = 1 / math.sqrt(fan_in)
+                nn.init.uniform_(b, -bound, bound)
+        for b in (self.qkv_bias, self.out_bias, self.norm1_bias, self.norm2_bias):
+            if b is not None:
+                nn.init.zeros_(b)
+        nn.init.ones_(self.norm1_weight)
+        nn.init.ones_(self.norm2_weight)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, d_ff={self.d_ff}, activation={self.activation!r}, "
+            f"norm_first={self.norm_first}, residual_alpha={self.residual_alpha:g}, "
+            f"layer_norm_eps={self.layer_norm_eps:g}, bias={self.qkv_bias is not None}, batch_first={self.batch_first}"
+        )
+
+    # -------------------------------------------------------- state dicts ----
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # Separate q/k/v projections (as most checkpoints store them) are packed
+        # into the one [3D, D] weight the QKV GEMM reads.
+        names = [prefix + k for k in _QKV_KEYS]
+        if all(n in state_dict for n in names) and prefix + "qkv_weight" not in state_dict:
+            state_dict[prefix + "qkv_weight"] = torch.cat([state_dict.pop(n) for n in names], dim=0)
+        bias_names = [prefix + k for k in _QKV_BIAS_KEYS]
+        if all(n in state_dict for n in bias_names) and prefix + "qkv_bias" not in state_dict:
+            state_dict[prefix + "qkv_bias"] = torch.cat([state_dict.pop(n) for n in bias_names], dim=0)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    # --------------------------------------------------------- conversion ----
+
+    @classmethod
+    @torch.no_grad()
+    def from_torch(cls, layer: nn.TransformerEncoderLayer) -> "EncoderBlock":
+        """An EncoderBlock computing what ``layer`` computes in eval mode, on its dtype and device."""
+        if not isinstance(layer, nn.TransformerEncoderLayer):
+            raise TypeError(f"layer must be an nn.TransformerEncoderLayer, got {type(layer).__name__}")
+        attn = layer.self_attn
+        if not attn._qkv_same_embed_dim or attn.in_proj_weight is None:
+            raise ValueError("self_attn with kdim/vdim != embed_dim is not supported (needs one packed QKV weight)")
+        if attn.bias_k is not None or attn.add_zero_attn:
+            raise ValueError("self_attn with add_bias_kv or add_zero_attn is not supported")
+        d = attn.embed_dim
+        w = attn.in_proj_weight
+        block = cls(
+            d,
+            attn.num_heads,
+            layer.linear1.out_features,
+            _activation_from_torch(layer.activation),
+            norm_first=layer.norm_first,
+            layer_norm_eps=layer.norm1.eps,
+            bias=attn.in_proj_bias is not None,
+            batch_first=attn.batch_first,
+            dtype=w.dtype,
+            device=w.device,
+        )
+        sources = {
+            "qkv_weight": attn.in_proj_weight, "qkv_bias": attn.in_proj_bias,
+            "out_weight": attn.out_proj.weight, "out_bias": attn.out_proj.bias,
+            "norm1_weight": layer.norm1.weight, "norm1_bias": layer.norm1.bias,
+            "ffn1_weight": layer.linear1.weight, "ffn1_bias": layer.linear1.bias,
+            "ffn2_weight": layer.linear2.weight, "ffn2_bias": layer.linear2.bias,
+            "norm2_weight": layer.norm2.weight, "norm2_bias": layer.norm2.bias,
+        }  # fmt: skip
+        if layer.norm2.eps != layer.norm1.eps:
+            raise ValueError(f"norm1.eps={layer.norm1.eps} and norm2.eps={layer.norm2.eps} differ")
+        for name, src in sources.items():
+            dst = getattr(block, name)
+            if (src is None) != (dst is None):
+                raise ValueError(f"{name}: the layer mixes layers with and without bias; not supported")
+            if dst is not None:
+                dst.copy_(src)
+        return block
+
+    # ------------------------------------------------------------ forward ----
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_bias: Optional[torch.Tensor] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+        *,
+        seq_len: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Apply the block.
+
+        x: ``[B, S, D]`` (``[S, B, D]`` when ``batch_first=False``), or ``[T, D]``
+        with ``seq_len=S`` (T = B*S rows, sequences contiguous).  attn_bias:
+        optional additive ``[B or 1, H, S, S]`` (e.g. Lc0's smolgen), in the
+        block's dtype or float32.  key_padding_mask: optional bool ``[B, S]``,
+        True = that key is padding (``nn.TransformerEncoderLayer``'s
+        ``src_key_padding_mask``).  Returns a tensor of x's shape.
+        """
+        x_bsd, batch, seq = self._as_rows(x, seq_len)
+        out = self._forward_rows(x_bsd, batch, seq, attn_bias, key_padding_mask)
+        return self._restore(out, x, batch, seq)
+
+    def _as_rows(self, x, seq_len):
+        """x as contiguous [T, D] rows, and (B, S)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 2:
+            if seq_len is None:
+                raise ValueError("x of shape [T, D] needs seq_len=S")
+            if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+                raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+            if x.shape[0] % seq_len:
+                raise ValueError(f"T=x.shape[0]={x.shape[0]} is not a multiple of seq_len={seq_len}")
+            self._check_width(x)
+            return x.contiguous(), x.shape[0] // seq_len, seq_len
+        if x.dim() != 3:
+            raise ValueError(f"x must be [B, S, D] or [T, D] with seq_len, got shape {tuple(x.shape)}")
+        if seq_len is not None and seq_len != x.shape[1 if self.batch_first else 0]:
+            raise ValueError(f"seq_len={seq_len} does not match x of shape {tuple(x.shape)}")
+        self._check_width(x)
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        batch, seq = x.shape[0], x.shape[1]
+        return x.contiguous().view(batch * seq, self.d_model), batch, seq
+
+    def _check_width(self, x):
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x.shape[-1]={x.shape[-1]} does not match d_model={self.d_model}")
+
+    def _restore(self, out, x, batch, seq):
+        if x.dim() == 2:
+            return out
+        out = out.view(batch, seq, self.d_model)
+        return out if self.batch_first else out.transpose(0, 1)
+
+    def _forward_rows(self, x2, batch, seq, attn_bias, key_padding_mask):
+        """The block on contiguous [T, D] rows; returns [T, D]."""
+        if torch.compiler.is_compiling() or not _native_active(x2.device):
+            self._validate(x2, batch, seq, attn_bias, key_padding_mask)
+            if x2.shape[0] == 0:
+                return torch.empty_like(x2)
+            return self._run(_OpsExecutor(), x2, batch, seq, attn_bias, key_padding_mask)
+        plan = self._plan(x2, batch, seq, attn_bias, key_padding_mask)
+        if plan is None:  # empty batch
+            return torch.empty_like(x2)
+        return self._run(_NativeExecutor(x2.device, x2.dtype, plan), x2, batch, seq, attn_bias, key_padding_mask)
+
+    def _run(self, ex, x2, batch, seq, attn_bias, key_padding_mask):
+        """The data path, once for both executors (see the module docstring)."""
+        alpha, eps, act = self.residual_alpha, self.layer_norm_eps, self.activation
+        if not self.norm_first:
+            qkv = ex.linear(x2, self.qkv_weight, self.qkv_bias)
+            a = ex.attention(qkv, batch, seq, self.n_heads, attn_bias, key_padding_mask)
+            y = ex.linear(a, self.out_weight, self.out_bias)
+            h = ex.layer_norm(y, self.norm1_weight, self.norm1_bias, eps, residual=x2, alpha=alpha)
+            f = ex.linear(h, self.ffn1_weight, self.ffn1_bias, act)
+            g = ex.linear(f, self.ffn2_weight, self.ffn2_bias)
+            return ex.layer_norm(g, self.norm2_weight, self.norm2_bias, eps, residual=h, alpha=alpha)
+        n1 = ex.layer_norm(x2, self.norm1_weight, self.norm1_bias, eps)
+        qkv = ex.linear(n1, self.qkv_weight, self.qkv_bias)
+        a = ex.attention(qkv, batch, seq, self.n_heads, attn_bias, key_padding_mask)
+        y = ex.linear(a, self.out_weight, None)
+        # h = x + alpha * (y + bo) is the new residual stream; n2 = LN2(h) feeds the FFN.
+        h, n2 = ex.layer_norm_sum(y, self.norm2_weight, self.norm2_bias, eps, x2, alpha, self.out_bias)
+        f = ex.linear(n2, self.ffn1_weight, self.ffn1_bias, act)
+        # out = alpha * (f @ W2^T) + alpha * b2 + h: the residual in the GEMM epilogue.
+        b2 = self.ffn2_bias
+        if b2 is not None and alpha != 1.0:
+            b2 = b2 * alpha
+        return ex.linear(f, self.ffn2_weight, b2, residual=h, alpha=alpha)
+
+    # -------------------------------------------------------- validation ----
+
+    def _parameters_in_order(self):
+        return [getattr(self, n) for n in self._PARAM_NAMES]
+
+    def _validate(self, x2, batch, seq, attn_bias, key_padding_mask):
+        """Block-level checks with block-level messages (the ops check their own operands too)."""
+        params = [(n, p) for n, p in zip(self._PARAM_NAMES, self._parameters_in_order()) if p is not None]
+        ref = self.qkv_weight
+        if x2.dtype != ref.dtype:
+            raise TypeError(f"x.dtype={x2.dtype} does not match the block's dtype {ref.dtype}")
+        if x2.device != ref.device:
+            raise ValueError(f"x is on {x2.device} but the block's parameters are on {ref.device}")
+        for name, p in params:
+            if p.dtype != ref.dtype or p.device != ref.device:
+                raise TypeError(f"parameter {name} is {p.dtype} on {p.device}; qkv_weight is {ref.dtype} on {ref.device}")
+            if not p.is_contiguous():
+                raise ValueError(f"parameter {name} must be contiguous")
+        h = self.n_heads
+        if attn_bias is not None:
+            if not isinstance(attn_bias, torch.Tensor):
+                raise TypeError(f"attn_bias must be a torch.Tensor or None, got {type(attn_bias).__name__}")
+            if attn_bias.dim() != 4 or attn_bias.shape[0] not in (1, batch) or tuple(attn_bias.shape[1:]) != (h, seq, seq):
+                raise ValueError(
+                    f"attn_bias must have shape ({batch} or 1, {h}, {seq}, {seq}) [B or 1, H, S, S], "
+                    f"got {tuple(attn_bias.shape)}"
+                )
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor):
+                raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(key_padding_mask).__name__}")
+            if tuple(key_padding_mask.shape) != (batch, seq):
+                raise ValueError(
+                    f"key_padding_mask must have shape ({batch}, {seq}) [B, S], got {tuple(key_padding_mask.shape)}"
+                )
+            if key_padding_mask.dtype != torch.bool:
+                raise TypeError(f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}")
+
+    def _plan(self, x2, batch, seq, attn_bias, key_padding_mask):
+        """Validate a native call once per signature; returns the attention plan (None: empty batch).
+
+        The signature holds everything validity depends on: x's shape, dtype,
+        device and alignment, the bias and mask layouts, and the parameters'
+        addresses (moving or replacing a parameter changes them).
+        """
+        sig = (x2.shape, x2.dtype, x2.device, x2.data_ptr() & 15, batch, seq)
+        if attn_bias is not None:
+            sig += (attn_bias.shape, attn_bias.stride(), attn_bias.dtype, attn_bias.device, attn_bias.data_ptr() & 15)
+        else:
+            sig += (None,)
+        if key_padding_mask is not None:
+            sig += (key_padding_mask.shape, key_padding_mask.dtype, key_padding_mask.device)
+        else:
+            sig += (None,)
+        sig += tuple(0 if p is None else p.data_ptr() for p in self._parameters_in_order())
+        found = self._plans.get(sig, _MISSING)
+        if found is not _MISSING:
+            return found
+        self._validate(x2, batch, seq, attn_bias, key_padding_mask)
+        if x2.shape[0] == 0:
+            plan = None
+        else:
+            self._check_native_operands(x2)
+            qkv = torch.empty((x2.shape[0], 3 * self.d_model), dtype=x2.dtype, device=x2.device)
+            q, k, v = qkv.view(batch, seq, 3, self.n_heads, self.head_dim).unbind(2)
+            plan = _attention._plan_for(q, k, v, attn_bias, key_padding_mask, None, None)
+        with self._plans_lock:
+            if len(self._plans) >= 256:
+                self._plans.clear()
+            self._plans[sig] = plan
+        return plan
+
+    def _check_native_operands(self, x2):
+        """What the core assumes of every operand on the native path (the ops' rules, checked once)."""
+        from ._checks import ALIGN_BYTES, LAYER_NORM_MAX_DIM
+
+        if self.d_model > LAYER_NORM_MAX_DIM:
+            raise ValueError(f"d_model={self.d_model} exceeds the fused LayerNorm's limit of {LAYER_NORM_MAX_DIM}")
+        if x2.data_ptr() % ALIGN_BYTES:
+            raise ValueError(f"x data pointer is not {ALIGN_BYTES}-byte aligned (storage offset {x2.storage_offset()})")
+        d, f = self.d_model, self.d_ff
+        shapes = {
+            "qkv_weight": (3 * d, d), "qkv_bias": (3 * d,), "out_weight": (d, d), "out_bias": (d,),
+            "norm1_weight": (d,), "norm1_bias": (d,), "ffn1_weight": (f, d), "ffn1_bias": (f,),
+            "ffn2_weight": (d, f), "ffn2_bias": (d,), "norm2_weight": (d,), "norm2_bias": (d,),
+        }  # fmt: skip
+        for name, p in zip(self._PARAM_NAMES, self._parameters_in_order()):
+            if p is None:
+                continue
+            if tuple(p.shape) != shapes[name]:
+                raise ValueError(f"parameter {name} has shape {tuple(p.shape)}, expected {shapes[name]}")
+            if p.data_ptr() % ALIGN_BYTES:
+                raise ValueError(f"parameter {name} data pointer is not {ALIGN_BYTES}-byte aligned")
+
+
+_MISSING = object()
+
+
+# ------------------------------------------------------------ the stack ----
+
+
+class EncoderStack(nn.Module):
+    """N EncoderBlocks, an optional final LayerNorm, and a CUDA-graph runner.
+
+    ``forward(x, attn_bias=None, key_padding_mask=None, *, seq_len=None)`` takes
+    what ``EncoderBlock.forward`` takes; the same bias and mask go to every block.
+    """
+
+    def __init__(self, blocks: Iterable[EncoderBlock], final_norm: Optional[nn.LayerNorm] = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        if len(self.blocks) == 0:
+            raise ValueError("an EncoderStack needs at least one block")
+        first = self.blocks[0]
+        for i, b in enumerate(self.blocks):
+            if not isinstance(b, EncoderBlock):
+                raise TypeError(f"blocks[{i}] is a {type(b).__name__}, not an EncoderBlock")
+            if (b.d_model, b.n_heads, b.batch_first) != (first.d_model, first.n_heads, first.batch_first):
+                raise ValueError(f"blocks[{i}] has d_model/n_heads/batch_first different from blocks[0]")
+        if final_norm is not None:
+            if not isinstance(final_norm, nn.LayerNorm):
+                raise TypeError(f"final_norm must be an nn.LayerNorm, got {type(final_norm).__name__}")
+            if tuple(final_norm.normalized_shape) != (first.d_model,):
+                raise ValueError(f"final_norm normalizes {tuple(final_norm.normalized_shape)}, not ({first.d_model},)")
+        self.final_norm = final_norm
+
+    @classmethod
+    def build(cls, num_layers: int, d_model: int, n_heads: int, d_ff: int, *, final_norm: bool = False, **block_kwargs):
+        """``num_layers`` fresh blocks of one configuration (keyword arguments as EncoderBlock's)."""
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        blocks = [EncoderBlock(d_model, n_heads, d_ff, **block_kwargs) for _ in range(num_layers)]
+        norm = None
+        if final_norm:
+            eps = block_kwargs.get("layer_norm_eps", 1e-5)
+            norm = nn.LayerNorm(d_model, eps=eps, dtype=block_kwargs.get("dtype"), device=block_kwargs.get("device"))
+        return cls(blocks, norm)
+
+    @classmethod
+    @torch.no_grad()
+    def from_torch(cls, encoder: nn.TransformerEncoder) -> "EncoderStack":
+        """An EncoderStack computing what ``encoder`` computes in eval mode (final norm included)."""
+        if not isinstance(encoder, nn.TransformerEncoder):
+            raise TypeError(f"encoder must be an nn.TransformerEncoder, got {type(encoder).__name__}")
+        norm = None
+        if encoder.norm is not None:
+            if not isinstance(encoder.norm, nn.LayerNorm):
+                raise TypeError(f"encoder.norm must be an nn.LayerNorm, got {type(encoder.norm).__name__}")
+            src = encoder.norm
+            norm = nn.LayerNorm(
+                src.normalized_shape, eps=src.eps, elementwise_affine=src.elementwise_affine,
+                bias=src.bias is not None, dtype=src.weight.dtype if src.weight is not None else None,
+                device=src.weight.device if src.weight is not None else None,
+            )  # fmt: skip
+            norm.load_state_dict(src.state_dict())
+            norm.requires_grad_(False)
+        return cls([EncoderBlock.from_torch(layer) for layer in encoder.layers], norm)
+
+    @property
+    def batch_first(self) -> bool:
+        return self.blocks[0].batch_first
+
+    def forward(self, x, attn_bias=None, key_padding_mask=None, *, seq_len=None):
+        first = self.blocks[0]
+        rows, batch, seq = first._as_rows(x, seq_len)
+        for block in self.blocks:
+            rows = block._forward_rows(rows, batch, seq, attn_bias, key_padding_mask)
+        if self.final_norm is not None:
+            n = self.final_norm
+            rows = layer_norm(rows, n.weight, n.bias, n.eps)
+        return first._restore(rows, x, batch, seq)
+
+    def graph_runner(
+        self,
+        seq_len: int,
+        batch_sizes: Sequence[int] = (1, 16, 64, 256, 1024),
+        *,
+        attn_bias: bool = False,
+        key_padding_mask: bool = False,
+    ) -> "GraphRunner":
+        """A CUDA-graph runner over this stack for inputs ``[B, seq_len, D]`` (see GraphRunner)."""
+        return GraphRunner(self, seq_len, batch_sizes, attn_bias=attn_bias, key_padding_mask=key_padding_mask)
+
+
+# ------------------------------------------------------------ CUDA graphs ----
+
+
+class _Captured:
+    __slots__ = ("graph", "x", "bias", "mask", "out")
+
+    def __init__(self, graph, x, bias, mask, out):
+        self.graph, self.x, self.bias, self.mask, self.out = graph, x, bias, mask, out
+
+
+class GraphRunner:
+    """Replays one CUDA graph of the whole stack per batch-size bucket.
+
+    Inference engines with fixed batch sizes spend most of their time at small
+    batches on kernel launches; a graph replays all of a stack's launches in
+    one call.  A call with B sequences runs the graph of the smallest bucket
+    ``>= B``, with B copied into the bucket's static input (rows past B are
+    padding: sequences are independent, so they do not affect the real ones);
+    a batch larger than every bucket runs in chunks of the largest.  Graphs are
+    captured on first use of a bucket (``capture_all()`` does it up front) and
+    share one memory pool.
+
+    The result is a view into the bucket's static output, valid until the
+    next call (``.clone()`` it to keep it); a chunked call returns a new tensor.
+    ``attn_bias`` / ``key_padding_mask`` say whether calls pass them
+    (``[B or 1, H, S, S]`` and bool ``[B, S]``).  Input ``[B, S, D]`` in the
+    stack's dtype on its GPU (batch first).  Not thread-safe: one runner per thread.
+    """
+
+    def __init__(self, stack: EncoderStack, seq_len: int, batch_sizes: Sequence[int], *, attn_bias: bool, key_padding_mask: bool):
+        if not isinstance(stack, EncoderStack):
+            raise TypeError(f"stack must be an EncoderStack, got {type(stack).__name__}")
+        p = stack.blocks[0].qkv_weight
+        if p.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the stack on a GPU; its parameters are on {p.device}")
+        if not stack.batch_first:
+            raise ValueError("the graph runner takes batch-first input; build the stack with batch_first=True")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        sizes = sorted(set(batch_sizes))
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
+            raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
+        self.stack = stack
+        self.seq_len = seq_len
+        self.batch_sizes = tuple(sizes)
+        self.with_bias = bool(attn_bias)
+        self.with_mask = bool(key_padding_mask)
+        self.dtype, self.device = p.dtype, p.device
+        self._d = stack.blocks[0].d_model
+        self._h = stack.blocks[0].n_heads
+        self._graphs: dict[int, _Captured] = {}
+        self._pool = None
+        self.capture_seconds = 0.0
+
+    def capture_all(self) -> float:
+        """Capture every bucket's graph now (largest first); returns the seconds spent."""
+        start = time.perf_counter()
+        for b in reversed(self.batch_sizes):
+            if b not in self._graphs:
+                self._capture(b)
+        return time.perf_counter() - start
+
+    def _capture(self, bucket: int) -> _Captured:
+        start = time.perf_counter()
+        s, d, h = self.seq_len, self._d, self._h
+        kw = {"dtype": self.dtype, "device": self.device}
+        x = torch.zeros((bucket, s, d), **kw)
+        bias = torch.zeros((bucket, h, s, s), **kw) if self.with_bias else None
+        mask = torch.zeros((bucket, s), dtype=torch.bool, device=self.device) if self.with_mask else None
+        # Warm up on a side stream first: GEMM plans, the attention decision and
+        # lazily made constants must exist before capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.stack(x, bias, mask)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.stack(x, bias, mask)
+        captured = _Captured(graph, x, bias, mask, out)
+        self._graphs[bucket] = captured
+        self.capture_seconds += time.perf_counter() - start
+        return captured
+
+    def _check(self, x, attn_bias, key_padding_mask):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[1] != self.seq_len or x.shape[2] != self._d:
+            raise ValueError(f"x must have shape [B, {self.seq_len}, {self._d}], got {tuple(x.shape)}")
+        if x.dtype != self.dtype or x.device != self.device:
+            raise TypeError(f"x is {x.dtype} on {x.device}; the runner takes {self.dtype} on {self.device}")
+        if (attn_bias is not None) != self.with_bias:
+            raise ValueError(f"this runner was made with attn_bias={self.with_bias}; pass an attn_bias exactly then")
+        if (key_padding_mask is not None) != self.with_mask:
+            raise ValueError(
+                f"this runner was made with key_padding_mask={self.with_mask}; pass a key_padding_mask exactly then"
+            )
+        b, s, h = x.shape[0], self.seq_len, self._h
+        if attn_bias is not None:
+            if attn_bias.dim() != 4 or attn_bias.shape[0] not in (1, b) or tuple(attn_bias.shape[1:]) != (h, s, s):
+                raise ValueError(f"attn_bias must have shape ({b} or 1, {h}, {s}, {s}), got {tuple(attn_bias.shape)}")
+            if attn_bias.device != self.device:
+                raise ValueError(f"attn_bias is on {attn_bias.device}, the runner on {self.device}")
+        if key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (b, s) or key_padding_mask.dtype != torch.bool:
+                raise ValueError(f"key_padding_mask must be bool of shape ({b}, {s}), got "
+                                 f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")  # fmt: skip
+            if key_padding_mask.device != self.device:
+                raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, the runner on {self.device}")
+
+    def __call__(self, x, attn_bias=None, key_padding_mask=None):
+        self._check(x, attn_bias, key_padding_mask)
+        b = x.shape[0]
+        if b == 0:
+            return torch.empty_like(x)
+        largest = self.batch_sizes[-1]
+        if b > largest:
+            parts = []
+            for i in range(0, b, largest):
+                sl = slice(i, min(b, i + largest))
+                bias = None if attn_bias is None else (attn_bias if attn_bias.shape[0] == 1 else attn_bias[sl])
+                mask = None if key_padding_mask is None else key_padding_mask[sl]
+                parts.append(self._replay(x[sl], bias, mask).clone())
+            return torch.cat(parts)
+        return self._replay(x, attn_bias, key_padding_mask)
+
+    def _replay(self, x, attn_bias, key_padding_mask):
+        b = x.shape[0]
+        bucket = next(s for s in self.batch_sizes if s >= b)
+        g = self._graphs.get(bucket) or self._capture(bucket)
+        g.x[:b].copy_(x)
+        if attn_bias is not None:
+            g.bias[:b].copy_(attn_bias)
+        if key_padding_mask is not None:
+            g.mask[:b].copy_(key_padding_mask)
+        g.graph.replay()
+        return g.out[:b]
