@@ -9,7 +9,6 @@ from them, and PyTorch references for every op.
 from ._native import Backend, backend
 from ._report import capabilities, clear_plan_cache, fallback_events, plan_cache_info, set_plan_cache_limit
 from .activations import ACTIVATIONS
-from .attention import attention
 from .encoder import EncoderBlock, EncoderStack, GraphRunner
 from .norm import layer_norm
 from .ops import FallbackWarning, fused_qkv, linear, pack_qkv, reference_linear
@@ -27,7 +26,6 @@ __all__ = [
     "capabilities",
     "clear_plan_cache",
     "fallback_events",
-    "attention",
     "fused_qkv",
     "layer_norm",
     "linear",
