@@ -10,6 +10,12 @@ call is the host's cost of issuing it.  Reports microseconds per call for:
   F.linear                 torch's own bias GEMM (cuBLASLt), for scale
   F.linear + F.gelu        what the fused op replaces
 
+and for one whole encoder layer (B=1, S=8, D=64, F=128, post-LN):
+
+  EncoderBlock             the eager GPU path (signature checked once, direct core calls)
+  EncoderBlock via ops     the same block through the public ops (per-op checks)
+  nn.TransformerEncoderLayer  torch's layer in eval mode (its fused fast path)
+
 Usage: python bench/host_overhead.py [--calls N] [--json PATH]
 """
 
@@ -42,6 +48,14 @@ def per_call_us(fn, calls: int, repeats: int = 7) -> float:
     return statistics.median(samples)
 
 
+def _through_ops(block, x):
+    """The block's data path through the public ops (what torch.compile and CPU tensors use)."""
+    from fusedenc import encoder
+
+    rows, b, s = block._as_rows(x, None)
+    return block._run(encoder._OpsExecutor(), rows, b, s, None, None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=2000)
@@ -69,6 +83,13 @@ def main() -> None:
         "F.linear": lambda: F.linear(x, w, b),
         "F.linear + F.gelu(tanh)": lambda: F.gelu(F.linear(x, w, b), approximate="tanh"),
     }
+    block = fusedenc.EncoderBlock(64, 4, 128, "gelu", dtype=torch.float16, device=dev)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, 0.0, "gelu", batch_first=True, device=dev,
+                                             dtype=torch.float16).eval()  # fmt: skip
+    xb = torch.randn(1, 8, 64, device=dev, dtype=torch.float16)
+    cases["EncoderBlock (one layer)"] = lambda: block(xb)
+    cases["EncoderBlock via the public ops"] = lambda: _through_ops(block, xb)
+    cases["nn.TransformerEncoderLayer (eval)"] = lambda: layer(xb)
     with torch.inference_mode():
         results = {name: per_call_us(fn, args.calls) for name, fn in cases.items()}
 
