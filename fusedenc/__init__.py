@@ -10,6 +10,7 @@ from ._native import Backend, backend
 from ._report import capabilities, clear_plan_cache, fallback_events, plan_cache_info, set_plan_cache_limit
 from .activations import ACTIVATIONS
 from .encoder import EncoderBlock, EncoderStack, GraphRunner
+from .hf import patch_hf
 from .norm import layer_norm
 from .ops import FallbackWarning, fused_qkv, linear, pack_qkv, reference_linear
 
@@ -30,6 +31,7 @@ __all__ = [
     "layer_norm",
     "linear",
     "pack_qkv",
+    "patch_hf",
     "plan_cache_info",
     "reference_linear",
     "set_plan_cache_limit",
