@@ -117,15 +117,21 @@ class _OpsExecutor:
 class _NativeExecutor:
     """Calls the native core directly: no per-call argument checks (done once per signature)."""
 
-    __slots__ = ("core", "device", "index", "stream", "ws", "ws_bytes", "dtype", "code", "attn_plan")
+    __slots__ = ("core", "device", "index", "stream", "workspace", "ws", "ws_bytes", "dtype", "code", "attn_plan")
 
     def __init__(self, device: torch.device, dtype: torch.dtype, attn_plan):
         self.core = _native.native_module()
         self.device = device
         self.index = device.index
         self.stream = _current_stream(device)
-        ws = _native.workspace(device, self.stream)
-        self.ws, self.ws_bytes = ws.data_ptr(), ws.numel()
+        # Hold the tensor, not just its address: during CUDA-graph capture the
+        # workspace is a fresh allocation from the graph's pool, and if it were
+        # freed here the block's own GEMM outputs could be carved from the same
+        # memory while the library still uses it as scratch (seen: a hang in
+        # replay at bt4 shapes).  Freed when the block's forward returns, after
+        # every GEMM that uses it is queued: later reuse is stream-ordered.
+        self.workspace = _native.workspace(device, self.stream)
+        self.ws, self.ws_bytes = self.workspace.data_ptr(), self.workspace.numel()
         self.dtype = dtype
         self.code = _native.dtype_code(dtype)
         self.attn_plan = attn_plan

@@ -265,3 +265,17 @@ def test_graph_runner_checks_its_inputs(gen):
     with pytest.raises(TypeError, match="float32"):
         runner(x.float())
     assert runner(x[:0]).shape == (0, 16, 128)
+
+
+def test_graph_runner_at_bt4_shapes(gen):
+    """Regression: during capture the GEMM workspace must outlive the block's GEMMs (a freed
+    workspace was carved into the block's own outputs and replay hung at these shapes)."""
+    dtype = torch.float16
+    alpha = (2 * 15) ** -0.25
+    stack = EncoderStack([_block(1024, 32, 1536, "mish", dtype, gen, residual_alpha=alpha) for _ in range(2)])
+    runner = stack.graph_runner(seq_len=64, batch_sizes=(256,))
+    x = randn((256, 64, 1024), dtype, device=DEV, gen=gen)
+    with torch.inference_mode():
+        got = runner(x).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(got, stack(x))

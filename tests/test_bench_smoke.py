@@ -1,0 +1,105 @@
+"""CPU smoke test of the benchmarks: bench/nps.py and bench/ops.py run end to end on tiny shapes.
+
+Each script runs as a subprocess (as a user would run it), into a temporary
+directory; the test reads the JSON it wrote and checks the fields the README
+and the issue promise, and that the correctness check passed.  On a machine
+with a GPU the same commands run there (on the tiny presets), which is fine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+ENV_FIELDS = ("device_name", "driver", "torch", "cuda", "hip", "cudnn", "blaslt", "fusedenc_backend", "date_utc")
+
+
+def _run(script: str, args: list[str], tmp_path) -> dict:
+    # --device cpu: the same CPU run on a GPU machine too (gpu_check.sh runs the CPU tests there).
+    cmd = [sys.executable, os.path.join(BENCH, script), "--device", "cpu", "--out-dir", str(tmp_path),
+           "--tag", "smoke", "--no-progress", *args]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    prefix = os.path.splitext(script)[0]
+    with open(tmp_path / f"{prefix}_smoke.json", encoding="utf-8") as f:
+        result = json.load(f)
+    assert (tmp_path / f"{prefix}_smoke.txt").read_text(encoding="utf-8").strip()
+    result["_stdout"] = proc.stdout
+    return result
+
+
+def _has_encoder() -> bool:
+    try:
+        return importlib.util.find_spec("fusedenc.encoder") is not None
+    except ImportError:
+        return False
+
+
+def test_nps_tiny(tmp_path):
+    r = _run("nps.py", ["--preset", "tiny,tiny-bert", "--batch-sizes", "1,4", "--reps", "20"], tmp_path)
+    assert r["schema"] == "fusedenc.bench.nps/1"
+    for field in ENV_FIELDS:
+        assert field in r["env"], field
+    assert r["ceilings"]["gemm"]["tflops"] > 0
+    assert r["check_passed"] is True and r["errors"] == []
+    assert [run["name"] for run in r["runs"]] == ["tiny", "tiny-bert"]
+
+    expected = {"unfused", "torch", "torch-fastpath"} | ({"fusedenc"} if _has_encoder() else set())
+    for run in r["runs"]:
+        impls = run["impls"]
+        assert expected <= set(impls), f"{run['name']}: ran {sorted(impls)}"
+        for name in expected:
+            e = impls[name]
+            for b in ("1", "4"):
+                pt = e["points"][b]
+                assert pt["ms"] > 0 and pt["per_s"] > 0 and pt["reps"] >= 20, (run["name"], name, pt)
+        for name in ("unfused", "torch", "fusedenc"):
+            if name in impls:
+                c = impls[name]["check"]
+                assert c["passed"] is True and c["max_abs_err"] <= c["bound"], (run["name"], name, c)
+        assert impls["torch"]["points"]["4"]["x_torch"] == pytest.approx(1.0)
+        for b in ("1", "4"):
+            lines = run["reference_lines"][b]
+            assert lines["gemm_floor"]["ms"] > 0 and lines["roofline_ms"] > 0
+        if "torch-compile" not in impls:  # CPU: skipped by default, and the output says so
+            assert "torch-compile" in run["skipped"] and "fusedenc-graph" in run["skipped"]
+        if not _has_encoder():
+            assert "fusedenc" in run["skipped"]
+
+    tiny, bert = r["runs"]
+    # tiny has the Lc0 form (swish, alpha != 1): the fast path cannot serve it; a stand-in is timed, not judged.
+    fp = tiny["impls"]["torch-fastpath"]
+    assert fp["label"] == "torch-fastpath (gelu stand-in)" and fp["check"]["passed"] is None
+    assert fp["info"]["serves_preset"] is False and fp["info"]["on_fast_path"] is True
+    assert fp["points"]["4"]["x_torch"] is None  # excluded from the ratios
+    # tiny-bert (gelu, alpha 1): the real fast path, checked.
+    fp = bert["impls"]["torch-fastpath"]
+    assert fp["label"] == "torch-fastpath" and fp["check"]["passed"] is True and fp["info"]["on_fast_path"] is True
+    assert "CHECK FAILED" not in r["_stdout"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "nps_smoke.png").stat().st_size > 0
+
+
+def test_ops_tiny(tmp_path):
+    r = _run("ops.py", ["--preset", "tiny", "--tokens", "256", "--reps", "20"], tmp_path)
+    assert r["schema"] == "fusedenc.bench.ops/1"
+    for field in ENV_FIELDS:
+        assert field in r["env"], field
+    assert r["ceilings"]["gemm"]["tflops"] > 0 and r["ceilings"]["copy"]["gbs"] > 0
+    assert r["check_passed"] is True and r["errors"] == []
+    (run,) = r["runs"]
+    assert set(run["ops"]) == {"qkv", "ffn1", "out_proj", "ffn2", "attention", "layernorm"}
+    for name, op in run["ops"].items():
+        assert len(op["cases"]) >= 2, name
+        for case in op["cases"]:
+            assert case["check"]["passed"] is True, (name, case)
+            assert case["us"] > 0 and case["gbs"] > 0 and case["pct_copy_bw"] > 0, (name, case)
+            if op["flops"]:
+                assert case["tflops"] > 0 and case["pct_gemm_rate"] > 0, (name, case)
