@@ -22,10 +22,15 @@ tests_rc=$?
 python3 -m pytest -m "not gpu" -q -p no:cacheprovider > "$OUT/cpu-tests.log" 2>&1
 cpu_rc=$?
 python3 bench/host_overhead.py --json "$OUT/host_overhead.json" > "$OUT/host_overhead.txt" 2>&1
+if [ -n "${FUSEDENC_OPS_BENCH:-}" ]; then  # the per-op benchmark too (about two minutes)
+  python3 bench/ops.py --out-dir "$OUT" --no-progress --step-timeout 120 > "$OUT/ops.log" 2>&1
+  ops_rc=$?
+fi
 
 echo "==== environment"; cat "$OUT/env.txt"
 echo "==== GPU tests (rc=$tests_rc)"; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -3
 [ $tests_rc -ne 0 ] && grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -30
 echo "==== CPU tests on the GPU machine (rc=$cpu_rc)"; tail -1 "$OUT/cpu-tests.log"
 echo "==== host overhead"; cat "$OUT/host_overhead.txt"
+[ -n "${FUSEDENC_OPS_BENCH:-}" ] && { echo "==== ops benchmark (rc=$ops_rc)"; tail -5 "$OUT/ops.log"; }
 exit $tests_rc
