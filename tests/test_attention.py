@@ -249,7 +249,8 @@ def test_shipped_tables_parse(name, arch):
     assert res.is_file(), f"{name} is not package data of fusedenc.configs"
     text = res.read_text(encoding="utf-8")
     table, measured = A._parse_table(text, str(res), "shipped", arch)
-    assert json.loads(text)["source"] == "default guess, not measured" and measured is None
+    # shipped tables say where their rules come from, and are never matched against device metadata
+    assert json.loads(text)["source"].strip() and measured is None
     # every table key finds a rule, and every rule lists math or a backend math can back up
     for extras in A.EXTRAS:
         for dtype in ("float16", "bfloat16", "float32"):
