@@ -15,6 +15,8 @@
 // ---------------------------------------------------------------- ROCm / HIP --
 #include <hip/hip_runtime.h>
 #include <hipblaslt/hipblaslt.h>
+// HIPBLASLT_VERSION_MAJOR/MINOR/PATCH (the SWISH_EXT guard and blasLtVersion below).
+#include <hipblaslt/hipblaslt-version.h>
 #if defined(__HIPCC__)
 #include <hip/hip_bf16.h>
 #include <hip/hip_fp16.h>
