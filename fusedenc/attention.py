@@ -29,6 +29,13 @@ Backends
 ``aiter``
     AMD AITER's ``flash_attn_func`` on ROCm.  No bias, no mask.  Not tested:
     no AMD GPU was available.
+``triton_short``
+    fusedenc's own Triton kernel for short sequences (``fusedenc.triton_attention``,
+    S <= 128): all keys of a sequence in one tile, q, k, v read from the packed
+    views, the bias read as given (any strides, q's dtype or float32) and the
+    bool mask read in-kernel, output written as ``[B*S, H*Dh]`` rows.  Needs the
+    triton package; CUDA and ROCm.  In no shipped table: it runs where a
+    measured user table puts it, or when forced.
 
 Key padding and fully masked rows
 ---------------------------------
@@ -37,9 +44,9 @@ Key padding and fully masked rows
 bias.  A query row whose keys are all removed (a sequence that is all
 padding, or ``-inf`` across a whole row of ``attn_bias``) yields **zeros**, as
 ``nn.TransformerEncoderLayer`` gives on its SDPA path.  Only backends that
-produce those zeros natively accept masks (sdpa_efficient, sdpa_cudnn and
-sdpa_math: checked by the GPU tests), so the result never depends on which
-backend ran.
+produce those zeros natively accept masks (sdpa_efficient, sdpa_cudnn,
+sdpa_math and triton_short: checked by the GPU tests), so the result never
+depends on which backend ran.
 
 Choosing, caching, forcing
 --------------------------
@@ -257,12 +264,17 @@ class AttentionBackend:
     ``kernel(qt, kt, vt, bias, scale)`` takes ``[B, H, S, Dh]`` views and
     returns ``[B, H, S, Dh]`` (any memory order); backends with
     ``bshd_input = True`` take and return ``[B, S, H, Dh]`` instead.
+    Backends with ``native_mask = True`` (always ``bshd_input`` too) are called
+    as ``kernel(q, k, v, attn_bias, scale, key_padding_mask)`` with the
+    caller's bias and bool mask as they are, and must return ``[B, S, H, Dh]``
+    in that memory order.
     """
 
     name = "abstract"
     bshd_input = False  # kernel takes q, k, v as [B, S, H, Dh]
     accepts_bias = False  # takes an additive [B, H, S, S] bias (masks arrive merged into it)
     aligned_bias = False  # that bias needs 16-element-aligned strides (padded rows)
+    native_mask = False  # reads the caller's bias and bool mask itself: nothing merged or copied
     description = ""
 
     def available(self) -> bool:  # pragma: no cover - overridden
@@ -468,9 +480,47 @@ class _Aiter(AttentionBackend):
         return self._module.flash_attn_func(q, k, v, 0.0, softmax_scale=scale, causal=False)
 
 
+class _TritonShort(AttentionBackend):
+    name = "triton_short"
+    bshd_input = True
+    native_mask = True
+    description = "fusedenc.triton_attention: one-tile Triton kernel for short sequences (bias and mask read in-kernel)"
+
+    @functools.cached_property
+    def _module(self):
+        return _try_import("fusedenc.triton_attention") if _gpu_present() else None
+
+    def available(self) -> bool:
+        return self._module is not None
+
+    def supports(self, call):
+        cap = call.capability
+        ok, why = _first_failure(
+            _need(call.device_type == "cuda", f"needs a GPU tensor (CUDA or ROCm), got {call.device_type}"),
+            _need(call.rocm or (cap is not None and cap >= (8, 0)), f"needs sm80 or newer, got {call.arch}"),
+            _need(self._module is not None, "needs the triton package (and a visible GPU)"),
+        )
+        if not ok:
+            return ok, why
+        m = self._module  # float16, bfloat16 and float32 (full-precision products) all served
+        return _first_failure(
+            _need(call.head_dim in m.HEAD_DIMS, f"head dim must be one of {m.HEAD_DIMS}, got {call.head_dim}"),
+            _need(
+                call.seq <= m.MAX_SEQ,
+                f"sequence length must be at most {m.MAX_SEQ} (all keys in one tile), got {call.seq}",
+            ),
+            _need(call.aligned, "q, k, v pointers and strides must be 16-byte aligned"),
+        )
+
+    def kernel(self, q, k, v, bias, scale, key_padding_mask):
+        b, s, h, d = q.shape
+        return self._module.short_attention(q, k, v, bias, key_padding_mask, scale).view(b, s, h, d)
+
+
 #: Every backend, by name.
 BACKENDS: dict[str, AttentionBackend] = {
-    b.name: b for b in (_SdpaFlash(), _SdpaEfficient(), _SdpaCudnn(), _SdpaMath(), _FlashAttnPackage(), _Aiter())
+    b.name: b
+    for b in (_SdpaFlash(), _SdpaEfficient(), _SdpaCudnn(), _SdpaMath(), _FlashAttnPackage(), _Aiter(), _TritonShort())
 }
 
 
@@ -890,12 +940,13 @@ def _make_bias_fn(call: AttentionCall, backend: AttentionBackend, attn_bias) -> 
 class _Plan:
     """Everything decided for one call signature; ``run`` is the per-call hot path."""
 
-    __slots__ = ("backend", "kernel", "bias_fn", "scale", "rows", "cols", "bshd", "bshd_input", "empty")
+    __slots__ = ("backend", "kernel", "bias_fn", "scale", "rows", "cols", "bshd", "bshd_input", "native_mask", "empty")
 
     def __init__(self, call: AttentionCall, backend: AttentionBackend, attn_bias, scale):
         self.backend = backend
         self.kernel = backend.kernel
-        self.bias_fn = _make_bias_fn(call, backend, attn_bias)
+        self.native_mask = backend.native_mask
+        self.bias_fn = None if backend.native_mask else _make_bias_fn(call, backend, attn_bias)
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(call.head_dim)
         b, s, h, d = call.batch, call.seq, call.heads, call.head_dim
         self.rows, self.cols = b * s, h * d
@@ -907,6 +958,9 @@ class _Plan:
     def run(self, q, k, v, attn_bias, key_padding_mask):
         if self.empty:
             return q.new_empty((self.rows, self.cols))
+        if self.native_mask:  # bias and mask go in as the caller gave them; [B, S, H, Dh] comes out
+            out = self.kernel(q, k, v, attn_bias, self.scale, key_padding_mask)
+            return out.reshape(self.rows, self.cols)  # a view: the kernel wrote it densely
         bias = self.bias_fn(attn_bias, key_padding_mask)
         if self.bshd_input:
             out = self.kernel(q, k, v, bias, self.scale)  # [B, S, H, Dh]
@@ -1010,10 +1064,11 @@ def attention(
     (``ValueError`` if it cannot serve the call).
 
     The result is in ``(B, S, H, Dh)`` row-major order, what the output
-    projection reads; for sdpa_flash, sdpa_efficient, sdpa_cudnn and flash_attn
-    it is a view of the kernel's output (no copy).  Works eagerly, in CUDA-graph
-    capture and under ``torch.compile(fullgraph=True)`` (as the custom op
-    ``torch.ops.fusedenc.attention``).  Inference only: no autograd.
+    projection reads; for sdpa_flash, sdpa_efficient, sdpa_cudnn, flash_attn
+    and triton_short it is a view of the kernel's output (no copy).  Works
+    eagerly, in CUDA-graph capture and under ``torch.compile(fullgraph=True)``
+    (as the custom op ``torch.ops.fusedenc.attention``).  Inference only: no
+    autograd.
     """
     if torch.compiler.is_compiling():
         return torch.ops.fusedenc.attention(q, k, v, attn_bias, key_padding_mask, scale, backend)
