@@ -79,7 +79,42 @@ def _load() -> tuple[ModuleType | None, str]:
         from . import _C
     except ImportError as exc:
         return None, f"the {core} core is built but failed to import: {exc}"
+    limit = plan_cache_limit_from_env()
+    if limit is not None:
+        _C.set_plan_cache_limit(limit)
     return _C, ""
+
+
+#: Environment variable bounding the native GEMM plan cache (entries), read
+#: once, when the core is first used; ``fusedenc.set_plan_cache_limit`` changes
+#: it later.  Without it the core's default (1024 plans) holds.
+PLAN_CACHE_LIMIT_ENV = "FUSEDENC_PLAN_CACHE_LIMIT"
+
+
+def plan_cache_limit_from_env() -> int | None:
+    """The limit ``FUSEDENC_PLAN_CACHE_LIMIT`` asks for, or None when unset or empty.
+
+    A value that is not a positive integer is ignored with one RuntimeWarning
+    naming the variable (an import-time error would disable every op).
+    """
+    text = os.environ.get(PLAN_CACHE_LIMIT_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        import warnings
+
+        warnings.warn(
+            f"fusedenc: ignoring {PLAN_CACHE_LIMIT_ENV}={text!r}: not a positive integer; "
+            "the plan cache keeps its default limit",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return limit
 
 
 def native_module() -> ModuleType | None:

@@ -62,7 +62,12 @@ def fallback_events() -> list[dict[str, str]]:
 
 
 def plan_cache_info() -> dict[str, int]:
-    """Size, limit, hits, misses and evictions of the native GEMM plan cache."""
+    """Size, limit, hits, misses and evictions of the native GEMM plan cache.
+
+    The cache is one LRU map per process, shared by every device, stream and
+    thread; ``limit`` is 1024 plans unless ``FUSEDENC_PLAN_CACHE_LIMIT`` or
+    ``set_plan_cache_limit`` says otherwise.  Without a native core all counts are 0.
+    """
     module = _native.native_module()
     if module is None:
         return {"size": 0, "limit": 0, "hits": 0, "misses": 0, "evictions": 0}
@@ -70,7 +75,16 @@ def plan_cache_info() -> dict[str, int]:
 
 
 def set_plan_cache_limit(limit: int) -> None:
-    """Bound the plan cache to ``limit`` entries (least recently used are evicted)."""
+    """Bound the plan cache to ``limit`` entries (least recently used are evicted).
+
+    The starting limit is 1024 plans, or the environment variable
+    ``FUSEDENC_PLAN_CACHE_LIMIT`` (a positive integer; read once, when the
+    native core is first used, e.g. by the first GPU op or ``plan_cache_info()``;
+    an invalid value is ignored with a RuntimeWarning).  A plan is the
+    library's descriptors and one chosen algorithm: host memory only, no
+    device memory.  Lowering the limit evicts at once; a plan in use by another
+    thread stays alive until that call returns.
+    """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be a positive int, got {limit!r}")
     module = _native.native_module()

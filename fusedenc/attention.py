@@ -968,7 +968,10 @@ class _Plan:
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias, self.scale)
         if out.stride() == self.bshd:  # flash, efficient, cuDNN: already [B, S, H, Dh] in memory
             return out.as_strided((self.rows, self.cols), (self.cols, 1))
-        return out.transpose(1, 2).reshape(self.rows, self.cols)  # math: one copy (a view when S or H is 1)
+        # math: one copy into dense rows.  Not reshape(): when the copy is not needed reshape
+        # returns a view whose strides need not be row-major (B == 1, Dh == 1 gave column
+        # stride S), and the output projection reads the result as dense rows.
+        return out.transpose(1, 2).contiguous().view(self.rows, self.cols)
 
 
 _plans: dict[tuple, _Plan] = {}

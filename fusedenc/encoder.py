@@ -172,7 +172,10 @@ class _NativeExecutor:
 
     def attention(self, qkv, batch, seq, heads, attn_bias, key_padding_mask):
         q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
-        return self.attn_plan.run(q, k, v, attn_bias, key_padding_mask)
+        out = self.attn_plan.run(q, k, v, attn_bias, key_padding_mask)
+        # The next GEMM is told these are dense rows (lda = D): guarantee it
+        # whatever layout a backend returns (a no-op for every backend today).
+        return out if out.is_contiguous() else out.contiguous()
 
 
 def _native_active(device: torch.device) -> bool:

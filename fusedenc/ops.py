@@ -224,8 +224,22 @@ def fused_qkv(
         raise ValueError(f"num_heads={num_heads} does not divide D={d}")
     if w_qkv.dim() != 2 or tuple(w_qkv.shape) != (3 * d, d):
         raise ValueError(f"w_qkv must have shape ({3 * d}, {d}) for D={d}, got {tuple(w_qkv.shape)}")
+    _checks._same_kind(w_qkv, "w_qkv", x)
+    if b_qkv is not None:
+        b_qkv = _checks._tensor(b_qkv, "b_qkv")
+        if tuple(b_qkv.shape) != (3 * d,):
+            raise ValueError(f"b_qkv must have shape ({3 * d},) for D={d}, got {tuple(b_qkv.shape)}")
+        _checks._same_kind(b_qkv, "b_qkv", x)
     qkv = linear(x, w_qkv, b_qkv)
     return split_qkv(qkv, num_heads)
+
+
+def _same_as_q(t: torch.Tensor, name: str, q_weight: torch.Tensor) -> None:
+    """TypeError for a dtype other than q_weight's, ValueError for another device (the ops' rule)."""
+    if t.dtype != q_weight.dtype:
+        raise TypeError(f"{name} is {t.dtype} on {t.device}; q_weight is {q_weight.dtype} on {q_weight.device}")
+    if t.device != q_weight.device:
+        raise ValueError(f"{name} is on {t.device} but q_weight is on {q_weight.device}")
 
 
 def pack_qkv(
@@ -244,8 +258,7 @@ def pack_qkv(
             raise ValueError(f"{name} must be square [D, D], got shape {tuple(w.shape)}")
         if w.shape != q_weight.shape:
             raise ValueError(f"{name} has shape {tuple(w.shape)}, q_weight {tuple(q_weight.shape)}")
-        if w.dtype != q_weight.dtype or w.device != q_weight.device:
-            raise TypeError(f"{name} is {w.dtype} on {w.device}; q_weight is {q_weight.dtype} on {q_weight.device}")
+        _same_as_q(w, name, q_weight)
     biases = {"q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias}
     given = [name for name, b in biases.items() if b is not None]
     if given and len(given) != 3:
@@ -259,6 +272,5 @@ def pack_qkv(
         _checks._tensor(b, name)
         if tuple(b.shape) != (d,):
             raise ValueError(f"{name} must have shape ({d},), got {tuple(b.shape)}")
-        if b.dtype != q_weight.dtype or b.device != q_weight.device:
-            raise TypeError(f"{name} is {b.dtype} on {b.device}; q_weight is {q_weight.dtype} on {q_weight.device}")
+        _same_as_q(b, name, q_weight)
     return w_qkv, torch.cat([q_bias, k_bias, v_bias]).contiguous()
