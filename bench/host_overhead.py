@@ -53,7 +53,7 @@ def _through_ops(block, x):
     from fusedenc import encoder
 
     rows, b, s = block._as_rows(x, None)
-    return block._run(encoder._OpsExecutor(), rows, b, s, None, None)
+    return block._run(encoder._OpsExecutor(), None, rows, b, s, None, None)
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from . import _native
 from . import attention as _attention
-from .activations import activation_id, canonical_activation
+from .activations import ACTIVATIONS, canonical_activation
 from .norm import layer_norm
 from .ops import _current_stream, _report_fallback, linear, pack_qkv
 
@@ -49,6 +49,9 @@ __all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]
 
 _QKV_KEYS = ("q_weight", "k_weight", "v_weight")
 _QKV_BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
+
+#: Activation name -> the core's id (fusedenc::Activation), looked up per GEMM on the hot path.
+_ACTIVATION_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 #: Row length (elements) every GEMM operand and LayerNorm row must be a multiple of:
 #: 16 bytes of fp16/bf16.  fp32 would need only 4; one rule keeps it simple.
@@ -109,17 +112,20 @@ class _OpsExecutor:
         out = layer_norm(x, w, b, eps, residual=residual, alpha=alpha, x_bias=x_bias, sum_out=h)
         return h, out
 
-    def attention(self, qkv, batch, seq, heads, attn_bias, key_padding_mask):
+    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
         q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
         return _attention.attention(q, k, v, attn_bias, key_padding_mask)
 
 
 class _NativeExecutor:
-    """Calls the native core directly: no per-call argument checks (done once per signature)."""
+    """Calls the native core directly: no per-call argument checks (done once per signature).
 
-    __slots__ = ("core", "device", "index", "stream", "workspace", "ws", "ws_bytes", "dtype", "code", "attn_plan")
+    One executor serves every block of a stack's forward (same device, stream and dtype).
+    """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, attn_plan):
+    __slots__ = ("core", "device", "index", "stream", "workspace", "ws", "ws_bytes", "dtype", "code")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
         self.core = _native.native_module()
         self.device = device
         self.index = device.index
@@ -128,13 +134,12 @@ class _NativeExecutor:
         # workspace is a fresh allocation from the graph's pool, and if it were
         # freed here the block's own GEMM outputs could be carved from the same
         # memory while the library still uses it as scratch (seen: a hang in
-        # replay at bt4 shapes).  Freed when the block's forward returns, after
-        # every GEMM that uses it is queued: later reuse is stream-ordered.
+        # replay at bt4 shapes).  Freed when the forward returns, after every
+        # GEMM that uses it is queued: later reuse is stream-ordered.
         self.workspace = _native.workspace(device, self.stream)
         self.ws, self.ws_bytes = self.workspace.data_ptr(), self.workspace.numel()
         self.dtype = dtype
         self.code = _native.dtype_code(dtype)
-        self.attn_plan = attn_plan
 
     def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
         m, k = x.shape
@@ -143,7 +148,7 @@ class _NativeExecutor:
         fell_back = self.core.gemm(
             self.index, self.stream, m, n, k, x.data_ptr(), k, w.data_ptr(), k,
             0 if b is None else b.data_ptr(), 0 if residual is None else residual.data_ptr(), n,
-            out.data_ptr(), n, self.code, activation_id(activation), alpha,
+            out.data_ptr(), n, self.code, _ACTIVATION_IDS[activation], alpha,
             1.0, self.ws, self.ws_bytes,
         )  # fmt: skip
         if fell_back:
@@ -170,9 +175,9 @@ class _NativeExecutor:
         h = torch.empty_like(x)
         return h, self._layer_norm(x, w, b, eps, residual, alpha, x_bias, h)
 
-    def attention(self, qkv, batch, seq, heads, attn_bias, key_padding_mask):
+    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
         q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
-        out = self.attn_plan.run(q, k, v, attn_bias, key_padding_mask)
+        out = plan.run(q, k, v, attn_bias, key_padding_mask)
         # The next GEMM is told these are dense rows (lda = D): guarantee it
         # whatever layout a backend returns (a no-op for every backend today).
         return out if out.is_contiguous() else out.contiguous()
@@ -403,46 +408,52 @@ class EncoderBlock(nn.Module):
         out = out.view(batch, seq, self.d_model)
         return out if self.batch_first else out.transpose(0, 1)
 
-    def _forward_rows(self, x2, batch, seq, attn_bias, key_padding_mask):
-        """The block on contiguous [T, D] rows; returns [T, D]."""
+    def _forward_rows(self, x2, batch, seq, attn_bias, key_padding_mask, executor=None):
+        """The block on contiguous [T, D] rows; returns [T, D].  ``executor``: a
+        _NativeExecutor shared by the blocks of a stack (made here when None)."""
         if torch.compiler.is_compiling() or not _native_active(x2.device):
             self._validate(x2, batch, seq, attn_bias, key_padding_mask)
             if x2.shape[0] == 0:
                 return torch.empty_like(x2)
-            return self._run(_OpsExecutor(), x2, batch, seq, attn_bias, key_padding_mask)
+            return self._run(_OpsExecutor(), None, x2, batch, seq, attn_bias, key_padding_mask)
         plan = self._plan(x2, batch, seq, attn_bias, key_padding_mask)
         if plan is None:  # empty batch
             return torch.empty_like(x2)
-        return self._run(_NativeExecutor(x2.device, x2.dtype, plan), x2, batch, seq, attn_bias, key_padding_mask)
+        ex = executor if executor is not None else _NativeExecutor(x2.device, x2.dtype)
+        return self._run(ex, plan, x2, batch, seq, attn_bias, key_padding_mask)
 
-    def _run(self, ex, x2, batch, seq, attn_bias, key_padding_mask):
+    def _run(self, ex, attn_plan, x2, batch, seq, attn_bias, key_padding_mask):
         """The data path, once for both executors (see the module docstring)."""
         alpha, eps, act = self.residual_alpha, self.layer_norm_eps, self.activation
+        # Parameters straight from the registry: nn.Module.__getattr__ costs
+        # about half a microsecond per lookup, and this path makes a dozen.
+        p = self._parameters
         if not self.norm_first:
-            qkv = ex.linear(x2, self.qkv_weight, self.qkv_bias)
-            a = ex.attention(qkv, batch, seq, self.n_heads, attn_bias, key_padding_mask)
-            y = ex.linear(a, self.out_weight, self.out_bias)
-            h = ex.layer_norm(y, self.norm1_weight, self.norm1_bias, eps, residual=x2, alpha=alpha)
-            f = ex.linear(h, self.ffn1_weight, self.ffn1_bias, act)
-            g = ex.linear(f, self.ffn2_weight, self.ffn2_bias)
-            return ex.layer_norm(g, self.norm2_weight, self.norm2_bias, eps, residual=h, alpha=alpha)
-        n1 = ex.layer_norm(x2, self.norm1_weight, self.norm1_bias, eps)
-        qkv = ex.linear(n1, self.qkv_weight, self.qkv_bias)
-        a = ex.attention(qkv, batch, seq, self.n_heads, attn_bias, key_padding_mask)
-        y = ex.linear(a, self.out_weight, None)
+            qkv = ex.linear(x2, p["qkv_weight"], p["qkv_bias"])
+            a = ex.attention(attn_plan, qkv, batch, seq, self.n_heads, attn_bias, key_padding_mask)
+            y = ex.linear(a, p["out_weight"], p["out_bias"])
+            h = ex.layer_norm(y, p["norm1_weight"], p["norm1_bias"], eps, residual=x2, alpha=alpha)
+            f = ex.linear(h, p["ffn1_weight"], p["ffn1_bias"], act)
+            g = ex.linear(f, p["ffn2_weight"], p["ffn2_bias"])
+            return ex.layer_norm(g, p["norm2_weight"], p["norm2_bias"], eps, residual=h, alpha=alpha)
+        n1 = ex.layer_norm(x2, p["norm1_weight"], p["norm1_bias"], eps)
+        qkv = ex.linear(n1, p["qkv_weight"], p["qkv_bias"])
+        a = ex.attention(attn_plan, qkv, batch, seq, self.n_heads, attn_bias, key_padding_mask)
+        y = ex.linear(a, p["out_weight"], None)
         # h = x + alpha * (y + bo) is the new residual stream; n2 = LN2(h) feeds the FFN.
-        h, n2 = ex.layer_norm_sum(y, self.norm2_weight, self.norm2_bias, eps, x2, alpha, self.out_bias)
-        f = ex.linear(n2, self.ffn1_weight, self.ffn1_bias, act)
+        h, n2 = ex.layer_norm_sum(y, p["norm2_weight"], p["norm2_bias"], eps, x2, alpha, p["out_bias"])
+        f = ex.linear(n2, p["ffn1_weight"], p["ffn1_bias"], act)
         # out = alpha * (f @ W2^T) + alpha * b2 + h: the residual in the GEMM epilogue.
-        b2 = self.ffn2_bias
+        b2 = p["ffn2_bias"]
         if b2 is not None and alpha != 1.0:
             b2 = b2 * alpha
-        return ex.linear(f, self.ffn2_weight, b2, residual=h, alpha=alpha)
+        return ex.linear(f, p["ffn2_weight"], b2, residual=h, alpha=alpha)
 
     # -------------------------------------------------------- validation ----
 
     def _parameters_in_order(self):
-        return [getattr(self, n) for n in self._PARAM_NAMES]
+        p = self._parameters
+        return [p[n] for n in self._PARAM_NAMES]
 
     def _validate(self, x2, batch, seq, attn_bias, key_padding_mask):
         """Block-level checks with block-level messages (the ops check their own operands too)."""
@@ -603,8 +614,12 @@ class EncoderStack(nn.Module):
     def forward(self, x, attn_bias=None, key_padding_mask=None, *, seq_len=None):
         first = self.blocks[0]
         rows, batch, seq = first._as_rows(x, seq_len)
+        # One native executor (stream, workspace) for every block of this forward.
+        ex = None
+        if not torch.compiler.is_compiling() and _native_active(rows.device):
+            ex = _NativeExecutor(rows.device, rows.dtype)
         for block in self.blocks:
-            rows = block._forward_rows(rows, batch, seq, attn_bias, key_padding_mask)
+            rows = block._forward_rows(rows, batch, seq, attn_bias, key_padding_mask, ex)
         if self.final_norm is not None:
             n = self.final_norm
             rows = layer_norm(rows, n.weight, n.bias, n.eps)
