@@ -11,7 +11,9 @@ tokens, 128 sequences of 128, 32 of 512), every case of each op:
              (one GEMM, bias epilogue, q/k/v as views)
   ffn1       torch.mm + bias add + activation (three kernels) | F.linear + activation (torch) |
              fusedenc.linear with the activation epilogue (native, or BIAS + fusedenc's
-             activation kernel where the library lacks it: fusedenc.capabilities())
+             activation kernel where the library lacks it: fusedenc.capabilities()) |
+             fusedenc.triton_gemm.linear_act: a Triton GEMM with bias + activation in its
+             own epilogue (one kernel; on a GPU with triton installed)
   out_proj,  F.linear then r + alpha*y (torch) | fusedenc.linear then r + alpha*y |
   ffn2       fusedenc.linear with the residual in the epilogue (one call; the bias is
              pre-scaled by alpha once, as a loader would)
@@ -84,6 +86,15 @@ class Op:
     shape: str
 
 
+def _triton_gemm():
+    """fusedenc.triton_gemm, or None where triton cannot be imported."""
+    try:
+        from fusedenc import triton_gemm
+    except Exception:  # noqa: BLE001 - no triton, or a triton that cannot load here: no case
+        return None
+    return triton_gemm
+
+
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(n, -1)
 
@@ -137,6 +148,8 @@ def build_ops(run: Run, batch: int, device: torch.device, wanted: list[str]) -> 
         how = {"native": f"{caps.get('epilogue')} epilogue", "fallback": "BIAS epilogue + act. kernel",
                "reference": "PyTorch reference"}.get(caps.get("fusion"), "?")  # fmt: skip
 
+        tg = _triton_gemm() if device.type == "cuda" else None
+
         def ffn1_set(g):
             return dict(x=rnd(g, t, d), w=weight(g, f, d), b=rnd(g, f, scale=0.1))
 
@@ -153,7 +166,10 @@ def build_ops(run: Run, batch: int, device: torch.device, wanted: list[str]) -> 
                      baseline=True),
                 Case(f"fusedenc.linear + {p.activation} ({how})",
                      lambda k: fusedenc.linear(k["x"], k["w"], k["b"], p.activation)),
-            ],
+            ] + ([  # GPU with triton only (the module imports triton)
+                Case(f"triton GEMM + {p.activation} epilogue (1 kernel)",
+                     lambda k: tg.linear_act(k["x"], k["w"], k["b"], p.activation)),
+            ] if tg is not None else []),
             f"[{t}, {d}] x [{f}, {d}]^T, {p.activation}",
         ))  # fmt: skip
 

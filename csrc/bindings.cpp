@@ -33,10 +33,10 @@ Activation to_activation(int code) {
   return static_cast<Activation>(code);
 }
 
-bool gemm_binding(int device, uintptr_t stream, int64_t m, int64_t n, int64_t k, uintptr_t a,
-                  int64_t lda, uintptr_t w, int64_t ldw, uintptr_t bias, uintptr_t c, int64_t ldc,
-                  uintptr_t d, int64_t ldd, int dtype, int act, float alpha, float beta,
-                  uintptr_t workspace, size_t workspace_bytes) {
+GemmArgs gemm_args(int device, uintptr_t stream, int64_t m, int64_t n, int64_t k, uintptr_t a,
+                   int64_t lda, uintptr_t w, int64_t ldw, uintptr_t bias, uintptr_t c, int64_t ldc,
+                   uintptr_t d, int64_t ldd, int dtype, int act, float alpha, float beta,
+                   uintptr_t workspace, size_t workspace_bytes) {
   GemmArgs g;
   g.device = device;
   g.stream = reinterpret_cast<gpuStream_t>(stream);
@@ -51,8 +51,87 @@ bool gemm_binding(int device, uintptr_t stream, int64_t m, int64_t n, int64_t k,
   g.alpha = alpha; g.beta = beta;
   g.workspace = ptr<void>(workspace);
   g.workspace_bytes = workspace_bytes;
+  return g;
+}
+
+bool gemm_binding(int device, uintptr_t stream, int64_t m, int64_t n, int64_t k, uintptr_t a,
+                  int64_t lda, uintptr_t w, int64_t ldw, uintptr_t bias, uintptr_t c, int64_t ldc,
+                  uintptr_t d, int64_t ldd, int dtype, int act, float alpha, float beta,
+                  uintptr_t workspace, size_t workspace_bytes) {
+  GemmArgs g = gemm_args(device, stream, m, n, k, a, lda, w, ldw, bias, c, ldc, d, ldd, dtype, act,
+                         alpha, beta, workspace, workspace_bytes);
   py::gil_scoped_release no_gil;  // the heuristic query can take a while
   return gemm(g);
+}
+
+py::dict key_dict(const GemmKey& k) {
+  py::dict d;
+  d["device"] = k.device;
+  d["m"] = k.m; d["n"] = k.n; d["k"] = k.k;
+  d["lda"] = k.lda; d["ldw"] = k.ldw; d["ldc"] = k.ldc; d["ldd"] = k.ldd;
+  d["dtype"] = k.dtype; d["activation"] = k.act;
+  d["has_bias"] = k.has_bias; d["has_residual"] = k.has_c;
+  d["align_a"] = k.align_a; d["align_w"] = k.align_w; d["align_c"] = k.align_c;
+  d["align_d"] = k.align_d;
+  d["workspace_bytes"] = k.workspace_bytes;
+  return d;
+}
+
+py::dict gemm_candidates_binding(int device, uintptr_t stream, int64_t m, int64_t n, int64_t k,
+                                 uintptr_t a, int64_t lda, uintptr_t w, int64_t ldw,
+                                 uintptr_t bias, uintptr_t c, int64_t ldc, uintptr_t d,
+                                 int64_t ldd, int dtype, int act, float alpha, float beta,
+                                 uintptr_t workspace, size_t workspace_bytes, int count) {
+  GemmArgs g = gemm_args(device, stream, m, n, k, a, lda, w, ldw, bias, c, ldc, d, ldd, dtype, act,
+                         alpha, beta, workspace, workspace_bytes);
+  GemmCandidates found;
+  {
+    py::gil_scoped_release no_gil;
+    found = gemm_candidates(g, count);
+  }
+  py::list candidates;
+  for (const auto& cand : found.candidates) {
+    py::dict e;
+    e["algo"] = cand.algo;
+    e["workspace_bytes"] = cand.workspace_bytes;
+    e["waves"] = cand.waves;
+    candidates.append(e);
+  }
+  py::dict out;
+  out["key"] = key_dict(found.key);
+  out["epilogue"] = found.epilogue;
+  out["fell_back"] = found.fell_back;
+  out["candidates"] = candidates;
+  return out;
+}
+
+void gemm_with_candidate_binding(int device, uintptr_t stream, int64_t m, int64_t n, int64_t k,
+                                 uintptr_t a, int64_t lda, uintptr_t w, int64_t ldw,
+                                 uintptr_t bias, uintptr_t c, int64_t ldc, uintptr_t d,
+                                 int64_t ldd, int dtype, int act, float alpha, float beta,
+                                 uintptr_t workspace, size_t workspace_bytes, int count,
+                                 int index) {
+  GemmArgs g = gemm_args(device, stream, m, n, k, a, lda, w, ldw, bias, c, ldc, d, ldd, dtype, act,
+                         alpha, beta, workspace, workspace_bytes);
+  py::gil_scoped_release no_gil;
+  gemm_with_candidate(g, count, index);
+}
+
+void set_gemm_choice_binding(int device, int64_t m, int64_t n, int64_t k, int64_t lda,
+                             int64_t ldw, int64_t ldc, int64_t ldd, int dtype, int act,
+                             bool has_bias, bool has_residual, uint32_t align_a, uint32_t align_w,
+                             uint32_t align_c, uint32_t align_d, size_t workspace_bytes,
+                             int index, int candidates, const std::string& algo) {
+  GemmKey key;
+  key.device = device;
+  key.m = m; key.n = n; key.k = k;
+  key.lda = lda; key.ldw = ldw; key.ldc = ldc; key.ldd = ldd;
+  key.dtype = static_cast<int>(to_dtype(dtype));
+  key.act = static_cast<int>(to_activation(act));
+  key.has_bias = has_bias; key.has_c = has_residual;
+  key.align_a = align_a; key.align_w = align_w; key.align_c = align_c; key.align_d = align_d;
+  key.workspace_bytes = workspace_bytes;
+  set_gemm_choice(key, index, candidates, algo);
 }
 
 void bias_activation_binding(int device, uintptr_t stream, uintptr_t d, int64_t ldd, int64_t m,
@@ -147,4 +226,45 @@ PYBIND11_MODULE(_C, m) {
     return out;
   });
   m.def("set_force_epilogue_fallback", &set_force_epilogue_fallback, py::arg("on"));
+
+  // Algorithm choice by measurement (python -m fusedenc.tune gemm).
+  m.attr("MAX_GEMM_CANDIDATES") = kMaxGemmCandidates;
+  m.def("gemm_candidates", &gemm_candidates_binding, py::arg("device"), py::arg("stream"),
+        py::arg("m"), py::arg("n"), py::arg("k"), py::arg("a"), py::arg("lda"), py::arg("w"),
+        py::arg("ldw"), py::arg("bias"), py::arg("c"), py::arg("ldc"), py::arg("d"),
+        py::arg("ldd"), py::arg("dtype"), py::arg("activation"), py::arg("alpha"),
+        py::arg("beta"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("count"),
+        "Up to `count` heuristic candidates for the problem `gemm` with these arguments would "
+        "plan (nothing runs; the plan cache is untouched): {key, epilogue, fell_back, "
+        "candidates: [{algo, workspace_bytes, waves}]}; candidate 0 is the default pick.");
+  m.def("gemm_with_candidate", &gemm_with_candidate_binding, py::arg("device"), py::arg("stream"),
+        py::arg("m"), py::arg("n"), py::arg("k"), py::arg("a"), py::arg("lda"), py::arg("w"),
+        py::arg("ldw"), py::arg("bias"), py::arg("c"), py::arg("ldc"), py::arg("d"),
+        py::arg("ldd"), py::arg("dtype"), py::arg("activation"), py::arg("alpha"),
+        py::arg("beta"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("count"),
+        py::arg("index"), "`gemm` with candidate `index` of gemm_candidates(..., count).");
+  m.def("set_gemm_choice", &set_gemm_choice_binding, py::arg("device"), py::arg("m"),
+        py::arg("n"), py::arg("k"), py::arg("lda"), py::arg("ldw"), py::arg("ldc"), py::arg("ldd"),
+        py::arg("dtype"), py::arg("activation"), py::arg("has_bias"), py::arg("has_residual"),
+        py::arg("align_a"), py::arg("align_w"), py::arg("align_c"), py::arg("align_d"),
+        py::arg("workspace_bytes"), py::arg("index"), py::arg("candidates"),
+        py::arg("algo") = std::string(),
+        "Plans for this key (the `key` dict of gemm_candidates) run candidate `index` of "
+        "`candidates`; `algo`, when given, must match that candidate's description or the "
+        "choice is ignored (candidate 0 runs).  Clears the plan cache.");
+  m.def("clear_gemm_choices", &clear_gemm_choices, "Forget every choice; clears the plan cache.");
+  m.def("gemm_choices", [] {
+    py::list out;
+    for (const auto& c : gemm_choices()) {
+      py::dict d;
+      d["key"] = key_dict(c.key);
+      d["index"] = c.index;
+      d["candidates"] = c.count;
+      d["algo"] = c.algo;
+      d["status"] = c.status;
+      d["plans"] = c.plans;
+      out.append(d);
+    }
+    return out;
+  }, "Installed choices with their status and the number of plans made under each.");
 }

@@ -70,4 +70,72 @@ std::vector<FallbackEvent> fallback_events();
 // hardware where it would never trigger.  Plans made under it are cached apart.
 void set_force_epilogue_fallback(bool on);
 
+// ------------------------------------------ algorithm choice by measurement --
+//
+// By default a plan runs the heuristic's first algorithm.  A *choice* names,
+// for one problem (GemmKey), candidate `index` of the list the heuristic
+// gives when asked for `count` algorithms; plans made while a choice exists
+// for their key run that candidate.  Candidate lists are built the same way
+// everywhere: candidate 0 is the algorithm the default plan runs (a query for
+// one algorithm), followed by the other successful results of a query for
+// `count`, in the library's order, at most `count` in all.  When the library
+// fell back from a fused epilogue, the list is that of the plan that runs
+// (plain GEMM + bias/activation kernel).
+
+// What a plan depends on, without pointers: the device, sizes, leading
+// dimensions, dtype, activation, bias/residual presence, the operands'
+// alignments (bytes, at most 16) and the workspace size.  ldc is 0 and
+// align_c is D's alignment when there is no residual.
+struct GemmKey {
+  int device = 0;
+  int64_t m = 0, n = 0, k = 0, lda = 0, ldw = 0, ldc = 0, ldd = 0;
+  int dtype = 0, act = 0;
+  bool has_bias = false, has_c = false;
+  uint32_t align_a = 0, align_w = 0, align_c = 0, align_d = 0;
+  size_t workspace_bytes = 0;
+
+  bool operator==(const GemmKey& o) const;
+};
+GemmKey gemm_key(const GemmArgs& args);
+
+struct GemmCandidate {
+  std::string algo;  // the library's description (equal strings: same kernel configuration)
+  size_t workspace_bytes = 0;
+  float waves = 0.f;
+};
+
+struct GemmCandidates {
+  GemmKey key;
+  std::string epilogue;  // the library epilogue the candidates run with
+  bool fell_back = false;  // epilogue fallback: candidates of the plain GEMM
+  std::vector<GemmCandidate> candidates;  // [0] is today's heuristic pick
+};
+
+// Up to `count` (1..kMaxGemmCandidates) candidates for the problem `args`
+// describes (pointers are read for their alignment only; nothing runs).
+// Candidate lists live in a small cache of their own: the plan cache and its
+// counters are untouched.
+constexpr int kMaxGemmCandidates = 256;
+GemmCandidates gemm_candidates(const GemmArgs& args, int count);
+
+// Runs `args` with candidate `index` of gemm_candidates(args, count), on
+// args.stream, including the bias/activation kernel where the plan needs it.
+// Throws std::invalid_argument when index is out of range.
+void gemm_with_candidate(const GemmArgs& args, int count, int index);
+
+struct GemmChoice {
+  GemmKey key;
+  int index = 0;  // candidate to run
+  int count = 1;  // candidates requested when it was measured
+  std::string algo;  // expected description of that candidate ("" = not checked)
+  std::string status;  // "not used yet", "in use: ...", "ignored: ..." (falls back to candidate 0)
+  uint64_t plans = 0;  // plans made under this choice
+};
+
+// Installs (replaces) the choice for `key`.  Clears the plan cache so the next
+// call of any shape re-plans; a plan being made concurrently is not cached.
+void set_gemm_choice(const GemmKey& key, int index, int count, const std::string& algo);
+void clear_gemm_choices();  // also clears the plan cache
+std::vector<GemmChoice> gemm_choices();
+
 }  // namespace fusedenc

@@ -10,6 +10,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <string>
 
 #if defined(FUSEDENC_HIP)
 // ---------------------------------------------------------------- ROCm / HIP --
@@ -61,6 +63,7 @@ using blasLtMatmulDesc_t = hipblasLtMatmulDesc_t;
 using blasLtMatrixLayout_t = hipblasLtMatrixLayout_t;
 using blasLtMatmulPreference_t = hipblasLtMatmulPreference_t;
 using blasLtMatmulHeuristicResult_t = hipblasLtMatmulHeuristicResult_t;
+using blasLtMatmulAlgo_t = hipblasLtMatmulAlgo_t;
 using blasLtEpilogue_t = hipblasLtEpilogue_t;
 using blasDataType_t = hipDataType;
 using blasOperation_t = hipblasOperation_t;
@@ -141,6 +144,24 @@ inline long blasLtVersion() {
   return HIPBLASLT_VERSION_MAJOR * 10000L + HIPBLASLT_VERSION_MINOR * 100L + HIPBLASLT_VERSION_PATCH;
 }
 
+// Algorithm identity, for choosing among heuristic candidates by measurement.
+// hipBLASLt keeps the solution index in the first int of the opaque algo (what
+// hipblaslt_ext::getIndexFromAlgo reads, and PyTorch's TunableOp without that
+// header); the rest of the struct may hold padding, so only the index is compared.
+inline int blasLtAlgoSolutionIndex(const blasLtMatmulAlgo_t& algo) {
+  int index = -1;
+  std::memcpy(&index, &algo, sizeof(index));
+  return index;
+}
+inline bool blasLtSameAlgo(const blasLtMatmulAlgo_t& a, const blasLtMatmulAlgo_t& b) {
+  return blasLtAlgoSolutionIndex(a) == blasLtAlgoSolutionIndex(b);
+}
+// A short, stable description of a heuristic result: equal strings mean the
+// same kernel configuration within one library version.
+inline std::string blasLtDescribeAlgo(const blasLtMatmulHeuristicResult_t& r) {
+  return "solution=" + std::to_string(blasLtAlgoSolutionIndex(r.algo));
+}
+
 #else
 // ------------------------------------------------------------ NVIDIA / CUDA --
 #include <cublasLt.h>
@@ -184,6 +205,7 @@ using blasLtMatmulDesc_t = cublasLtMatmulDesc_t;
 using blasLtMatrixLayout_t = cublasLtMatrixLayout_t;
 using blasLtMatmulPreference_t = cublasLtMatmulPreference_t;
 using blasLtMatmulHeuristicResult_t = cublasLtMatmulHeuristicResult_t;
+using blasLtMatmulAlgo_t = cublasLtMatmulAlgo_t;
 using blasLtEpilogue_t = cublasLtEpilogue_t;
 using blasDataType_t = cudaDataType_t;
 using blasOperation_t = cublasOperation_t;
@@ -248,5 +270,56 @@ inline const char* blasLtStatusName(blasStatus_t status) { return cublasLtGetSta
 
 // Runtime version of the loaded cuBLASLt, as major*10000 + minor*100 + patch.
 inline long blasLtVersion() { return static_cast<long>(cublasLtGetVersion()); }
+
+// Algorithm identity, for choosing among heuristic candidates by measurement.
+// cuBLASLt documents cublasLtMatmulAlgo_t as trivially serializable (plain
+// uint64_t data[8]), so bytes compare.
+inline bool blasLtSameAlgo(const blasLtMatmulAlgo_t& a, const blasLtMatmulAlgo_t& b) {
+  return std::memcmp(&a, &b, sizeof(blasLtMatmulAlgo_t)) == 0;
+}
+// A short, stable description of a heuristic result: the algorithm id and its
+// configuration (tile, stages, split-K, reduction, swizzle, custom option,
+// inner shape, cluster shape).  Equal strings mean the same kernel
+// configuration within one library version.  Attributes the library cannot
+// report read as "?".
+inline std::string blasLtDescribeAlgo(const blasLtMatmulHeuristicResult_t& r) {
+  const struct {
+    cublasLtMatmulAlgoConfigAttributes_t attr;
+    const char* name;
+  } items[] = {{CUBLASLT_ALGO_CONFIG_ID, "algo"},
+               {CUBLASLT_ALGO_CONFIG_TILE_ID, "tile"},
+               {CUBLASLT_ALGO_CONFIG_STAGES_ID, "stages"},
+               {CUBLASLT_ALGO_CONFIG_SPLITK_NUM, "splitk"},
+               {CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, "reduction"},
+               {CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, "swizzle"},
+               {CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, "custom"},
+               {CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, "inner"},
+               {CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, "cluster"}};
+  std::string out;
+  for (const auto& item : items) {
+    // Ask for the attribute's size first: int32, uint32 or uint16 by attribute.
+    size_t size = 0;
+    std::string value = "?";
+    if (cublasLtMatmulAlgoConfigGetAttribute(&r.algo, item.attr, nullptr, 0, &size) ==
+            CUBLAS_STATUS_SUCCESS &&
+        size > 0 && size <= sizeof(uint64_t)) {
+      uint64_t raw = 0;  // little-endian: the low bytes hold the value
+      size_t written = 0;
+      if (cublasLtMatmulAlgoConfigGetAttribute(&r.algo, item.attr, &raw, size, &written) ==
+          CUBLAS_STATUS_SUCCESS) {
+        if (size == sizeof(int32_t) && item.attr == CUBLASLT_ALGO_CONFIG_ID) {
+          int32_t v = 0;
+          std::memcpy(&v, &raw, sizeof(v));
+          value = std::to_string(v);
+        } else {
+          value = std::to_string(raw);
+        }
+      }
+    }
+    if (!out.empty()) out += " ";
+    out += std::string(item.name) + "=" + value;
+  }
+  return out;
+}
 
 #endif

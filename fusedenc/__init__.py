@@ -7,7 +7,7 @@ from them, and PyTorch references for every op.
 """
 
 from ._native import Backend, backend
-from ._report import capabilities, clear_plan_cache, fallback_events, plan_cache_info, set_plan_cache_limit
+from ._report import capabilities, clear_plan_cache, fallback_events, gemm_choices, plan_cache_info, set_plan_cache_limit
 from .activations import ACTIVATIONS
 from .encoder import EncoderBlock, EncoderStack, GraphRunner
 from .hf import patch_hf
@@ -28,6 +28,7 @@ __all__ = [
     "clear_plan_cache",
     "fallback_events",
     "fused_qkv",
+    "gemm_choices",
     "layer_norm",
     "linear",
     "pack_qkv",

@@ -11,9 +11,12 @@ import ctypes
 import dataclasses
 import functools
 import importlib.util
+import json
 import os
 import threading
+import warnings
 from types import ModuleType
+from typing import Any, Optional
 
 import torch
 
@@ -22,7 +25,16 @@ try:  # written by CMake at build time; absent in a plain source checkout
 except ImportError:  # pragma: no cover - only without an install
     _build_info = None
 
-__all__ = ["Backend", "backend", "native_module", "workspace"]
+__all__ = [
+    "Backend",
+    "GemmTuningWarning",
+    "backend",
+    "gemm_tuning_path",
+    "gemm_tuning_report",
+    "load_gemm_tuning",
+    "native_module",
+    "workspace",
+]
 
 #: Workspace handed to the GEMM library per (device, stream).  32 MiB is what
 #: NVIDIA recommends for Hopper; FUSEDENC_WORKSPACE_MB overrides it.
@@ -82,6 +94,7 @@ def _load() -> tuple[ModuleType | None, str]:
     limit = plan_cache_limit_from_env()
     if limit is not None:
         _C.set_plan_cache_limit(limit)
+    _load_gemm_tuning_at_start(_C)
     return _C, ""
 
 
@@ -176,3 +189,280 @@ def workspace(device: torch.device, stream: int) -> torch.Tensor:
                 buf = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
                 _workspaces[key] = buf
     return buf
+
+
+# ------------------------------------------------------ GEMM tuning files ----
+# `python -m fusedenc.tune gemm` measures the heuristic's candidate algorithms
+# per GEMM problem and writes the winners to $FUSEDENC_CONFIG_DIR/gemm_<arch>.json
+# (default ~/.cache/fusedenc).  When the core is first used on a machine with
+# a GPU, each visible device's file is read, checked against the device (name,
+# multiprocessor count) and the GEMM library's version, and its choices are
+# installed in the core.  A file measured elsewhere, or one that does not
+# parse, is ignored with one GemmTuningWarning naming the file and the reason.
+
+#: Schema tag of GEMM tuning files; a file with another tag is ignored.
+GEMM_TUNING_SCHEMA = "fusedenc.gemm-tuning/1"
+#: Directory of user tuning files (shared with the attention tables).
+CONFIG_DIR_ENV = "FUSEDENC_CONFIG_DIR"
+#: "0", "off", "false" or "no": do not load GEMM tuning files at start (A/B runs).
+GEMM_TUNING_ENV = "FUSEDENC_GEMM_TUNING"
+#: What a file's ``measured_with`` must match on this device for its choices to apply.
+GEMM_MATCH_KEYS = ("vendor", "device_name", "multiprocessor_count", "library_version")
+#: A choice's ``key``: the core's plan key without pointers (see csrc/gemm.h GemmKey).
+GEMM_KEY_FIELDS = (
+    "m", "n", "k", "lda", "ldw", "ldc", "ldd", "dtype", "activation", "has_bias", "has_residual",
+    "align_a", "align_w", "align_c", "align_d", "workspace_bytes",
+)  # fmt: skip
+#: The core's limit on candidates per problem (csrc/gemm.h kMaxGemmCandidates).
+MAX_GEMM_CANDIDATES = 256
+
+_DTYPE_NAMES = ("float16", "bfloat16", "float32")  # index = the core's dtype code
+
+
+class GemmTuningWarning(UserWarning):
+    """A GEMM tuning file was ignored (other device or library version, or unreadable)."""
+
+
+class GemmTuningError(ValueError):
+    """What is wrong with a GEMM tuning file."""
+
+
+def config_dir() -> str:
+    return os.environ.get(CONFIG_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fusedenc")
+
+
+def gemm_tuning_path(arch: str) -> str:
+    """Where ``tune gemm`` writes, and the loader reads, the choices for GPU architecture ``arch``."""
+    return os.path.join(config_dir(), f"gemm_{arch}.json")
+
+
+def _library_name(module: ModuleType) -> str:
+    v = module.library_version()
+    return f"{module.LIBRARY} {v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+def gemm_device_metadata(module: ModuleType, index: int) -> dict[str, Any]:
+    """What a tuning file records and is matched against (``GEMM_MATCH_KEYS``) for device ``index``."""
+    props = torch.cuda.get_device_properties(index)
+    return {
+        "vendor": module.VENDOR,
+        "device_name": props.name,
+        "multiprocessor_count": props.multi_processor_count,
+        "library": _library_name(module),
+        "library_version": int(module.library_version()),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+    }
+
+
+def _is_int(v: object, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def key_from_core(key: dict[str, Any]) -> dict[str, Any]:
+    """A key as ``_C.gemm_candidates`` returns it -> the file's form (names, no device)."""
+    from .activations import ACTIVATIONS
+
+    out = {f: key[f] for f in GEMM_KEY_FIELDS}
+    out["dtype"] = _DTYPE_NAMES[key["dtype"]]
+    out["activation"] = ACTIVATIONS[key["activation"]]
+    return out
+
+
+def key_to_core(key: dict[str, Any], device: int) -> dict[str, Any]:
+    """A validated file key -> the keyword arguments of ``_C.set_gemm_choice`` (less index/candidates/algo)."""
+    from .activations import activation_id
+
+    out = {f: key[f] for f in GEMM_KEY_FIELDS}
+    out["dtype"] = _DTYPE_NAMES.index(key["dtype"])
+    out["activation"] = activation_id(key["activation"])
+    out["device"] = device
+    return out
+
+
+def _check_key(key: object, where: str) -> None:
+    from .activations import ACTIVATIONS
+
+    if not isinstance(key, dict):
+        raise GemmTuningError(f"{where}.key must be an object")
+    missing = [f for f in GEMM_KEY_FIELDS if f not in key]
+    extra = sorted(set(key) - set(GEMM_KEY_FIELDS))
+    if missing or extra:
+        raise GemmTuningError(f"{where}.key: missing fields {missing}, unknown fields {extra}")
+    for f in ("m", "n", "k", "lda", "ldw", "ldd"):
+        if not _is_int(key[f], 1):
+            raise GemmTuningError(f"{where}.key.{f}={key[f]!r} is not a positive int")
+    if not _is_int(key["ldc"], 0) or not _is_int(key["workspace_bytes"], 0):
+        raise GemmTuningError(f"{where}.key: ldc and workspace_bytes must be non-negative ints")
+    for f in ("align_a", "align_w", "align_c", "align_d"):
+        if key[f] not in (1, 2, 4, 8, 16) or isinstance(key[f], bool):
+            raise GemmTuningError(f"{where}.key.{f}={key[f]!r} is not one of 1, 2, 4, 8, 16")
+    for f in ("has_bias", "has_residual"):
+        if not isinstance(key[f], bool):
+            raise GemmTuningError(f"{where}.key.{f}={key[f]!r} is not a bool")
+    if key["dtype"] not in _DTYPE_NAMES:
+        raise GemmTuningError(f"{where}.key.dtype={key['dtype']!r} is not one of {list(_DTYPE_NAMES)}")
+    if key["activation"] not in ACTIVATIONS:
+        raise GemmTuningError(f"{where}.key.activation={key['activation']!r} is not one of {list(ACTIVATIONS)}")
+    if key["has_residual"] and key["activation"] != "none":
+        raise GemmTuningError(f"{where}.key: a residual cannot be combined with an activation")
+
+
+def parse_gemm_tuning(text: str, arch: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(measured_with, choices) of a tuning file for ``arch``; GemmTuningError says what is wrong.
+
+    Each choice is ``{"key": {GEMM_KEY_FIELDS}, "index": int, "candidates": int, "algo": str}``
+    plus whatever the tuner recorded (times, which GEMM); metadata are checked by the caller.
+    """
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise GemmTuningError(f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise GemmTuningError("top level is not a JSON object")
+    if obj.get("schema") != GEMM_TUNING_SCHEMA:
+        raise GemmTuningError(f"schema is {obj.get('schema')!r}, expected {GEMM_TUNING_SCHEMA!r}")
+    if obj.get("arch") != arch:
+        raise GemmTuningError(f"arch is {obj.get('arch')!r}, this device is {arch!r}")
+    measured = obj.get("measured_with")
+    if not isinstance(measured, dict) or not all(k in measured for k in GEMM_MATCH_KEYS):
+        raise GemmTuningError(f"measured_with must be an object with keys {list(GEMM_MATCH_KEYS)}")
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        raise GemmTuningError("choices must be a list")
+    seen = set()
+    for i, c in enumerate(choices):
+        where = f"choices[{i}]"
+        if not isinstance(c, dict):
+            raise GemmTuningError(f"{where} must be an object")
+        _check_key(c.get("key"), where)
+        count, index = c.get("candidates"), c.get("index")
+        if not _is_int(count, 1) or count > MAX_GEMM_CANDIDATES:
+            raise GemmTuningError(f"{where}.candidates={count!r} is not an int in 1..{MAX_GEMM_CANDIDATES}")
+        if not _is_int(index, 0) or index >= count:
+            raise GemmTuningError(f"{where}.index={index!r} is not an int in 0..{count - 1}")
+        if not isinstance(c.get("algo", ""), str):
+            raise GemmTuningError(f"{where}.algo must be a string")
+        ident = tuple(c["key"][f] for f in GEMM_KEY_FIELDS)
+        if ident in seen:
+            raise GemmTuningError(f"{where} repeats the key of an earlier choice")
+        seen.add(ident)
+    return measured, choices
+
+
+def metadata_differences(measured: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    return [f"{k}: file {measured.get(k)!r}, here {here.get(k)!r}" for k in GEMM_MATCH_KEYS if measured.get(k) != here.get(k)]
+
+
+_tuning_lock = threading.Lock()
+_tuning_report: list[dict[str, Any]] = []
+_warned_tuning: set[str] = set()
+
+
+def _warn_tuning(path: str, why: str) -> None:
+    if path in _warned_tuning:
+        return
+    _warned_tuning.add(path)
+    warnings.warn(
+        f"fusedenc: ignoring GEMM tuning file {path}: {why}. Re-run `python -m fusedenc.tune gemm` on this "
+        "machine to measure a new one; until then the heuristic's first algorithm runs.",
+        GemmTuningWarning,
+        stacklevel=3,
+    )
+
+
+def _device_arch(index: int) -> str:
+    from .attention import device_arch
+
+    return device_arch(torch.device("cuda", index))
+
+
+def load_gemm_tuning(
+    module: Optional[ModuleType] = None,
+    devices: Optional[list[int]] = None,
+    path: Optional[str] = None,
+) -> list[dict[str, Any]]:
+    """Read the GEMM tuning file of each device and install its choices in the core.
+
+    Replaces every installed choice (and so clears the plan cache).  ``devices``
+    defaults to every visible GPU; ``path`` overrides the file
+    (``gemm_tuning_path(arch)``) for all of them.  Returns, per device, what was
+    done: ``{"device", "path", "status", "choices"}``; ``gemm_tuning_report()``
+    keeps the latest.  A file that is absent is skipped silently; one that is
+    unreadable, malformed or measured on another device or library version is
+    ignored with one ``GemmTuningWarning`` per file and process.
+    """
+    module = module or native_module()
+    if module is None:
+        return []
+    if devices is None:
+        devices = list(range(torch.cuda.device_count()))
+    report: list[dict[str, Any]] = []
+    installs: list[tuple[int, dict]] = []
+    parsed: dict[str, tuple[Optional[dict], list, Optional[str]]] = {}
+    for index in devices:
+        file = path or gemm_tuning_path(_device_arch(index))
+        entry: dict[str, Any] = {"device": index, "path": file, "status": "", "choices": 0}
+        report.append(entry)
+        if file not in parsed:
+            try:
+                with open(file, encoding="utf-8") as f:
+                    text = f.read()
+                measured, choices = parse_gemm_tuning(text, _device_arch(index))
+                parsed[file] = (measured, choices, None)
+            except FileNotFoundError:
+                parsed[file] = (None, [], "absent")
+            except OSError as exc:
+                parsed[file] = (None, [], f"cannot be read ({exc})")
+            except GemmTuningError as exc:
+                parsed[file] = (None, [], str(exc))
+        measured, choices, problem = parsed[file]
+        if problem == "absent":
+            entry["status"] = "absent"
+            continue
+        if problem is None:
+            diffs = metadata_differences(measured, gemm_device_metadata(module, index))
+            if diffs:
+                problem = "measured on another device or library version (" + "; ".join(diffs) + ")"
+        if problem is not None:
+            entry["status"] = f"ignored: {problem}"
+            _warn_tuning(file, problem)
+            continue
+        chosen = [c for c in choices if c["index"] != 0]  # candidate 0 is what runs anyway
+        installs.extend((index, c) for c in chosen)
+        entry["status"] = "installed"
+        entry["choices"] = len(chosen)
+    with _tuning_lock:
+        module.clear_gemm_choices()
+        for index, c in installs:
+            module.set_gemm_choice(
+                **key_to_core(c["key"], index), index=c["index"], candidates=c["candidates"], algo=c.get("algo", "")
+            )
+        _tuning_report[:] = report
+    return report
+
+
+def gemm_tuning_report() -> list[dict[str, Any]]:
+    """What the latest ``load_gemm_tuning`` did, per device (empty before the core's first use)."""
+    with _tuning_lock:
+        return [dict(e) for e in _tuning_report]
+
+
+def _gemm_tuning_wanted() -> bool:
+    return os.environ.get(GEMM_TUNING_ENV, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _load_gemm_tuning_at_start(module: ModuleType) -> None:
+    """Install tuning files when the core is first used; never on CPU-only machines, never raising."""
+    if not _gemm_tuning_wanted() or os.environ.get("FUSEDENC_BACKEND", "").strip().lower() == "reference":
+        return
+    torch_vendor = "hip" if torch.version.hip else ("cuda" if torch.version.cuda else None)
+    if torch_vendor != getattr(module, "VENDOR", None) or not hasattr(module, "set_gemm_choice"):
+        return
+    try:
+        if not torch.cuda.is_available():
+            return
+        load_gemm_tuning(module)
+    except Exception as exc:  # noqa: BLE001 - a tuning file must never disable the core
+        warnings.warn(f"fusedenc: GEMM tuning files not loaded: {type(exc).__name__}: {exc}", GemmTuningWarning, stacklevel=3)

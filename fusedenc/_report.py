@@ -7,7 +7,14 @@ from typing import Any
 from . import _native
 from .activations import ACTIVATIONS
 
-__all__ = ["capabilities", "clear_plan_cache", "fallback_events", "plan_cache_info", "set_plan_cache_limit"]
+__all__ = [
+    "capabilities",
+    "clear_plan_cache",
+    "fallback_events",
+    "gemm_choices",
+    "plan_cache_info",
+    "set_plan_cache_limit",
+]
 
 _DTYPES = ("float16", "bfloat16", "float32")
 
@@ -35,6 +42,8 @@ def capabilities() -> dict[str, Any]:
         "dtypes": list(_DTYPES),
         "activations": {},
         "residual": {},
+        # Per device: the GEMM tuning file read at the core's first use and what became of it.
+        "gemm_tuning": _native.gemm_tuning_report(),
     }
     epilogues = module.native_epilogues() if module else None
     for dtype in _DTYPES:
@@ -96,3 +105,24 @@ def clear_plan_cache() -> None:
     module = _native.native_module()
     if module is not None:
         module.clear_plan_cache()
+
+
+def gemm_choices() -> list[dict[str, Any]]:
+    """GEMM algorithm choices installed from tuning files (``python -m fusedenc.tune gemm``).
+
+    One dict per problem: ``key`` (device, sizes, leading dimensions, dtype and
+    activation names, bias/residual, alignments, workspace bytes), ``index`` of
+    the heuristic candidate to run among ``candidates``, ``algo`` (its
+    description when measured), ``status`` ("not used yet", "in use: ..." or
+    "ignored: ...", in which case the heuristic's first algorithm runs) and
+    ``plans`` (plans made under it).  Empty without a native core or a tuning
+    file; ``capabilities()["gemm_tuning"]`` says which files were read.
+    """
+    module = _native.native_module()
+    if module is None or not hasattr(module, "gemm_choices"):
+        return []
+    out = []
+    for c in module.gemm_choices():
+        key = dict(_native.key_from_core(c["key"]), device=c["key"]["device"])
+        out.append(dict(c, key=key))
+    return sorted(out, key=lambda c: (c["key"]["device"], c["key"]["m"], c["key"]["n"], c["key"]["k"]))

@@ -25,6 +25,7 @@ about 12 minutes, most of it cuDNN graph builds and the sdpa_math timings.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -321,11 +322,431 @@ def _merge_table(A, path, arch, meta, rules: dict, replace: bool) -> dict:
     }
 
 
+# ------------------------------------------------------------ gemm ----
+# Issue 5, "algorithm choice by measurement": the block's four GEMMs per preset
+# and batch size, every heuristic candidate timed, the fastest correct one kept
+# when it beats the heuristic's own pick (candidate 0) by more than noise.
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPreset:
+    """The encoder shapes ``tune gemm`` measures (bench/presets.py has the same numbers)."""
+
+    name: str
+    d_model: int
+    d_ff: int
+    activation: str
+    seq_len: int
+    alpha: float  # residual scale; reaches a GEMM only in the pre-LN FFN2 (residual epilogue)
+
+
+GEMM_PRESETS: dict[str, GemmPreset] = {
+    p.name: p
+    for p in (
+        GemmPreset("t82", 768, 2304, "swish", 64, (2 * 15) ** -0.25),
+        GemmPreset("bt4", 1024, 1536, "mish", 64, (2 * 15) ** -0.25),
+        GemmPreset("bert-base", 768, 3072, "gelu", 128, 1.0),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmProblem:
+    """One ``_C.gemm`` call of an EncoderBlock: D[m, n] = act(alpha * A[m, k] @ W[n, k]^T + b) (+ residual)."""
+
+    name: str  # qkv, out_proj, ffn1, ffn2
+    m: int
+    n: int
+    k: int
+    bias: bool
+    activation: str
+    residual: bool
+    alpha: float
+
+
+def block_gemms(preset: GemmPreset, batch: int, norm_first: bool = False) -> list[GemmProblem]:
+    """The four GEMMs ``EncoderBlock``'s native path issues (fusedenc/encoder.py ``_run``) for
+    ``batch`` sequences: dense rows (lda = k, ldw = k, ldd = n), outputs from ``torch.empty``."""
+    t, d, f, act = batch * preset.seq_len, preset.d_model, preset.d_ff, preset.activation
+    if not norm_first:  # post-LN: every GEMM has its bias; the residual goes through the LayerNorm
+        return [
+            GemmProblem("qkv", t, 3 * d, d, True, "none", False, 1.0),
+            GemmProblem("out_proj", t, d, d, True, "none", False, 1.0),
+            GemmProblem("ffn1", t, f, d, True, act, False, 1.0),
+            GemmProblem("ffn2", t, d, f, True, "none", False, 1.0),
+        ]
+    # pre-LN: the out-projection's bias rides in the LayerNorm; FFN2 carries the residual and alpha.
+    return [
+        GemmProblem("qkv", t, 3 * d, d, True, "none", False, 1.0),
+        GemmProblem("out_proj", t, d, d, False, "none", False, 1.0),
+        GemmProblem("ffn1", t, f, d, True, act, False, 1.0),
+        GemmProblem("ffn2", t, d, f, True, "none", True, preset.alpha),
+    ]
+
+
+def _gemm_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", type=_names(tuple(GEMM_PRESETS)), default=None, help="default t82,bt4,bert-base")
+    p.add_argument("--batch-sizes", type=_ints, default=None, help="sequences per call (default 1,16,64,256)")
+    p.add_argument("--dtype", type=_names(tuple(_DTYPES)), default=None, help="default float16")
+    p.add_argument("--norm-first", action="store_true", help="the pre-LN block's GEMMs (default: post-LN, as the presets)")
+    p.add_argument(
+        "--candidates", type=int, default=None, help="heuristic candidates per GEMM (default 8 on CUDA, 64 on ROCm)"
+    )
+    p.add_argument("--reps", type=int, default=25, help="timed replays per candidate, median taken (at least 20)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--min-gain", type=float, default=0.02, help="keep a candidate only if this much faster than candidate 0 (0.02)"
+    )
+    p.add_argument("--out", default=None, help="tuning file (default: $FUSEDENC_CONFIG_DIR or ~/.cache/fusedenc/gemm_<arch>.json)")
+    p.add_argument("--replace", action="store_true", help="do not merge with an existing file at --out")
+
+
+class _GemmCase:
+    """Operands for one GEMM problem: input sets rotated so the working set exceeds the L2 cache."""
+
+    def __init__(self, core, problem: GemmProblem, dtype: torch.dtype, device, stream: int, ws, gen, l2_bytes: int):
+        from . import _native
+        from .activations import activation_id
+
+        self.core, self.p, self.dtype, self.device, self.stream, self.ws = core, problem, dtype, device, stream, ws
+        m, n, k = problem.m, problem.n, problem.k
+        elt = torch.tensor([], dtype=dtype).element_size()
+        per_set = (m * k + n * k + m * n + (m * n if problem.residual else 0) + n) * elt
+        self.sets = max(1, min(32, math.ceil(2 * l2_bytes / per_set)))
+
+        def rand(*shape, scale=1.0):
+            return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+        self.inputs = []
+        for _ in range(self.sets):
+            x = rand(m, k)
+            w = rand(n, k, scale=k**-0.5)
+            b = rand(n) if problem.bias else None
+            r = rand(m, n) if problem.residual else None
+            out = torch.empty((m, n), dtype=dtype, device=device)  # like the block's outputs
+            self.inputs.append((x, w, b, r, out))
+        self.code = _native.dtype_code(dtype)
+        self.act = activation_id(problem.activation)
+
+    def args(self, i: int) -> tuple:
+        x, w, b, r, out = self.inputs[i]
+        p = self.p
+        return (
+            self.device.index, self.stream, p.m, p.n, p.k, x.data_ptr(), p.k, w.data_ptr(), p.k,
+            0 if b is None else b.data_ptr(), 0 if r is None else r.data_ptr(), p.n, out.data_ptr(), p.n,
+            self.code, self.act, p.alpha, 1.0, self.ws.data_ptr(), self.ws.numel(),
+        )  # fmt: skip
+
+    def reference(self) -> torch.Tensor:
+        """fp32 result of input set 0."""
+        from .activations import apply_activation
+
+        x, w, b, r, _ = self.inputs[0]
+        y = torch.matmul(x.float(), w.float().t()) * self.p.alpha
+        if b is not None:
+            y = y + b.float()
+        if r is not None:
+            return y + r.float()
+        return apply_activation(y, self.p.activation)
+
+
+def _time_candidates(
+    calls: list[Callable[[], None]], reps: int, warmup: int, stream: torch.cuda.Stream
+) -> tuple[list[float], str]:
+    """Median device time of each entry of ``calls`` (a function launching one pass over the input
+    sets on ``stream``, which must not be the default stream: CUDA graphs capture on it),
+    interleaved: every rep replays each candidate once, so drift hits all alike."""
+    if not calls:
+        return [], "-"
+    method = "graph"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            for _ in range(warmup):
+                fn()
+        start.record()
+        calls[0]()
+        end.record()
+    end.synchronize()
+    per_pass = max(start.elapsed_time(end) * 1000.0, 1.0)
+    rounds = max(1, min(64, round(200.0 / per_pass)))  # ~200 us per timed replay
+    replays: list[Callable[[], object]] = []
+    try:
+        for fn in calls:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(rounds):
+                    fn()
+            replays.append(graph.replay)
+        for r in replays:
+            r()
+    except Exception:  # noqa: BLE001 - time eager launches instead
+        method = "eager"
+        replays = []
+        for fn in calls:
+
+            def replay(fn=fn):
+                for _ in range(rounds):
+                    fn()
+
+            replays.append(replay)
+    torch.cuda.synchronize()
+    times: list[list[float]] = [[] for _ in calls]
+    with torch.cuda.stream(stream):
+        for rep in range(reps):
+            order = list(range(len(calls)))
+            order = order[rep % len(order):] + order[: rep % len(order)]
+            for i in order:
+                start.record()
+                replays[i]()
+                end.record()
+                end.synchronize()
+                times[i].append(start.elapsed_time(end) * 1000.0 / rounds)
+    torch.cuda.synchronize()
+    return [statistics.median(t) for t in times], method
+
+
+def _measure_gemm(core, case: _GemmCase, count: int, args, stream: torch.cuda.Stream) -> dict:
+    """Every candidate of one problem: accuracy against fp32, then timing; the winner.
+    Everything runs on ``stream`` (the one ``case``'s arguments name)."""
+    from . import _native
+
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs were made on the current stream
+    try:
+        with torch.cuda.stream(stream):
+            return _measure_gemm_on_stream(_native, core, case, count, args, stream)
+    finally:
+        torch.cuda.synchronize()  # nothing in flight when the caller frees the inputs
+
+
+def _measure_gemm_on_stream(_native, core, case: _GemmCase, count: int, args, stream) -> dict:
+    found = core.gemm_candidates(*case.args(0), count)
+    n_cand = len(found["candidates"])
+    ref = case.reference()
+    out0 = case.inputs[0][4]
+    atol = _ATOL[case.dtype]
+    errs: list[float] = []
+    ok: list[bool] = []
+    for i in range(n_cand):
+        out0.fill_(float("nan"))  # poison: a candidate that writes nothing fails
+        try:
+            core.gemm_with_candidate(*case.args(0), count, i)
+            torch.cuda.synchronize()
+            err = (out0.float() - ref).abs().max().item()
+        except RuntimeError:  # the library refused to run it: it loses
+            if i == 0:
+                raise
+            err = math.nan
+        errs.append(err)
+    base = errs[0]
+    for err in errs:
+        ok.append(not math.isnan(err) and err <= 2 * base + atol)
+    del ref
+    # Candidate 0 is by construction the algorithm the default plan runs: check it bitwise.
+    cand0 = out0.clone()
+    out0.fill_(float("nan"))
+    core.gemm(*case.args(0))
+    torch.cuda.synchronize()
+    same_as_default = bool(torch.equal(cand0, out0))
+    del cand0
+
+    def runner(i: int) -> Callable[[], None]:
+        all_args = [case.args(s) for s in range(case.sets)]
+
+        def run() -> None:
+            for a in all_args:
+                core.gemm_with_candidate(*a, count, i)
+
+        return run
+
+    good = [i for i in range(n_cand) if ok[i]]
+    us_good, method = _time_candidates([runner(i) for i in good], args.reps, args.warmup, stream)
+    us: list[Optional[float]] = [None] * n_cand
+    for i, t in zip(good, us_good):
+        us[i] = t / case.sets
+    winner, confirmed = 0, None
+    if ok[0] and len(good) > 1:
+        best = min(good, key=lambda i: us[i])
+        if best != 0 and us[best] < us[0] * (1 - args.min_gain):
+            # Confirm against candidate 0 in a second interleaved run before trusting a small gain.
+            again, _ = _time_candidates([runner(0), runner(best)], args.reps, args.warmup, stream)
+            confirmed = (again[0] / case.sets, again[1] / case.sets)
+            if confirmed[1] < confirmed[0] * (1 - args.min_gain):
+                winner = best
+    speedup = us[0] / us[winner] if us[0] and us[winner] else 1.0
+    if confirmed and winner:
+        speedup = confirmed[0] / confirmed[1]
+    return {
+        "key": _native.key_from_core(found["key"]),
+        "epilogue": found["epilogue"],
+        "fell_back": found["fell_back"],
+        "candidate_0_is_default": same_as_default,
+        "input_sets": case.sets,
+        "method": method,
+        "candidates": [
+            {
+                "algo": c["algo"],
+                "us": None if us[i] is None else round(us[i], 3),
+                "err": errs[i] if math.isfinite(errs[i]) else None,  # None: not finite, or the library refused
+                "ok": ok[i],
+            }
+            for i, c in enumerate(found["candidates"])
+        ],
+        "count": count,
+        "winner": winner,
+        "speedup": round(speedup, 4),
+        "confirmed_us": None if confirmed is None else [round(confirmed[0], 3), round(confirmed[1], 3)],
+    }
+
+
+def _print_gemm(label: str, p: GemmProblem, row: dict, min_gain: float) -> None:
+    epi = row["epilogue"] + (" + kernel" if p.activation != "none" and "BIAS" == row["epilogue"] else "")
+    if row["fell_back"]:
+        epi += " (epilogue fallback)"
+    extra = (f" {p.activation}" if p.activation != "none" else "") + (" +residual" if p.residual else "")
+    print(f"{label}  {p.name}: m={p.m} n={p.n} k={p.k}{extra}  [{epi}]  "
+          f"{len(row['candidates'])} candidates, {row['input_sets']} input sets, {row['method']}")  # fmt: skip
+    if not row["candidate_0_is_default"]:
+        print("    NOTE: candidate 0's output differs bitwise from the default plan's (nondeterministic algorithm?)")
+    base = row["candidates"][0]["us"]
+    for i, c in enumerate(row["candidates"]):
+        if c["us"] is None:
+            cell = f"{'WRONG':>9}  err {c['err'] if c['err'] is not None else 'non-finite/refused'}"
+        else:
+            ratio = base / c["us"] if base else float("nan")
+            cell = f"{c['us']:>9.2f}  {ratio:5.3f}x"
+        mark = " <- winner" if i == row["winner"] and i != 0 else ""
+        print(f"    {i:>3}  {c['algo'][:72]:<72} {cell}{mark}")
+    if row["winner"]:
+        print(f"    winner: candidate {row['winner']}, {row['speedup']:.3f}x candidate 0 (confirmed {row['confirmed_us']} us)")
+    else:
+        ranked = [c["us"] for c in row["candidates"] if c["us"] is not None]
+        best = base / min(ranked) if ranked and base else 1.0
+        print(f"    winner: candidate 0 kept (best other {best:.3f}x, needs > {1 / (1 - min_gain):.3f}x, confirmed)")
+    print()
+
+
+def _run_gemm(args: argparse.Namespace) -> int:
+    from . import _native
+
+    reason = _no_gpu_reason()
+    if reason:
+        print(f"fusedenc.tune gemm: {reason}", file=sys.stderr)
+        return 2
+    core = _native.native_module()
+    if core is None or _native.backend().name == "reference" or not hasattr(core, "gemm_candidates"):
+        print(f"fusedenc.tune gemm: the native core is not active ({_native.backend()})", file=sys.stderr)
+        return 2
+    if args.reps < 20:
+        print("fusedenc.tune gemm: --reps must be at least 20", file=sys.stderr)
+        return 2
+    count = args.candidates or (64 if core.VENDOR == "hip" else 8)
+    if not 1 <= count <= core.MAX_GEMM_CANDIDATES:
+        print(f"fusedenc.tune gemm: --candidates must be in 1..{core.MAX_GEMM_CANDIDATES}", file=sys.stderr)
+        return 2
+    if not 0 <= args.min_gain < 1:
+        print("fusedenc.tune gemm: --min-gain must be in [0, 1)", file=sys.stderr)
+        return 2
+    presets = args.preset or list(GEMM_PRESETS)
+    batches = args.batch_sizes or [1, 16, 64, 256]
+    dtypes = args.dtype or ["float16"]
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = _native._device_arch(device.index)
+    meta = _native.gemm_device_metadata(core, device.index)
+    out_path = args.out or _native.gemm_tuning_path(arch)
+    props = torch.cuda.get_device_properties(device.index)
+    l2 = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+    print(f"fusedenc.tune gemm on {meta['device_name']} ({arch}, {meta['multiprocessor_count']} SMs, "
+          f"L2 {l2 / 2**20:.0f} MiB), {meta['library']}, torch {meta['torch']}")  # fmt: skip
+    print(f"up to {count} heuristic candidates per GEMM; device time per call in us (median of {args.reps} "
+          f"interleaved CUDA-graph replays); ratio = candidate 0 / candidate; a winner must beat "
+          f"candidate 0 by {args.min_gain:.0%} twice\n")  # fmt: skip
+
+    # Measure the heuristic itself: choices loaded from an existing file must not steer the
+    # default plan that candidate 0 is checked against.
+    core.clear_gemm_choices()
+    # The heuristic calls and the timed GEMMs see the workspace size the ops use.
+    ws = torch.empty(_native.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream(device)  # CUDA graphs cannot capture the default stream
+    stream = side.cuda_stream
+    gen = torch.Generator().manual_seed(0)
+    measured: dict[tuple, dict] = {}
+    for dtype_name in dtypes:
+        dtype = _DTYPES[dtype_name]
+        for name in presets:
+            preset = GEMM_PRESETS[name]
+            for batch in batches:
+                for problem in block_gemms(preset, batch, args.norm_first):
+                    label = f"{name} batch {batch} {dtype_name}"
+                    case = _GemmCase(core, problem, dtype, device, stream, ws, gen, l2)
+                    with torch.cuda.stream(side):
+                        probe = core.gemm_candidates(*case.args(0), count)
+                    ident = tuple(_native.key_from_core(probe["key"]).values())
+                    if ident in measured:
+                        measured[ident]["used_by"].append(f"{label} {problem.name}")
+                        print(f"{label}  {problem.name}: same problem as {measured[ident]['used_by'][0]}\n")
+                        continue
+                    try:
+                        row = _measure_gemm(core, case, count, args, side)
+                    except Exception as exc:  # noqa: BLE001 - one failing problem does not stop the run
+                        print(f"{label}  {problem.name}: ERROR {type(exc).__name__}: {exc}\n")
+                        continue
+                    finally:
+                        del case
+                    row["used_by"] = [f"{label} {problem.name}"]
+                    measured[ident] = row
+                    _print_gemm(label, problem, row, args.min_gain)
+
+    choices = []
+    for row in measured.values():
+        w = row["winner"]
+        choices.append({
+            "key": row["key"], "index": w, "candidates": row["count"], "algo": row["candidates"][w]["algo"],
+            "us": {"candidate_0": row["candidates"][0]["us"], "chosen": row["candidates"][w]["us"]},
+            "speedup": row["speedup"], "used_by": row["used_by"],
+        })  # fmt: skip
+    table = _merge_gemm_file(_native, out_path, arch, meta, choices, replace=args.replace)
+    table["measurements"] = list(measured.values())
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp = out_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, out_path)
+    wins = [c for c in table["choices"] if c["index"] != 0]
+    print(f"wrote {len(table['choices'])} problems ({len(wins)} with a measured winner other than the heuristic's "
+          f"pick) to {out_path}; processes load it when the native core is first used")  # fmt: skip
+    return 0
+
+
+def _merge_gemm_file(_native, path, arch, meta, choices: list[dict], replace: bool) -> dict:
+    old: list[dict] = []
+    if not replace and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                measured_with, old_choices = _native.parse_gemm_tuning(f.read(), arch)
+            if not _native.metadata_differences(measured_with, meta):
+                new = {tuple(c["key"].values()) for c in choices}
+                old = [c for c in old_choices if tuple(c["key"][f] for f in _native.GEMM_KEY_FIELDS) not in new]
+        except (OSError, ValueError):
+            old = []
+    return {
+        "schema": _native.GEMM_TUNING_SCHEMA,
+        "arch": arch,
+        "source": "measured by `python -m fusedenc.tune gemm` on "
+        + datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "measured_with": meta,
+        "choices": choices + old,
+    }
+
+
 # ------------------------------------------------------------ entry ----
 
 #: name -> (help, add_arguments(parser), run(args) -> exit status)
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "attention": ("time the attention backends and write attention_<arch>.json", _attention_args, _run_attention),
+    "gemm": ("time the GEMM library's candidate algorithms and write gemm_<arch>.json", _gemm_args, _run_gemm),
 }
 
 

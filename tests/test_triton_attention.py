@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import torch
+from interpreter_helpers import run_cases_in_interpreter
 
 if __name__ != "__main__" and importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -66,19 +67,7 @@ def case_id(case) -> str:
 @pytest.fixture(scope="module")
 def results():
     """Run every case once in a child process with the interpreter on; {case id: error or None}."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run(
-        [sys.executable, __file__, str(seed)], capture_output=True, text=True, env=env, timeout=600
-    )
-    found = {}
-    for line in r.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            found[row["case"]] = row["error"]
-    if r.returncode != 0 and not found:
-        pytest.fail(f"interpreter run failed (seed {seed}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return seed, found, r.stderr[-3000:]
+    return run_cases_in_interpreter(__file__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -1,0 +1,31 @@
+"""Running Triton kernels' test cases on CPU through Triton's interpreter.
+
+``TRITON_INTERPRET=1`` must be set before triton is imported and would leak
+into every later test of the process, so a test module runs its own cases in a
+child process (the module re-executed as a script) and reads one JSON line per
+case: ``{"case": id, "error": null or a message}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cases_in_interpreter(script: str) -> tuple[int, dict, str]:
+    """(seed, {case id: error or None}, the child's stderr tail) for the cases of ``script``."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, script, str(seed)], capture_output=True, text=True, env=env, timeout=600)
+    found = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            found[row["case"]] = row["error"]
+    if r.returncode != 0 and not found:
+        pytest.fail(f"interpreter run failed (seed {seed}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return seed, found, r.stderr[-3000:]

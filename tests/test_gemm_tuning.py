@@ -1,0 +1,315 @@
+"""GEMM algorithm choice by measurement, without a GPU: the tuning-file loader
+(validation, metadata match, one warning per ignored file), the shapes
+``tune gemm`` measures, and its refusal to run without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import fusedenc
+from fusedenc import _native, tune
+
+ARCH = "sm90"
+HERE = {
+    "vendor": "cuda",
+    "device_name": "NVIDIA H100 80GB HBM3",
+    "multiprocessor_count": 132,
+    "library": "cuBLASLt 13.1.0",
+    "library_version": 130100,
+    "torch": "2.11.0+cu130",
+    "cuda": "13.0",
+    "hip": None,
+}
+
+
+def _key(**over):
+    key = {
+        "m": 16384, "n": 2304, "k": 768, "lda": 768, "ldw": 768, "ldc": 0, "ldd": 2304,
+        "dtype": "float16", "activation": "swish", "has_bias": True, "has_residual": False,
+        "align_a": 16, "align_w": 16, "align_c": 16, "align_d": 16, "workspace_bytes": 32 << 20,
+    }  # fmt: skip
+    key.update(over)
+    return key
+
+
+def _file(choices=None, **over) -> dict:
+    obj = {
+        "schema": _native.GEMM_TUNING_SCHEMA,
+        "arch": ARCH,
+        "source": "test",
+        "measured_with": dict(HERE),
+        "choices": choices
+        if choices is not None
+        else [
+            {"key": _key(), "index": 3, "candidates": 8, "algo": "algo=21 tile=20"},
+            {"key": _key(n=768, ldd=768, activation="none"), "index": 0, "candidates": 8, "algo": "x"},
+        ],
+    }
+    obj.update(over)
+    return obj
+
+
+@pytest.fixture(autouse=True)
+def _fresh_loader_state(monkeypatch):
+    """Each test starts with no report and no files warned about."""
+    monkeypatch.setattr(_native, "_tuning_report", [])
+    monkeypatch.setattr(_native, "_warned_tuning", set())
+
+
+class FakeCore:
+    """What load_gemm_tuning needs of the native core."""
+
+    VENDOR = "cuda"
+    LIBRARY = "cuBLASLt"
+
+    def __init__(self, version=130100):
+        self.version = version
+        self.choices: list[dict] = []
+        self.cleared = 0
+
+    def library_version(self):
+        return self.version
+
+    def clear_gemm_choices(self):
+        self.cleared += 1
+        self.choices.clear()
+
+    def set_gemm_choice(self, **kw):
+        self.choices.append(kw)
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Pretend device 0 is an H100 (sm90) with HERE's metadata."""
+    meta = dict(HERE)
+
+    def metadata(module, index):
+        return dict(meta, library_version=module.library_version())
+
+    monkeypatch.setattr(_native, "_device_arch", lambda index: ARCH)
+    monkeypatch.setattr(_native, "gemm_device_metadata", metadata)
+    return meta
+
+
+def _write(tmp_path, obj) -> str:
+    path = tmp_path / f"gemm_{ARCH}.json"
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(path)
+
+
+def test_valid_file_installs_its_non_default_choices(tmp_path, monkeypatch, fake_device):
+    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    path = _write(tmp_path, _file())
+    core = FakeCore()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = _native.load_gemm_tuning(core, devices=[0])
+    assert report == [{"device": 0, "path": path, "status": "installed", "choices": 1}]
+    assert core.cleared == 1
+    assert len(core.choices) == 1  # index 0 is what runs anyway: not installed
+    c = core.choices[0]
+    assert c["index"] == 3 and c["candidates"] == 8 and c["algo"] == "algo=21 tile=20"
+    assert c["device"] == 0 and c["dtype"] == 0 and c["activation"] == fusedenc.ACTIVATIONS.index("swish")
+    assert c["m"] == 16384 and c["n"] == 2304 and c["k"] == 768 and c["has_bias"] is True
+    assert _native.gemm_tuning_report() == report
+
+
+def test_missing_file_is_silent(tmp_path, monkeypatch, fake_device):
+    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    core = FakeCore()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = _native.load_gemm_tuning(core, devices=[0])
+    assert report[0]["status"] == "absent" and core.choices == []
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda o: o["measured_with"].update(device_name="NVIDIA A100-SXM4-80GB"), "device_name"),
+        (lambda o: o["measured_with"].update(multiprocessor_count=114), "multiprocessor_count"),
+        (lambda o: o["measured_with"].update(library_version=120904), "library_version"),
+        (lambda o: o["measured_with"].update(vendor="hip"), "vendor"),
+        (lambda o: o.update(schema="fusedenc.gemm-tuning/0"), "schema"),
+        (lambda o: o.update(arch="sm80"), "arch"),
+        (lambda o: o.pop("measured_with"), "measured_with"),
+        (lambda o: o.update(choices={}), "choices must be a list"),
+        (lambda o: o["choices"][0].update(index=8), "index"),
+        (lambda o: o["choices"][0].update(index=-1), "index"),
+        (lambda o: o["choices"][0].update(candidates=0), "candidates"),
+        (lambda o: o["choices"][0].update(candidates=1000, index=1), "candidates"),
+        (lambda o: o["choices"][0]["key"].pop("lda"), "missing fields"),
+        (lambda o: o["choices"][0]["key"].update(extra=1), "unknown fields"),
+        (lambda o: o["choices"][0]["key"].update(dtype="float64"), "dtype"),
+        (lambda o: o["choices"][0]["key"].update(activation="gelu_erf_x"), "activation"),
+        (lambda o: o["choices"][0]["key"].update(align_a=3), "align_a"),
+        (lambda o: o["choices"][0]["key"].update(m=0), "key.m"),
+        (lambda o: o["choices"][0]["key"].update(has_bias=1), "has_bias"),
+        (lambda o: o["choices"][0]["key"].update(has_residual=True), "residual"),
+        (lambda o: o["choices"].append(dict(o["choices"][0])), "repeats"),
+        (lambda o: o["choices"][0].update(algo=5), "algo"),
+    ],
+)
+def test_mismatched_or_malformed_file_is_ignored_with_one_warning(tmp_path, monkeypatch, fake_device, mutate, reason):
+    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    obj = _file()
+    mutate(obj)
+    path = _write(tmp_path, obj)
+    core = FakeCore()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = _native.load_gemm_tuning(core, devices=[0])
+        _native.load_gemm_tuning(core, devices=[0])  # a second load warns no more
+    ours = [w for w in caught if issubclass(w.category, _native.GemmTuningWarning)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert path in str(ours[0].message) and reason in str(ours[0].message), str(ours[0].message)
+    assert report[0]["status"].startswith("ignored:") and reason in report[0]["status"]
+    assert core.choices == []  # nothing installed
+
+
+@pytest.mark.parametrize("text", ["{", "[]", "null", '{"schema": 1}', ""])
+def test_corrupt_json_is_ignored_with_one_warning(tmp_path, monkeypatch, fake_device, text):
+    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    path = _write(tmp_path, text)
+    core = FakeCore()
+    with pytest.warns(_native.GemmTuningWarning, match="ignoring GEMM tuning file") as record:
+        _native.load_gemm_tuning(core, devices=[0])
+    assert len(record) == 1 and path in str(record[0].message)
+    assert core.choices == []
+
+
+def test_other_library_version_of_the_core_is_a_mismatch(tmp_path, monkeypatch, fake_device):
+    """The metadata compared is the core's library version, not only the file's claim."""
+    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    _write(tmp_path, _file())
+    core = FakeCore(version=130200)
+    with pytest.warns(_native.GemmTuningWarning, match="library_version"):
+        report = _native.load_gemm_tuning(core, devices=[0])
+    assert report[0]["status"].startswith("ignored") and core.choices == []
+
+
+def test_explicit_path_and_two_devices_share_one_parse(tmp_path, monkeypatch, fake_device):
+    path = _write(tmp_path, _file())
+    core = FakeCore()
+    report = _native.load_gemm_tuning(core, devices=[0, 1], path=path)
+    assert [r["status"] for r in report] == ["installed", "installed"]
+    assert sorted(c["device"] for c in core.choices) == [0, 1]
+
+
+def test_key_round_trip():
+    core_key = dict(_key(), dtype=1, activation=fusedenc.ACTIVATIONS.index("mish"), device=3)
+    file_key = _native.key_from_core(core_key)
+    assert file_key["dtype"] == "bfloat16" and file_key["activation"] == "mish" and "device" not in file_key
+    assert list(file_key) == list(_native.GEMM_KEY_FIELDS)
+    back = _native.key_to_core(file_key, 3)
+    assert back == core_key
+
+
+def test_start_up_loading_is_skipped_without_a_gpu_or_when_disabled(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_native, "load_gemm_tuning", lambda module: calls.append(module))
+    core = FakeCore()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _native._load_gemm_tuning_at_start(core)
+    assert calls == []  # no GPU: no device queries, no file
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv(_native.GEMM_TUNING_ENV, "off")
+    _native._load_gemm_tuning_at_start(core)
+    assert calls == []
+    monkeypatch.delenv(_native.GEMM_TUNING_ENV)
+    _native._load_gemm_tuning_at_start(core)
+    assert calls == [core]
+
+
+def test_start_up_loading_never_raises(monkeypatch):
+    def boom(module):
+        raise RuntimeError("device query failed")
+
+    monkeypatch.setattr(_native, "load_gemm_tuning", boom)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(_native.GemmTuningWarning, match="device query failed"):
+        _native._load_gemm_tuning_at_start(FakeCore())
+
+
+def test_reports_without_a_gpu():
+    assert isinstance(fusedenc.gemm_choices(), list)
+    caps = fusedenc.capabilities()
+    assert isinstance(caps["gemm_tuning"], list)
+    if not torch.cuda.is_available():
+        assert fusedenc.gemm_choices() == [] and caps["gemm_tuning"] == []
+
+
+# ------------------------------------------------------------ the tuner ----
+
+
+def test_block_gemms_follow_the_encoder_data_path():
+    t82 = tune.GEMM_PRESETS["t82"]
+    post = tune.block_gemms(t82, 16)
+    assert [(p.name, p.m, p.n, p.k, p.bias, p.activation, p.residual) for p in post] == [
+        ("qkv", 1024, 2304, 768, True, "none", False),
+        ("out_proj", 1024, 768, 768, True, "none", False),
+        ("ffn1", 1024, 2304, 768, True, "swish", False),
+        ("ffn2", 1024, 768, 2304, True, "none", False),
+    ]
+    assert all(p.alpha == 1.0 for p in post)
+    pre = tune.block_gemms(t82, 16, norm_first=True)
+    assert not pre[1].bias and pre[3].residual and pre[3].alpha == pytest.approx(30**-0.25)
+    bt4, bert = tune.GEMM_PRESETS["bt4"], tune.GEMM_PRESETS["bert-base"]
+    assert (bt4.d_model, bt4.d_ff, bt4.activation, bt4.seq_len) == (1024, 1536, "mish", 64)
+    assert (bert.d_model, bert.d_ff, bert.activation, bert.seq_len) == (768, 3072, "gelu", 128)
+    assert tune.block_gemms(bert, 2)[0].m == 256
+
+
+def test_gemm_presets_match_the_benchmarks():
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench")
+    sys.path.insert(0, bench)
+    try:
+        import presets
+    finally:
+        sys.path.remove(bench)
+    for name, p in tune.GEMM_PRESETS.items():
+        b = presets.PRESETS[name]
+        assert (p.d_model, p.d_ff, p.activation, p.seq_len, p.alpha) == (
+            b.d_model, b.d_ff, b.activation, b.seq_lens[0], pytest.approx(b.alpha)
+        )  # fmt: skip
+
+
+def _parse(argv):
+    parser = __import__("argparse").ArgumentParser()
+    tune._gemm_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_gemm_argument_parsing():
+    a = _parse(["--preset", "t82,bt4", "--batch-sizes", "16,256", "--candidates", "4", "--dtype", "bfloat16"])
+    assert a.preset == ["t82", "bt4"] and a.batch_sizes == [16, 256] and a.candidates == 4
+    assert a.dtype == ["bfloat16"] and a.min_gain == 0.02 and a.reps >= 20 and a.out is None
+    d = _parse([])
+    assert d.preset is None and d.batch_sizes is None and d.candidates is None and not d.norm_first
+    for bad in (["--preset", "gpt2"], ["--batch-sizes", "0"], ["--batch-sizes", "x"], ["--dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            _parse(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_tune_gemm_without_gpu_exits_2(tmp_path):
+    env = dict(os.environ, FUSEDENC_CONFIG_DIR=str(tmp_path))
+    r = subprocess.run(
+        [sys.executable, "-m", "fusedenc.tune", "gemm", "--preset", "t82", "--batch-sizes", "16"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "fusedenc.tune gemm" in r.stderr and "no CUDA/ROCm GPU" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []  # wrote nothing
+    assert tune.main.__module__ == "fusedenc.tune" and "gemm" in tune.SUBCOMMANDS

@@ -1,0 +1,243 @@
+"""GEMM algorithm choice by measurement on the GPU: heuristic candidates, their
+accuracy, a choice steering which candidate a plan runs, and ``tune gemm`` end
+to end.  Tolerance rule as everywhere (helpers.assert_close_rule): a candidate
+may differ from the fp32 reference by at most twice what candidate 0 (the
+heuristic's own pick) differs by, plus atol.
+
+Runs only where a GPU with the native core is present (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import fusedenc
+from fusedenc import _native, tune
+from fusedenc.activations import activation_id
+from helpers import assert_close_rule, linear_formula, poisoned, randn, same_dtype_torch
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda", 0)
+DTYPE = torch.float16
+COUNT = 8
+
+
+@pytest.fixture(autouse=True)
+def _no_choices(monkeypatch):
+    """Every test starts and ends with no choice installed (a tuning file may exist on the machine)."""
+    core = _native.native_module()
+    monkeypatch.setattr(_native, "_warned_tuning", set())
+    if core is not None:
+        core.clear_gemm_choices()
+    yield
+    if core is not None:
+        core.clear_gemm_choices()
+
+
+def _operands(problem: tune.GemmProblem, gen):
+    x = randn((problem.m, problem.k), DTYPE, DEVICE, gen)
+    w = randn((problem.n, problem.k), DTYPE, DEVICE, gen, scale=problem.k**-0.5)
+    b = randn((problem.n,), DTYPE, DEVICE, gen) if problem.bias else None
+    r = randn((problem.m, problem.n), DTYPE, DEVICE, gen) if problem.residual else None
+    return x, w, b, r
+
+
+def _core_args(problem, x, w, b, r, out):
+    """The arguments fusedenc.linear passes to _C.gemm for these tensors, on the current stream."""
+    stream = torch.cuda.current_stream(DEVICE).cuda_stream
+    ws = _native.workspace(DEVICE, stream)
+    return (
+        DEVICE.index, stream, problem.m, problem.n, problem.k, x.data_ptr(), problem.k, w.data_ptr(), problem.k,
+        0 if b is None else b.data_ptr(), 0 if r is None else r.data_ptr(), problem.n, out.data_ptr(), problem.n,
+        _native.dtype_code(DTYPE), activation_id(problem.activation), problem.alpha, 1.0, ws.data_ptr(), ws.numel(),
+    )  # fmt: skip
+
+
+T82 = tune.block_gemms(tune.GEMM_PRESETS["t82"], 16)
+T82_IDS = [p.name for p in T82]
+
+
+@pytest.mark.parametrize("problem", T82, ids=T82_IDS)
+def test_t82_problems_have_candidates_and_leave_the_plan_cache_alone(problem, gen):
+    core = _native.native_module()
+    x, w, b, r = _operands(problem, gen)
+    out = torch.empty((problem.m, problem.n), dtype=DTYPE, device=DEVICE)
+    before = fusedenc.plan_cache_info()
+    found = core.gemm_candidates(*_core_args(problem, x, w, b, r, out), COUNT)
+    core.gemm_with_candidate(*_core_args(problem, x, w, b, r, out), COUNT, 0)
+    torch.cuda.synchronize()
+    assert fusedenc.plan_cache_info() == before  # candidates live apart from the plan cache
+    assert 1 <= len(found["candidates"]) <= COUNT
+    assert all(c["algo"] for c in found["candidates"])
+    assert len({c["algo"] for c in found["candidates"]}) == len(found["candidates"]), found  # no duplicates
+    key = found["key"]
+    assert (key["m"], key["n"], key["k"], key["lda"], key["ldw"], key["ldd"]) == (
+        problem.m, problem.n, problem.k, problem.k, problem.k, problem.n
+    )  # fmt: skip
+    assert key["align_a"] == key["align_w"] == key["align_d"] == 16
+    assert key["workspace_bytes"] == _native.WORKSPACE_BYTES
+    with pytest.raises(ValueError, match="out of range"):
+        core.gemm_with_candidate(*_core_args(problem, x, w, b, r, out), COUNT, len(found["candidates"]))
+    with pytest.raises(ValueError, match="candidate count"):
+        core.gemm_candidates(*_core_args(problem, x, w, b, r, out), 0)
+
+
+@pytest.mark.parametrize("problem", T82, ids=T82_IDS)
+def test_every_candidate_is_within_the_rule(problem, gen):
+    core = _native.native_module()
+    x, w, b, r = _operands(problem, gen)
+    ref = linear_formula(x, w, b, problem.activation, r, alpha=problem.alpha, dtype=torch.float32)
+    out = poisoned((problem.m, problem.n), DTYPE, DEVICE)
+    found = core.gemm_candidates(*_core_args(problem, x, w, b, r, out), COUNT)
+    core.gemm_with_candidate(*_core_args(problem, x, w, b, r, out), COUNT, 0)
+    cand0 = out.clone()
+    assert_close_rule(cand0, ref, same_dtype_torch(x, w, b, problem.activation, r, alpha=problem.alpha), DTYPE,
+                      f"{problem.name} candidate 0 (seed {gen.seed_value})")  # fmt: skip
+    # Candidate 0 is the algorithm the default plan runs.
+    default = poisoned((problem.m, problem.n), DTYPE, DEVICE)
+    core.gemm(*_core_args(problem, x, w, b, r, default))
+    assert torch.equal(default, cand0), f"{problem.name}: candidate 0 differs from the default plan"
+    for i in range(1, len(found["candidates"])):
+        out.fill_(float("nan"))
+        core.gemm_with_candidate(*_core_args(problem, x, w, b, r, out), COUNT, i)
+        assert_close_rule(out, ref, cand0, DTYPE,
+                          f"{problem.name} candidate {i} [{found['candidates'][i]['algo']}] (seed {gen.seed_value})")  # fmt: skip
+
+
+def _problem_with_choices(gen):
+    """A t82 problem with at least two candidates, its operands and candidates (skip if none has two)."""
+    core = _native.native_module()
+    for problem in T82:
+        x, w, b, r = _operands(problem, gen)
+        out = torch.empty((problem.m, problem.n), dtype=DTYPE, device=DEVICE)
+        found = core.gemm_candidates(*_core_args(problem, x, w, b, r, out), COUNT)
+        if len(found["candidates"]) >= 2:
+            return problem, (x, w, b, r), found
+    pytest.skip("the heuristic offers one candidate for every t82 problem at batch 16")
+
+
+def test_a_choice_changes_which_candidate_runs(gen):
+    core = _native.native_module()
+    problem, (x, w, b, r), found = _problem_with_choices(gen)
+    pick = len(found["candidates"]) - 1
+    algo = found["candidates"][pick]["algo"]
+    expected = poisoned((problem.m, problem.n), DTYPE, DEVICE)
+    core.gemm_with_candidate(*_core_args(problem, x, w, b, r, expected), COUNT, pick)
+
+    core.set_gemm_choice(**found["key"], index=pick, candidates=COUNT, algo=algo)
+    assert fusedenc.plan_cache_info()["size"] == 0  # setting a choice re-plans everything
+    [choice] = fusedenc.gemm_choices()
+    assert choice["status"] == "not used yet" and choice["plans"] == 0
+    assert choice["key"]["activation"] == problem.activation and choice["key"]["dtype"] == "float16"
+
+    misses = fusedenc.plan_cache_info()["misses"]
+    out = fusedenc.linear(x, w, b, problem.activation, r, alpha=problem.alpha)
+    fusedenc.linear(x, w, b, problem.activation, r, alpha=problem.alpha)  # a cache hit: no new plan
+    torch.cuda.synchronize()
+    info = fusedenc.plan_cache_info()
+    assert info["misses"] == misses + 1 and info["size"] == 1
+    [choice] = fusedenc.gemm_choices()
+    assert choice["status"] == f"in use: candidate {pick} [{algo}]", choice
+    assert choice["plans"] == 1
+    assert torch.equal(out, expected), "the op did not run the chosen candidate"
+    ref = linear_formula(x, w, b, problem.activation, r, alpha=problem.alpha, dtype=torch.float32)
+    assert_close_rule(out, ref, same_dtype_torch(x, w, b, problem.activation, r, alpha=problem.alpha), DTYPE,
+                      f"{problem.name} with candidate {pick} chosen (seed {gen.seed_value})")  # fmt: skip
+
+    # Clearing the choices returns to the heuristic's pick.
+    core.clear_gemm_choices()
+    assert fusedenc.gemm_choices() == []
+    default = fusedenc.linear(x, w, b, problem.activation, r, alpha=problem.alpha)
+    cand0 = poisoned((problem.m, problem.n), DTYPE, DEVICE)
+    core.gemm_with_candidate(*_core_args(problem, x, w, b, r, cand0), COUNT, 0)
+    assert torch.equal(default, cand0)
+
+
+def test_a_choice_that_no_longer_fits_falls_back_to_candidate_0_and_says_why(gen):
+    core = _native.native_module()
+    problem, (x, w, b, r), found = _problem_with_choices(gen)
+    cand0 = poisoned((problem.m, problem.n), DTYPE, DEVICE)
+    core.gemm_with_candidate(*_core_args(problem, x, w, b, r, cand0), COUNT, 0)
+
+    core.set_gemm_choice(**found["key"], index=1, candidates=COUNT, algo="not the measured algorithm")
+    out = fusedenc.linear(x, w, b, problem.activation, r, alpha=problem.alpha)
+    [choice] = fusedenc.gemm_choices()
+    assert choice["status"].startswith("ignored: candidate 1 is now"), choice
+    assert torch.equal(out, cand0)
+
+    n = len(found["candidates"])
+    big = core.MAX_GEMM_CANDIDATES
+    if n < COUNT:  # the heuristic had fewer than COUNT: an index past them is out of range
+        core.set_gemm_choice(**found["key"], index=COUNT - 1, candidates=COUNT, algo="")
+        out = fusedenc.linear(x, w, b, problem.activation, r, alpha=problem.alpha)
+        [choice] = fusedenc.gemm_choices()
+        assert choice["status"].startswith(f"ignored: candidate {COUNT - 1} of {COUNT}"), choice
+        assert torch.equal(out, cand0)
+    with pytest.raises(ValueError):
+        core.set_gemm_choice(**found["key"], index=big, candidates=big, algo="")
+
+
+def test_tune_gemm_writes_a_file_that_loads_without_warnings(tmp_path):
+    out = tmp_path / "gemm.json"
+    env = dict(os.environ, FUSEDENC_CONFIG_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "fusedenc.tune", "gemm", "--preset", "t82", "--batch-sizes", "16",
+         "--candidates", "4", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "winner" in r.stdout and "ERROR" not in r.stdout, r.stdout[-4000:]
+    obj = json.loads(out.read_text())
+    core = _native.native_module()
+    assert obj["schema"] == _native.GEMM_TUNING_SCHEMA
+    assert obj["measured_with"] == _native.gemm_device_metadata(core, torch.cuda.current_device())
+    assert len(obj["choices"]) == 4  # qkv, out_proj, ffn1, ffn2: four distinct problems
+    assert all(0 <= c["index"] < c["candidates"] == 4 for c in obj["choices"])
+    assert all(m["candidate_0_is_default"] for m in obj["measurements"]), obj["measurements"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _native.GemmTuningWarning)
+        report = _native.load_gemm_tuning(core, devices=[torch.cuda.current_device()], path=str(out))
+    wins = [c for c in obj["choices"] if c["index"] != 0]
+    assert report[0]["status"] == "installed" and report[0]["choices"] == len(wins), report
+    assert len(fusedenc.gemm_choices()) == len(wins)
+
+    # The installed choices serve the block's GEMMs (post-LN t82 at batch 16), within the rule.
+    block = fusedenc.EncoderBlock(768, 24, 2304, activation="swish", residual_alpha=30**-0.25)
+    block = block.to(device=DEVICE, dtype=DTYPE).eval()
+    gen = torch.Generator().manual_seed(1)
+    x = randn((16, 64, 768), DTYPE, DEVICE, gen)
+    with torch.no_grad():
+        y = block(x)
+    assert torch.isfinite(y).all()
+    for c in fusedenc.gemm_choices():
+        assert c["status"].startswith("in use"), c
+
+
+def test_a_file_from_another_device_is_ignored_with_one_warning(tmp_path):
+    core = _native.native_module()
+    index = torch.cuda.current_device()
+    meta = dict(_native.gemm_device_metadata(core, index), device_name="Some Other GPU")
+    key = {f: v for f, v in zip(_native.GEMM_KEY_FIELDS, (
+        1024, 2304, 768, 768, 768, 0, 2304, "float16", "swish", True, False, 16, 16, 16, 16, _native.WORKSPACE_BYTES,
+    ))}  # fmt: skip
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({
+        "schema": _native.GEMM_TUNING_SCHEMA, "arch": _native._device_arch(index), "measured_with": meta,
+        "choices": [{"key": key, "index": 1, "candidates": 4, "algo": ""}],
+    }))  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = _native.load_gemm_tuning(core, devices=[index], path=str(path))
+        _native.load_gemm_tuning(core, devices=[index], path=str(path))
+    ours = [w for w in caught if issubclass(w.category, _native.GemmTuningWarning)]
+    assert len(ours) == 1 and "device_name" in str(ours[0].message) and str(path) in str(ours[0].message)
+    assert report[0]["status"].startswith("ignored") and fusedenc.gemm_choices() == []
