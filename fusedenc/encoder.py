@@ -43,7 +43,7 @@ from . import _native
 from . import attention as _attention
 from .activations import ACTIVATIONS, canonical_activation
 from .norm import layer_norm
-from .ops import _current_stream, _report_fallback, linear, pack_qkv
+from .ops import _current_stream, _report_fallback, linear
 
 __all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]
 

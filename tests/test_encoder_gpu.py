@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import fusedenc
 import fusedenc.encoder as encoder_module
 from encoder_helpers import block_config, block_formula, block_params, padding_mask, randomize, stack_formula
 from fusedenc import EncoderBlock, EncoderStack

@@ -7,7 +7,7 @@ import torch
 
 import fusedenc
 from fusedenc.activations import ACTIVATIONS
-from helpers import assert_close_rule, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
+from helpers import assert_close_rule, linear_formula, poisoned, randn, same_dtype_torch
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 

@@ -32,7 +32,6 @@ import fusedenc.attention as A
 from encoder_helpers import block_config, block_formula, block_params, padding_mask, randomize
 from fusedenc import EncoderBlock, EncoderStack
 from helpers import assert_close_rule, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
-from layer_norm_helpers import ln_formula, ln_same_dtype
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
