@@ -194,8 +194,8 @@ std::unique_ptr<Plan> try_plan(blasLtHandle_t handle, const PlanKey& key, Epilog
                                       &returned);
     if (st == BLAS_STATUS_SUCCESS) {
       for (int i = 0; i < returned && static_cast<int>(plan->candidates.size()) < count; ++i) {
-        if (more[i].state != BLAS_STATUS_SUCCESS) continue;
-        if (blasLtSameAlgo(more[i].algo, plan->heuristic.algo)) continue;
+        if (!blasLtHeuristicUsable(more[i])) continue;
+        if (blasLtSameAlgo(blasLtHeuristicAlgo(more[i]), blasLtHeuristicAlgo(plan->heuristic))) continue;
         plan->candidates.push_back(more[i]);
       }
     }
@@ -428,9 +428,9 @@ CandidateCache& candidate_cache() {
   return *cache;
 }
 
-// One library handle per (device, stream): hipBLASLt handles must not be shared
-// across streams, and cuBLASLt is happy either way.  Handles live for the
-// process; destroying them at exit races the driver's own teardown.
+// One library handle per (device, stream), which both libraries accept (see
+// vendor.h).  Handles live for the process; destroying them at exit races the
+// driver's own teardown.
 blasLtHandle_t handle_for(int device, gpuStream_t stream) {
   static std::mutex mu;
   static auto* handles = new std::map<std::pair<int, uintptr_t>, blasLtHandle_t>();
@@ -532,7 +532,7 @@ bool gemm(const GemmArgs& args) {
   blasLtHandle_t handle = handle_for(args.device, args.stream);
   bool created = false;
   std::shared_ptr<Plan> plan = plan_cache().get(handle, plan_key(args), &created);
-  run_plan(handle, *plan, plan->heuristic.algo, args);
+  run_plan(handle, *plan, blasLtHeuristicAlgo(plan->heuristic), args);
   return created && plan->fell_back;
 }
 
@@ -549,7 +549,7 @@ GemmCandidates gemm_candidates(const GemmArgs& args, int count) {
   out.epilogue = plan->epilogue_name;
   out.fell_back = plan->fell_back;
   for (const auto& r : plan->candidates) {
-    out.candidates.push_back({blasLtDescribeAlgo(r), r.workspaceSize, r.wavesCount});
+    out.candidates.push_back({blasLtDescribeAlgo(r), blasLtHeuristicWorkspaceBytes(r), blasLtHeuristicWaves(r)});
   }
   return out;
 }
@@ -566,7 +566,7 @@ void gemm_with_candidate(const GemmArgs& args, int count, int index) {
                                 " out of range: " + std::to_string(plan->candidates.size()) +
                                 " candidates for " + describe(plan_key(args)));
   }
-  run_plan(handle, *plan, plan->candidates[index].algo, args);
+  run_plan(handle, *plan, blasLtHeuristicAlgo(plan->candidates[index]), args);
 }
 
 void set_gemm_choice(const GemmKey& key, int index, int count, const std::string& algo) {

@@ -3,10 +3,11 @@
 // on row-major operands, fp16/bf16/fp32 inputs with fp32 accumulation.
 //
 // The library epilogue does the bias and activation where it can (RELU_BIAS,
-// GELU_BIAS, and SWISH_BIAS_EXT on hipBLASLt); other activations get the BIAS
-// epilogue plus one in-place activation kernel.  When the heuristic finds no
-// algorithm for a fused epilogue, the plan falls back to the plain GEMM plus the
-// bias/activation kernel and records why (fallback_events()).
+// GELU_BIAS, and SWISH_BIAS where vendor.h says the library has it); other
+// activations get the BIAS epilogue plus one in-place activation kernel.  When
+// the heuristic finds no algorithm for a fused epilogue, the plan falls back to
+// the plain GEMM plus the bias/activation kernel and records why
+// (fallback_events()).
 #pragma once
 
 #include <cstddef>

@@ -323,3 +323,20 @@ inline std::string blasLtDescribeAlgo(const blasLtMatmulHeuristicResult_t& r) {
 }
 
 #endif
+
+// ------------------------------------------------------------ both vendors --
+// The heuristic result struct has the same fields in both libraries; these
+// accessors keep its member names (a vendor API) in this file.
+inline bool blasLtHeuristicUsable(const blasLtMatmulHeuristicResult_t& r) {
+  return r.state == BLAS_STATUS_SUCCESS;
+}
+inline const blasLtMatmulAlgo_t& blasLtHeuristicAlgo(const blasLtMatmulHeuristicResult_t& r) {
+  return r.algo;
+}
+inline size_t blasLtHeuristicWorkspaceBytes(const blasLtMatmulHeuristicResult_t& r) {
+  return r.workspaceSize;
+}
+inline float blasLtHeuristicWaves(const blasLtMatmulHeuristicResult_t& r) { return r.wavesCount; }
+
+// One library handle per (device, stream) is what both libraries accept:
+// hipBLASLt requires it, cuBLASLt allows it.
