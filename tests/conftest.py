@@ -37,6 +37,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs a GPU: {reason}"))
 
 
+@pytest.fixture(autouse=True)
+def _fp32_matmuls_in_full_precision():
+    """fp32 references computed by torch on the GPU must not silently use TF32 (every test)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 class SeededGenerator(torch.Generator):
     """A CPU generator that can say its seed, for failure messages."""
 

@@ -7,6 +7,7 @@ an explicit softmax, so it shares no code with fusedenc.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -15,6 +16,15 @@ import torch.nn.functional as F
 from fusedenc import EncoderBlock
 from fusedenc.activations import apply_activation
 from helpers import randn
+
+
+def torch_slow_path(module, x, dtype, **kwargs):
+    """``module`` (an nn.TransformerEncoder[Layer]) run in ``dtype`` on its slow path: train mode
+    with dropout 0 is the eval math without the fast path (which zeroes padded rows instead of
+    computing them)."""
+    m = copy.deepcopy(module).to(dtype).train()
+    with torch.no_grad():
+        return m(x.to(dtype), **kwargs)
 
 
 def block_params(block: EncoderBlock) -> dict:

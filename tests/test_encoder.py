@@ -7,14 +7,20 @@ deviates plus atol.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 
 import fusedenc
-from encoder_helpers import block_config, block_formula, block_params, padding_mask, randomize, stack_formula
+from encoder_helpers import (
+    block_config,
+    block_formula,
+    block_params,
+    padding_mask,
+    randomize,
+    stack_formula,
+    torch_slow_path,
+)
 from fusedenc import EncoderBlock, EncoderStack
 from helpers import assert_close_rule, randn
 
@@ -35,14 +41,6 @@ def _torch_layer(d, h, f, act, norm_first, batch_first, gen, bias=True):
     return layer.eval()
 
 
-def _torch_reference(module, x, dtype, **kwargs):
-    """``module`` run in ``dtype`` on its slow path: train mode with dropout 0 is the same math
-    as eval, without the fast path (which zeroes padded rows instead of computing them)."""
-    m = copy.deepcopy(module).to(dtype).train()
-    with torch.no_grad():
-        return m(x.to(dtype), **kwargs)
-
-
 # ------------------------------------------------- vs nn.TransformerEncoderLayer ----
 
 
@@ -58,8 +56,8 @@ def test_matches_transformer_encoder_layer(norm_first, activation, batch_first, 
     mask = padding_mask(b, s, gen) if with_mask else None
     with torch.no_grad():
         out = block(x, key_padding_mask=mask)
-    ref = _torch_reference(layer, x, torch.float64, src_key_padding_mask=mask)
-    same = _torch_reference(layer, x, F32, src_key_padding_mask=mask)
+    ref = torch_slow_path(layer, x, torch.float64, src_key_padding_mask=mask)
+    same = torch_slow_path(layer, x, F32, src_key_padding_mask=mask)
     assert out.shape == x.shape and out.dtype == F32
     assert_close_rule(out, ref, same, F32, what=f"seed={gen.seed_value}")
 
@@ -80,8 +78,8 @@ def test_stack_matches_transformer_encoder_with_final_norm(norm_first, gen):
     mask = padding_mask(2, 9, gen)
     with torch.no_grad():
         out = stack(x, key_padding_mask=mask)
-    ref = _torch_reference(encoder, x, torch.float64, src_key_padding_mask=mask)
-    same = _torch_reference(encoder, x, F32, src_key_padding_mask=mask)
+    ref = torch_slow_path(encoder, x, torch.float64, src_key_padding_mask=mask)
+    same = torch_slow_path(encoder, x, F32, src_key_padding_mask=mask)
     assert_close_rule(out, ref, same, F32, what=f"seed={gen.seed_value}")
 
 
@@ -92,7 +90,7 @@ def test_from_torch_without_bias(gen):
     x = randn((2, 5, 32), F32, gen=gen)
     with torch.no_grad():
         out = block(x)
-    assert_close_rule(out, _torch_reference(layer, x, torch.float64), _torch_reference(layer, x, F32), F32)
+    assert_close_rule(out, torch_slow_path(layer, x, torch.float64), torch_slow_path(layer, x, F32), F32)
 
 
 @pytest.mark.parametrize(

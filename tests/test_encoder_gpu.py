@@ -15,7 +15,15 @@ import torch
 import torch.nn as nn
 
 import fusedenc.encoder as encoder_module
-from encoder_helpers import block_config, block_formula, block_params, padding_mask, randomize, stack_formula
+from encoder_helpers import (
+    block_config,
+    block_formula,
+    block_params,
+    padding_mask,
+    randomize,
+    stack_formula,
+    torch_slow_path,
+)
 from fusedenc import EncoderBlock, EncoderStack
 from helpers import assert_close_rule, randn
 
@@ -24,14 +32,6 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 F32 = torch.float32
 HALF = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _block(d, h, f, act, dtype, gen, **kw):
@@ -47,13 +47,6 @@ def _check_block(block, x, bias=None, mask=None, *, what=""):
     assert out.dtype == x.dtype and out.shape == x.shape
     assert_close_rule(out, ref, same, x.dtype, what=what)
     return out
-
-
-def _torch_slow(module, x, dtype, **kwargs):
-    """``module`` in ``dtype`` on its slow path (train mode with dropout 0 = eval math, no fast path)."""
-    m = copy.deepcopy(module).to(dtype).train()
-    with torch.no_grad():
-        return m(x.to(dtype), **kwargs)
 
 
 # ------------------------------------------------- vs nn.TransformerEncoderLayer ----
@@ -77,8 +70,8 @@ def test_matches_transformer_encoder_layer(dtype, norm_first, activation, with_m
     mask = padding_mask(4, 64, gen, device=DEV) if with_mask else None
     with torch.inference_mode():
         out = block(x, key_padding_mask=mask)
-    ref = _torch_slow(layer, x, F32, src_key_padding_mask=mask)
-    same = _torch_slow(layer, x, dtype, src_key_padding_mask=mask)
+    ref = torch_slow_path(layer, x, F32, src_key_padding_mask=mask)
+    same = torch_slow_path(layer, x, dtype, src_key_padding_mask=mask)
     assert_close_rule(out, ref, same, dtype, what=f"seed={gen.seed_value}")
 
 
@@ -92,8 +85,8 @@ def test_stack_from_torch_matches_transformer_encoder(dtype, gen):
     mask = padding_mask(8, 32, gen, device=DEV)
     with torch.inference_mode():
         out = stack(x, key_padding_mask=mask)
-    ref = _torch_slow(encoder, x, F32, src_key_padding_mask=mask)
-    same = _torch_slow(encoder, x, dtype, src_key_padding_mask=mask)
+    ref = torch_slow_path(encoder, x, F32, src_key_padding_mask=mask)
+    same = torch_slow_path(encoder, x, dtype, src_key_padding_mask=mask)
     assert_close_rule(out, ref, same, dtype, what=f"seed={gen.seed_value}")
 
 

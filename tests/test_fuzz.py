@@ -115,14 +115,6 @@ class _Count:
         return False
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 # ------------------------------------------------------------ layouts ----
 
 

@@ -38,14 +38,6 @@ CONFIG = dict(
 )
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def _fp32_bert(impl: str, gen: torch.Generator) -> torch.nn.Module:
     """The unpatched fp32 reference on the GPU, eval mode, random parameters from ``gen``."""
     config = transformers.BertConfig(attn_implementation=impl, **CONFIG)

@@ -34,14 +34,6 @@ NAN, INF = float("nan"), float("inf")
 INF_ACTIVATIONS = ("none", "relu", "selu", "tanh", "sigmoid")
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def _set(t: torch.Tensor, index, value) -> torch.Tensor:
     t = t.clone()
     t[index] = value

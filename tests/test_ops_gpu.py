@@ -45,17 +45,6 @@ FP32_ACTIVATIONS = ("none", "relu", "gelu", "swish")
 _FRESH_M = itertools.count(start=1001, step=2)
 
 
-@pytest.fixture(autouse=True)
-def _fp32_matmuls_in_full_precision():
-    """The fp32 references (torch on the GPU) must not silently use TF32."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    if saved:
-        torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    if saved:
-        torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def _rand(shape, dtype, gen, scale=1.0):
     return randn(shape, dtype, device=DEVICE, gen=gen, scale=scale)
 

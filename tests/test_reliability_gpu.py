@@ -39,14 +39,6 @@ DEV = "cuda"
 H, BF = torch.float16, torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @pytest.fixture
 def isolated_tables(tmp_path, monkeypatch):
     """No user attention table (an empty config dir), no forced backend, fresh decisions."""
