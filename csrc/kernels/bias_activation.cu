@@ -3,6 +3,7 @@
 // fp32, one kernel instantiation per (dtype, activation, bias?) so the inner
 // loop has no branches on the activation.
 #include "bias_activation.h"
+#include "vectors.cuh"
 
 #include <algorithm>
 #include <mutex>
@@ -49,25 +50,6 @@ template <> __device__ __forceinline__ float activate<Activation::tanh>(float x)
 template <> __device__ __forceinline__ float activate<Activation::sigmoid>(float x) {
   return 1.f / (1.f + expf(-x));
 }
-
-// ---- dtype conversions ----
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_float<gpu_half>(gpu_half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_float<gpu_bf16>(gpu_bf16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ gpu_half from_float<gpu_half>(float v) { return __float2half(v); }
-template <> __device__ __forceinline__ gpu_bf16 from_float<gpu_bf16>(float v) { return __float2bfloat16(v); }
-
-constexpr int kVecBytes = 16;
-
-template <typename T>
-struct alignas(kVecBytes) Vec {
-  static constexpr int size = kVecBytes / sizeof(T);
-  T v[size];
-};
 
 template <typename T, Activation A, bool HasBias>
 __global__ void bias_activation_kernel(T* __restrict__ d, int64_t ldd, int64_t m,
@@ -144,8 +126,6 @@ void dispatch_activation(void* d, int64_t ldd, int64_t m, int64_t n, const void*
   throw std::invalid_argument("bias_activation: unknown activation id " +
                               std::to_string(static_cast<int>(act)));
 }
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % kVecBytes) == 0; }
 
 }  // namespace
 

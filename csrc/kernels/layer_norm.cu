@@ -31,6 +31,7 @@
 // lanes: groups smaller than a warp are aligned and the xor offsets stay below
 // G; groups larger than a warp are whole warps.
 #include "layer_norm.h"
+#include "vectors.cuh"
 
 #include <cmath>
 #include <string>
@@ -38,39 +39,11 @@
 namespace fusedenc {
 namespace {
 
-constexpr int kVecBytes = 16;
 constexpr int kMaxChunks = 4;           // 16-byte vectors held per thread
 constexpr int kSmallRowVecs = 32;       // rows of up to this many vectors: one per thread
 constexpr int kMaxBlockThreads = 1024;  // G for D = 16384 fp32
 constexpr int kMinBlockThreads = 128;   // a multiple of every warp size
 constexpr int kMaxWarpsPerBlock = kMaxBlockThreads / 32;  // bound for any warp size >= 32
-
-// ---- dtype conversions ----
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_float<gpu_half>(gpu_half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_float<gpu_bf16>(gpu_bf16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ gpu_half from_float<gpu_half>(float v) { return __float2half(v); }
-template <> __device__ __forceinline__ gpu_bf16 from_float<gpu_bf16>(float v) { return __float2bfloat16(v); }
-
-template <typename T>
-struct alignas(kVecBytes) Vec {
-  static constexpr int size = kVecBytes / sizeof(T);
-  T v[size];
-};
-
-template <typename T>
-__device__ __forceinline__ Vec<T> load_vec(const T* p) {
-  return *reinterpret_cast<const Vec<T>*>(p);
-}
-
-template <typename T>
-__device__ __forceinline__ void store_vec(T* p, const Vec<T>& v) {
-  *reinterpret_cast<Vec<T>*>(p) = v;
-}
 
 // Sizes and scalars of one launch (pointers are separate kernel arguments so
 // that the read-only ones can be __restrict__).
@@ -288,8 +261,6 @@ void launch(const LayerNormArgs& a, gpuStream_t stream) {
   }
   FUSEDENC_CHECK_GPU(gpuGetLastError());
 }
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % kVecBytes) == 0; }
 
 [[noreturn]] void bad(const std::string& what) { throw std::invalid_argument("layer_norm: " + what); }
 
