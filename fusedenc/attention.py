@@ -84,6 +84,10 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+# Directory of user tables ($FUSEDENC_CONFIG_DIR, default ~/.cache/fusedenc),
+# shared with the GEMM tuning files.
+from ._native import CONFIG_DIR_ENV, config_dir  # noqa: F401 - CONFIG_DIR_ENV re-exported
+
 __all__ = [
     "BACKENDS",
     "FALLBACK_ORDER",
@@ -105,8 +109,6 @@ __all__ = [
 TABLE_SCHEMA = "fusedenc.attention-table/1"
 #: Environment variable that forces a backend for every call (A/B runs).
 BACKEND_ENV = "FUSEDENC_ATTENTION_BACKEND"
-#: Directory of user tables (default ~/.cache/fusedenc).
-CONFIG_DIR_ENV = "FUSEDENC_CONFIG_DIR"
 
 #: Tried after the tables' entries, in this order; math serves every call.
 FALLBACK_ORDER = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math")
@@ -236,8 +238,11 @@ def device_metadata(device: torch.device | str) -> dict[str, Any]:
 
 def user_table_path(device: torch.device | str = "cuda") -> str:
     """Where the tuner writes, and the loader reads, the user table of ``device``'s architecture."""
-    root = os.environ.get(CONFIG_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fusedenc")
-    return os.path.join(root, f"attention_{device_arch(device)}.json")
+    return _user_table_file(device_arch(device))
+
+
+def _user_table_file(arch: str) -> str:
+    return os.path.join(config_dir(), f"attention_{arch}.json")
 
 
 # ------------------------------------------------------------ backends ----
@@ -301,6 +306,24 @@ def _first_failure(*checks: Optional[str]) -> tuple[bool, str]:
     return True, ""
 
 
+# Checks several backends share, with one wording each.
+def _gpu_check(call: AttentionCall) -> Optional[str]:
+    return _need(call.device_type == "cuda", f"needs a GPU tensor, got {call.device_type}")
+
+
+def _sm80_check(call: AttentionCall) -> Optional[str]:
+    cap = call.capability
+    return _need(call.rocm or (cap is not None and cap >= (8, 0)), f"needs sm80 or newer, got {call.arch}")
+
+
+def _half_check(call: AttentionCall) -> Optional[str]:
+    return _need(call.dtype in (torch.float16, torch.bfloat16), f"float16/bfloat16 only, got {call.dtype}")
+
+
+def _aligned_check(call: AttentionCall) -> Optional[str]:
+    return _need(call.aligned, "q, k, v pointers and strides must be 16-byte aligned")
+
+
 def _head_dim_check(call: AttentionCall, max_dim: int) -> Optional[str]:
     ok = call.head_dim % 8 == 0 and call.head_dim <= max_dim
     return _need(ok, f"head dim must be a multiple of 8 up to {max_dim}, got {call.head_dim}")
@@ -319,15 +342,14 @@ class _SdpaFlash(AttentionBackend):
         return _FLASH_OP is not None and _gpu_present() and bool(torch.backends.cuda.is_flash_attention_available())
 
     def supports(self, call):
-        cap = call.capability
         return _first_failure(
-            _need(call.device_type == "cuda", f"needs a GPU tensor, got {call.device_type}"),
-            _need(call.rocm or (cap is not None and cap >= (8, 0)), f"needs sm80 or newer, got {call.arch}"),
-            _need(call.dtype in (torch.float16, torch.bfloat16), f"float16/bfloat16 only, got {call.dtype}"),
+            _gpu_check(call),
+            _sm80_check(call),
+            _half_check(call),
             _head_dim_check(call, 256),
             _need(not call.has_bias, "takes no attn_bias"),
             _need(not call.has_mask, "takes no key_padding_mask"),
-            _need(call.aligned, "q, k, v pointers and strides must be 16-byte aligned"),
+            _aligned_check(call),
         )
 
     def kernel(self, q, k, v, bias, scale):
@@ -347,7 +369,7 @@ class _SdpaEfficient(AttentionBackend):
     def supports(self, call):
         cap = call.capability
         return _first_failure(
-            _need(call.device_type == "cuda", f"needs a GPU tensor, got {call.device_type}"),
+            _gpu_check(call),
             _need(call.rocm or (cap is not None and cap >= (5, 0)), f"needs sm50 or newer, got {call.arch}"),
             _need(
                 call.dtype != torch.bfloat16 or call.rocm or (cap is not None and cap >= (8, 0)),
@@ -379,12 +401,12 @@ class _SdpaCudnn(AttentionBackend):
             _need(call.device_type == "cuda" and not call.rocm, f"needs an NVIDIA GPU tensor, got {call.arch}"),
             _need(cap is not None and cap >= (8, 0), f"needs sm80 or newer, got {call.arch}"),
             # float32 is not rejected by the aten op: it silently returns NaN (seen with torch 2.11).
-            _need(call.dtype in (torch.float16, torch.bfloat16), f"float16/bfloat16 only, got {call.dtype}"),
+            _half_check(call),
             _need(
                 call.head_dim % 8 == 0 and call.head_dim <= max_dim,
                 f"head dim must be a multiple of 8 up to {max_dim} on {call.arch}, got {call.head_dim}",
             ),
-            _need(call.aligned, "q, k, v pointers and strides must be 16-byte aligned"),
+            _aligned_check(call),
         )
 
     def kernel(self, q, k, v, bias, scale):
@@ -426,18 +448,17 @@ class _FlashAttnPackage(AttentionBackend):
         return self._module is not None
 
     def supports(self, call):
-        cap = call.capability
         return _first_failure(
-            _need(call.device_type == "cuda", f"needs a GPU tensor, got {call.device_type}"),
-            _need(call.rocm or (cap is not None and cap >= (8, 0)), f"needs sm80 or newer, got {call.arch}"),
-            _need(call.dtype in (torch.float16, torch.bfloat16), f"float16/bfloat16 only, got {call.dtype}"),
+            _gpu_check(call),
+            _sm80_check(call),
+            _half_check(call),
             _head_dim_check(call, 256),
             _need(not call.has_bias, "takes no attn_bias"),
             _need(
                 not call.has_mask,
                 "key_padding_mask would need the varlen interface on unpadded tokens (not implemented)",
             ),
-            _need(call.aligned, "q, k, v pointers and strides must be 16-byte aligned"),
+            _aligned_check(call),
         )
 
     def kernel(self, q, k, v, bias, scale):
@@ -469,11 +490,11 @@ class _Aiter(AttentionBackend):
     def supports(self, call):
         return _first_failure(
             _need(call.device_type == "cuda" and call.rocm, f"needs a ROCm GPU tensor, got {call.arch}"),
-            _need(call.dtype in (torch.float16, torch.bfloat16), f"float16/bfloat16 only, got {call.dtype}"),
+            _half_check(call),
             _head_dim_check(call, 256),
             _need(not call.has_bias, "no attn_bias support wired up"),
             _need(not call.has_mask, "no key_padding_mask support wired up"),
-            _need(call.aligned, "q, k, v pointers and strides must be 16-byte aligned"),
+            _aligned_check(call),
         )
 
     def kernel(self, q, k, v, bias, scale):
@@ -494,10 +515,9 @@ class _TritonShort(AttentionBackend):
         return self._module is not None
 
     def supports(self, call):
-        cap = call.capability
         ok, why = _first_failure(
             _need(call.device_type == "cuda", f"needs a GPU tensor (CUDA or ROCm), got {call.device_type}"),
-            _need(call.rocm or (cap is not None and cap >= (8, 0)), f"needs sm80 or newer, got {call.arch}"),
+            _sm80_check(call),
             _need(self._module is not None, "needs the triton package (and a visible GPU)"),
         )
         if not ok:
@@ -509,7 +529,7 @@ class _TritonShort(AttentionBackend):
                 call.seq <= m.MAX_SEQ,
                 f"sequence length must be at most {m.MAX_SEQ} (all keys in one tile), got {call.seq}",
             ),
-            _need(call.aligned, "q, k, v pointers and strides must be 16-byte aligned"),
+            _aligned_check(call),
         )
 
     def kernel(self, q, k, v, bias, scale, key_padding_mask):
@@ -722,8 +742,7 @@ def _load_shipped(arch: str) -> Optional[_Table]:
 
 
 def _load_user(arch: str, device: torch.device) -> Optional[_Table]:
-    root = os.environ.get(CONFIG_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fusedenc")
-    path = os.path.join(root, f"attention_{arch}.json")
+    path = _user_table_file(arch)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
