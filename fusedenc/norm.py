@@ -56,10 +56,15 @@ def reference_layer_norm(
     return out
 
 
-def _layer_norm(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out):
+def _check(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out):
+    """Every argument rule (the eager op and both fake implementations): (eps, alpha, problem)."""
     eps = _checks.check_scalar(eps, "eps")
     alpha = _checks.check_scalar(alpha, "alpha")
-    p = _checks.check_layer_norm(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out)
+    return eps, alpha, _checks.check_layer_norm(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out)
+
+
+def _layer_norm(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out):
+    eps, alpha, p = _check(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out)
 
     if x.is_cuda and _native.backend().name != "reference":
         if out is None:
@@ -110,10 +115,7 @@ def _layer_norm_op(
 
 @_layer_norm_op.register_fake
 def _layer_norm_fake(x, weight, bias, eps, residual, alpha, x_bias):
-    eps = _checks.check_scalar(eps, "eps")
-    alpha = _checks.check_scalar(alpha, "alpha")
-    p = _checks.check_layer_norm(x, weight, bias, eps, residual, alpha, x_bias, None, None)
-    return x.new_empty(p.out_shape)
+    return x.new_empty(_check(x, weight, bias, eps, residual, alpha, x_bias, None, None)[2].out_shape)
 
 
 @torch.library.custom_op("fusedenc::layer_norm_out", mutates_args=("out", "sum_out"))
@@ -133,9 +135,7 @@ def _layer_norm_out_op(
 
 @_layer_norm_out_op.register_fake
 def _layer_norm_out_fake(out, sum_out, x, weight, bias, eps, residual, alpha, x_bias):
-    eps = _checks.check_scalar(eps, "eps")
-    alpha = _checks.check_scalar(alpha, "alpha")
-    _checks.check_layer_norm(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out)
+    _check(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out)
 
 
 # ------------------------------------------------------------- public op ----
