@@ -38,11 +38,13 @@ __all__ = [
     "Progress",
     "Timing",
     "capture_graph",
+    "comma_list",
     "copy_bandwidth",
     "environment",
     "gemm_rate",
     "l2_bytes",
     "resolve_device",
+    "start",
     "rotation_sets",
     "slug",
     "sync",
@@ -81,6 +83,20 @@ def resolve_device(name: Optional[str]) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def start(device_name: Optional[str], reps: Optional[int]) -> tuple[torch.device, int]:
+    """The benchmarks' common start: the ``--device`` made current (graphs, events and streams
+    use the current device) and the ``--reps`` default (30 on a GPU, MIN_REPS on CPU)."""
+    device = resolve_device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, reps or (30 if device.type == "cuda" else MIN_REPS)
+
+
+def comma_list(text: str) -> list[str]:
+    """A comma-separated command-line value as a list (empty items dropped)."""
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def is_cuda(device: torch.device) -> bool:

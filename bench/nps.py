@@ -776,13 +776,9 @@ def plot(records: list[dict[str, Any]], runs: list[Run], path: str, env: dict[st
 # ------------------------------------------------------------ command line ----
 
 
-def _list(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def _ints(text: str) -> list[int]:
     try:
-        values = [int(x) for x in _list(text)]
+        values = [int(x) for x in T.comma_list(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
@@ -803,7 +799,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--impl", action="append", default=None,
                     help=f"repeatable or comma list of {', '.join(IMPLS)} (default: all; on CPU without "
                          f"{' and '.join(GPU_ONLY_BY_DEFAULT)})")  # fmt: skip
-    ap.add_argument("--compile-modes", type=_list, default=[],
+    ap.add_argument("--compile-modes", type=T.comma_list, default=[],
                     help="extra torch.compile modes to time besides default, e.g. "
                          "max-autotune-no-cudagraphs,reduce-overhead")  # fmt: skip
     ap.add_argument("--compile-dynamic", action="store_true",
@@ -828,8 +824,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         ap.error(f"--reps must be at least {T.MIN_REPS} (the median of at least {T.MIN_REPS} timed runs)")
     if args.check_slack < 1.0:
         ap.error("--check-slack must be >= 1")
-    args.preset = [p for item in (args.preset or []) for p in _list(item)]
-    impls = [i for item in (args.impl or []) for i in _list(item)]
+    args.preset = [p for item in (args.preset or []) for p in T.comma_list(item)]
+    impls = [i for item in (args.impl or []) for i in T.comma_list(item)]
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         ap.error(f"unknown --impl {', '.join(bad)}; choose from {', '.join(IMPLS)}")
@@ -840,11 +836,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    device = T.resolve_device(args.device)
+    device, args.reps = T.start(args.device, args.reps)
     on_gpu = device.type == "cuda"
-    args.reps = args.reps or (30 if on_gpu else T.MIN_REPS)
-    if on_gpu:
-        torch.cuda.set_device(device)  # graphs, events and streams below use the current device
     notes: list[str] = []
 
     presets = args.preset or (["t82", "bt4", "bert-base"] if on_gpu else ["tiny"])

@@ -343,10 +343,6 @@ def report_lines(rec: dict[str, Any]) -> list[str]:
     return out
 
 
-def _list(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="bench/ops.py", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
@@ -356,7 +352,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                     help=f"repeatable or comma list of {', '.join(PRESETS)} (or NAME-sLEN); "
                          "default t82,bt4,bert-base with a GPU, tiny without")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per call; batch = tokens // seq_len (16384)")
-    ap.add_argument("--ops", type=_list, default=list(OPS), help=f"comma list of {', '.join(OPS)} (default all)")
+    ap.add_argument("--ops", type=T.comma_list, default=list(OPS), help=f"comma list of {', '.join(OPS)} (default all)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="override the presets' float16 (default float32 on CPU)")
     ap.add_argument("--reps", type=int, default=None,
@@ -377,17 +373,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     bad = [o for o in args.ops if o not in OPS]
     if bad:
         ap.error(f"unknown --ops {', '.join(bad)}; choose from {', '.join(OPS)}")
-    args.preset = [p for item in (args.preset or []) for p in _list(item)]
+    args.preset = [p for item in (args.preset or []) for p in T.comma_list(item)]
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    device = T.resolve_device(args.device)
+    device, args.reps = T.start(args.device, args.reps)
     on_gpu = device.type == "cuda"
-    args.reps = args.reps or (30 if on_gpu else T.MIN_REPS)
-    if on_gpu:
-        torch.cuda.set_device(device)  # graphs, events and streams below use the current device
     presets = args.preset or (["t82", "bt4", "bert-base"] if on_gpu else ["tiny"])
     dtype = DTYPES[args.dtype] if args.dtype else (None if on_gpu else torch.float32)
     try:
