@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fusedenc
+import fusedenc.attention as A
 
 
 def _gpu_unavailable_reason() -> str | None:
@@ -44,6 +45,16 @@ def _fp32_matmuls_in_full_precision():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.fixture
+def no_attention_tables(tmp_path, monkeypatch):
+    """No user attention table (an empty config dir), no forced backend, fresh caches."""
+    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path / "no-tables"))
+    monkeypatch.delenv(A.BACKEND_ENV, raising=False)
+    A.clear_cache()
+    yield
+    A.clear_cache()
 
 
 class SeededGenerator(torch.Generator):

@@ -21,14 +21,7 @@ from helpers import assert_close_rule, randn, ref_dtype
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def _isolated_tables(tmp_path, monkeypatch):
-    """Each test sees no user table (an empty config dir) and no forced backend, and fresh caches."""
-    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path / "no-tables"))
-    monkeypatch.delenv(A.BACKEND_ENV, raising=False)
-    A.clear_cache()
-    yield
-    A.clear_cache()
+pytestmark = pytest.mark.usefixtures("no_attention_tables")
 
 
 def packed_qkv(b, s, h, d, dtype, gen, scale=1.0):

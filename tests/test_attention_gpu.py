@@ -18,7 +18,7 @@ import fusedenc.attention as A
 from fusedenc.attention import attention, explain
 from helpers import assert_close_rule
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_attention_tables")]
 
 DEV = "cuda"
 DTYPES = [torch.float16, torch.bfloat16]
@@ -28,15 +28,6 @@ VARIANTS = ["none", "bias", "bias_broadcast", "bias_float32", "bias_strided", "m
 #: Every variant at head dim 64; the others run the two that matter most (cuDNN builds
 #: a graph per new shape, which is what makes this test slow).
 SHORT_VARIANTS = ["none", "bias+mask"]
-
-
-@pytest.fixture(autouse=True)
-def _isolated_tables(tmp_path, monkeypatch):
-    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path / "no-tables"))
-    monkeypatch.delenv(A.BACKEND_ENV, raising=False)
-    A.clear_cache()
-    yield
-    A.clear_cache()
 
 
 def _shape(s):

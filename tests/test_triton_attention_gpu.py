@@ -17,7 +17,7 @@ from helpers import assert_close_rule
 
 pytest.importorskip("triton")
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_attention_tables")]
 
 DEV = "cuda"
 NAME = "triton_short"
@@ -30,15 +30,6 @@ VARIANTS = [
 ]  # fmt: skip
 #: Every variant at head dim 32 (Lc0's); the others run the two that matter most.
 SHORT_VARIANTS = ["none", "bias+mask"]
-
-
-@pytest.fixture(autouse=True)
-def _isolated_tables(tmp_path, monkeypatch):
-    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path / "no-tables"))
-    monkeypatch.delenv(A.BACKEND_ENV, raising=False)
-    A.clear_cache()
-    yield
-    A.clear_cache()
 
 
 @pytest.fixture(autouse=True)
