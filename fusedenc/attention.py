@@ -435,17 +435,27 @@ def _try_import(name: str):
         return None
 
 
-class _FlashAttnPackage(AttentionBackend):
-    name = "flash_attn"
-    bshd_input = True
-    description = "flash-attn package: flash_attn_qkvpacked_func on packed views, else flash_attn_func"
+class _ImportedBackend(AttentionBackend):
+    """A backend whose kernels come from a module imported on first use (an optional package)."""
+
+    package = ""
+
+    def _importable_here(self) -> bool:
+        return _gpu_present()
 
     @functools.cached_property
     def _module(self):
-        return _try_import("flash_attn") if _gpu_present() else None
+        return _try_import(self.package) if self._importable_here() else None
 
     def available(self) -> bool:
         return self._module is not None
+
+
+class _FlashAttnPackage(_ImportedBackend):
+    name = "flash_attn"
+    package = "flash_attn"
+    bshd_input = True
+    description = "flash-attn package: flash_attn_qkvpacked_func on packed views, else flash_attn_func"
 
     def supports(self, call):
         return _first_failure(
@@ -475,17 +485,14 @@ class _FlashAttnPackage(AttentionBackend):
         return m.flash_attn_func(q, k, v, 0.0, softmax_scale=scale, causal=False)
 
 
-class _Aiter(AttentionBackend):
+class _Aiter(_ImportedBackend):
     name = "aiter"
+    package = "aiter"
     bshd_input = True
     description = "AMD AITER flash_attn_func (ROCm only; untested, no AMD GPU was available)"
 
-    @functools.cached_property
-    def _module(self):
-        return _try_import("aiter") if (_gpu_present() and torch.version.hip) else None
-
-    def available(self) -> bool:
-        return self._module is not None
+    def _importable_here(self) -> bool:
+        return _gpu_present() and bool(torch.version.hip)
 
     def supports(self, call):
         return _first_failure(
@@ -501,18 +508,12 @@ class _Aiter(AttentionBackend):
         return self._module.flash_attn_func(q, k, v, 0.0, softmax_scale=scale, causal=False)
 
 
-class _TritonShort(AttentionBackend):
+class _TritonShort(_ImportedBackend):
     name = "triton_short"
+    package = "fusedenc.triton_attention"
     bshd_input = True
     native_mask = True
     description = "fusedenc.triton_attention: one-tile Triton kernel for short sequences (bias and mask read in-kernel)"
-
-    @functools.cached_property
-    def _module(self):
-        return _try_import("fusedenc.triton_attention") if _gpu_present() else None
-
-    def available(self) -> bool:
-        return self._module is not None
 
     def supports(self, call):
         ok, why = _first_failure(
