@@ -8,13 +8,13 @@ an explicit softmax, so it shares no code with fusedenc.
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.nn.functional as F
 
 from fusedenc import EncoderBlock
 from fusedenc.activations import apply_activation
+from helpers import attention_formula as views_attention_formula
 from helpers import randn
 
 
@@ -42,20 +42,10 @@ def block_config(block: EncoderBlock) -> dict:
 
 
 def attention_formula(qkv, batch, seq, heads, attn_bias=None, mask=None):
-    """softmax(q k^T / sqrt(Dh) + bias, masked keys -inf) v as [B, S, D]; all-masked rows give 0."""
+    """Attention on a packed [T, 3D] QKV buffer, as [B, S, D], in qkv's dtype (see helpers)."""
     d = qkv.shape[-1] // 3
-    dh = d // heads
-    q, k, v = qkv.view(batch, seq, 3, heads, dh).permute(2, 0, 3, 1, 4)
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(dh)
-    if attn_bias is not None:
-        scores = scores + attn_bias.to(scores.dtype)
-    if mask is not None:
-        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if mask is not None or attn_bias is not None:
-        dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
-        probs = probs.masked_fill(dead, 0.0)
-    return torch.matmul(probs, v).transpose(1, 2).reshape(batch, seq, d)
+    q, k, v = qkv.view(batch, seq, 3, heads, d // heads).unbind(2)
+    return views_attention_formula(q, k, v, attn_bias, mask, dtype=qkv.dtype).view(batch, seq, d)
 
 
 def block_formula(params, x, cfg, attn_bias=None, mask=None, dtype=None):

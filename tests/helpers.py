@@ -11,6 +11,8 @@ NaN in ``ref`` must be NaN in ``out`` at the same place; NaN anywhere else fails
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fusedenc.activations import apply_activation
@@ -54,6 +56,24 @@ def same_dtype_torch(x, w, b=None, activation="none", residual=None, beta=1.0, a
     if residual is not None:
         return y + beta * residual
     return apply_activation(y, activation)
+
+
+def attention_formula(q, k, v, bias=None, mask=None, *, dtype, scale=None):
+    """Self-attention written out in ``dtype``: softmax(q k^T * scale + bias, keys where ``mask``
+    is True at -inf) v, with q, k, v ``[B, S, H, Dh]`` (scale defaults to 1/sqrt(Dh)).  A query row
+    whose keys are all -inf gives zeros (fusedenc's convention).  Returns ``[B*S, H*Dh]`` rows in
+    (B, S, H, Dh) order, what ``fusedenc.attention.attention`` returns."""
+    b, s, h, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qh, kh, vh = (t.to(dtype).permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, Dh]
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    if mask is not None:
+        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    p = torch.softmax(scores, dim=-1).masked_fill(dead, 0.0)
+    return torch.matmul(p, vh).permute(0, 2, 1, 3).reshape(b * s, h * d)
 
 
 def assert_close_rule(out, ref, same, dtype, what="", atol=None):

@@ -4,7 +4,6 @@ tables, forcing, explain(), torch.compile and the tune command's no-GPU exit."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import torch
 import fusedenc
 import fusedenc.attention as A
 from fusedenc.attention import AttentionTableWarning, attention, explain
-from helpers import assert_close_rule, randn, ref_dtype
+from helpers import assert_close_rule, attention_formula, randn, ref_dtype
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -30,26 +29,6 @@ def packed_qkv(b, s, h, d, dtype, gen, scale=1.0):
     return fusedenc.ops.split_qkv(qkv, h)
 
 
-def formula(q, k, v, bias=None, mask=None, scale=None, dtype=torch.float64):
-    """softmax(q k^T * scale + bias + mask) v written out in ``dtype``; rows with every key masked -> 0.
-
-    Returns [B*S, H*Dh] in (B, S, H, Dh) order.
-    """
-    b, s, h, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qh, kh, vh = (t.to(dtype).permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, Dh]
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.to(dtype)
-    if mask is not None:
-        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        p = p.masked_fill(mask.all(dim=1)[:, None, None, None], 0.0)
-    out = torch.matmul(p, vh)  # [B, H, S, Dh]
-    return out.permute(0, 2, 1, 3).reshape(b * s, h * d)
-
-
 def padding_mask(b, s, gen, fully_masked=(1,)):
     """Random trailing padding per sequence (each keeps >= 1 key), plus sequences that are all padding."""
     lengths = torch.randint(1, s + 1, (b,), generator=gen)
@@ -61,8 +40,8 @@ def padding_mask(b, s, gen, fully_masked=(1,)):
 
 
 def check(out, q, k, v, bias, mask, scale, dtype, what):
-    ref = formula(q, k, v, bias, mask, scale, ref_dtype(dtype))
-    same = formula(q, k, v, bias, mask, scale, dtype)
+    ref = attention_formula(q, k, v, bias, mask, dtype=ref_dtype(dtype), scale=scale)
+    same = attention_formula(q, k, v, bias, mask, dtype=dtype, scale=scale)
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}"
     assert out.dtype == dtype and out.is_contiguous(), f"{what}: dtype {out.dtype}, contiguous {out.is_contiguous()}"
     assert_close_rule(out, ref, same, dtype, what)

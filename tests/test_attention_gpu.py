@@ -4,7 +4,6 @@ no-copy outputs, CUDA graphs, torch.compile, the table's choices and the tune co
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import torch
 import fusedenc
 import fusedenc.attention as A
 from fusedenc.attention import attention, explain
-from helpers import assert_close_rule
+from helpers import assert_close_rule, attention_formula
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_attention_tables")]
 
@@ -61,21 +60,6 @@ def packed_inputs(b, s, h, d, dtype, gen, variant="none"):
     return qkv, q, k, v, bias, mask
 
 
-def formula(q, k, v, bias, mask, dtype):
-    """softmax(q k^T / sqrt(Dh) + bias + mask) v in ``dtype``; all-padding rows -> 0; [B*S, H*Dh]."""
-    b, s, h, d = q.shape
-    qh, kh, vh = (t.to(dtype).permute(0, 2, 1, 3) for t in (q, k, v))
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-    if bias is not None:
-        scores = scores + bias.to(dtype)
-    if mask is not None:
-        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        p = p.masked_fill(mask.all(dim=1)[:, None, None, None], 0.0)
-    return torch.matmul(p, vh).permute(0, 2, 1, 3).reshape(b * s, h * d)
-
-
 def _available_or_skip(name):
     if not A.BACKENDS[name].available():
         pytest.skip(f"{name} is not available here")
@@ -108,8 +92,8 @@ def test_backend_matches_reference_and_math(name, dtype, seq, head_dim, gen):
         served += 1
         out = attention(q, k, v, bias, mask, backend=name)
         torch.cuda.synchronize()
-        ref = formula(q, k, v, bias, mask, torch.float32)
-        same = formula(q, k, v, bias, mask, dtype)
+        ref = attention_formula(q, k, v, bias, mask, dtype=torch.float32)
+        same = attention_formula(q, k, v, bias, mask, dtype=dtype)
         math_out = attention(q, k, v, bias, mask, backend="sdpa_math")
         assert out.shape == (b * seq, h * head_dim) and out.dtype == dtype and out.is_contiguous(), what
         assert_close_rule(out, ref, same, dtype, what + " (vs fp32 formula)")
@@ -131,7 +115,7 @@ def test_unusual_head_dims_pick_a_backend_that_works(head_dim, gen):
         assert A.BACKENDS[ex.backend].supports(ex.call)[0]
         out = attention(q, k, v, bias, mask)
         what = f"Dh={head_dim} {variant} via {ex.backend} seed={gen.seed_value}"
-        assert_close_rule(out, formula(q, k, v, bias, mask, torch.float32), formula(q, k, v, bias, mask, torch.float16), torch.float16, what)
+        assert_close_rule(out, attention_formula(q, k, v, bias, mask, dtype=torch.float32), attention_formula(q, k, v, bias, mask, dtype=torch.float16), torch.float16, what)
 
 
 # ------------------------------------------------------------ no copy ----
@@ -224,7 +208,12 @@ def test_cuda_graph_capture_of_a_first_call(variant, gen):
 
 
 @pytest.mark.gpu
-def test_compile_fullgraph(gen):
+@pytest.mark.parametrize("backend", [None, "triton_short"], ids=["table", "triton_short"])
+def test_compile_fullgraph(backend, gen):
+    """Through the custom op under torch.compile(fullgraph=True): the table's choice, and the
+    Triton kernel forced (the one backend whose launcher is ours)."""
+    if backend is not None:
+        _available_or_skip(backend)
     torch._dynamo.reset()
     b, s, h, d = 4, 64, 4, 32
     e = h * d
@@ -237,7 +226,7 @@ def test_compile_fullgraph(gen):
 
     def block(t, with_bias):
         q, k, v = fusedenc.ops.split_qkv(torch.nn.functional.linear(t, w_qkv), h)
-        a = attention(q, k, v, bias if with_bias else None, mask if with_bias else None)
+        a = attention(q, k, v, bias if with_bias else None, mask if with_bias else None, backend=backend)
         return torch.nn.functional.linear(a, w_o)
 
     for with_bias in (False, True):

@@ -26,7 +26,7 @@ import fusedenc
 from encoder_helpers import block_config, block_formula, block_params, randomize
 from fusedenc import EncoderBlock, EncoderStack
 from fusedenc.attention import attention
-from helpers import assert_close_rule, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
+from helpers import assert_close_rule, attention_formula, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
 from layer_norm_helpers import ln_formula, ln_same_dtype
 
 H = torch.float16
@@ -325,11 +325,10 @@ def _valid(family: str, dev: str) -> None:
         same, _ = ln_same_dtype(x, w, b, 1e-5, residual=r, alpha=0.5)
         assert_close_rule(out, ref, same, H, what=f"valid layer_norm on {dev}")
     elif family == ATT:
-        from test_attention import formula  # the written-out attention
 
         q, k, v = fusedenc.ops.split_qkv(randn((2, 7, 3 * 32), H, dev, g), 2)
         out = attention(q, k, v)
-        assert_close_rule(out, formula(q, k, v, dtype=ref_dtype(H)), formula(q, k, v, dtype=H), H, what=f"valid attention on {dev}")
+        assert_close_rule(out, attention_formula(q, k, v, dtype=ref_dtype(H)), attention_formula(q, k, v, dtype=H), H, what=f"valid attention on {dev}")
     else:
         block = randomize(EncoderBlock(16, 2, 32, "swish", dtype=H, device=dev), g)
         x = randn((2, 5, 16), H, dev, g)

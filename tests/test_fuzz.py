@@ -36,7 +36,7 @@ import fusedenc
 from encoder_helpers import block_config, block_formula, block_params, randomize
 from fusedenc import EncoderBlock
 from fusedenc.activations import ACTIVATIONS
-from helpers import assert_close_rule, linear_formula, randn, ref_dtype, same_dtype_torch
+from helpers import assert_close_rule, attention_formula, linear_formula, randn, ref_dtype, same_dtype_torch
 from layer_norm_helpers import ln_formula, ln_same_dtype
 
 EXAMPLES = int(os.environ.get("FUSEDENC_FUZZ_EXAMPLES", "25"))
@@ -294,21 +294,6 @@ def test_fuzz_layer_norm(dev, case):
 # --------------------------------------------------------------- attention ----
 
 
-def attention_formula(q, k, v, bias=None, mask=None, dtype=torch.float64):
-    """softmax(q k^T / sqrt(Dh) + bias, masked keys -inf) v in ``dtype``; rows with no key -> 0.
-    Returns [B*S, H*Dh] in (B, S, H, Dh) order."""
-    b, s, h, dh = q.shape
-    qh, kh, vh = (t.to(dtype).permute(0, 2, 1, 3) for t in (q, k, v))
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(dh)
-    if bias is not None:
-        scores = scores + bias.to(dtype)
-    if mask is not None:
-        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    p = p.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
-    return torch.matmul(p, vh).permute(0, 2, 1, 3).reshape(b * s, h * dh)
-
-
 @st.composite
 def attention_cases(draw):
     dtype = draw(st.sampled_from(DTYPES))
@@ -355,8 +340,8 @@ def test_fuzz_attention(dev, case):
             mask = mask.to(dev)
         got = fusedenc.attention.attention(q, k, v, bias, mask)
         assert got.shape == (b * s, h * dh) and got.dtype == dtype
-        ref = attention_formula(q, k, v, bias, mask, ref_dtype(dtype))
-        same = attention_formula(q, k, v, bias, mask, dtype)
+        ref = attention_formula(q, k, v, bias, mask, dtype=ref_dtype(dtype))
+        same = attention_formula(q, k, v, bias, mask, dtype=dtype)
         assert_close_rule(got, ref, same, dtype, what=f"attention {c}")
 
 

@@ -80,23 +80,6 @@ def test_case_under_interpreter(case, results):
 # ------------------------------------------------------------ child side ----
 
 
-def formula(q, k, v, bias, mask, scale, dtype):
-    """softmax(q k^T * scale + bias, masked keys -inf) v in ``dtype``; rows of all -inf -> 0.
-
-    Returns [B*S, H*Dh] in (B, S, H, Dh) order.
-    """
-    b, s, h, d = q.shape
-    qh, kh, vh = (t.to(dtype).permute(0, 2, 1, 3) for t in (q, k, v))
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.to(dtype)
-    if mask is not None:
-        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)  # every key removed: zeros
-    p = torch.softmax(scores, dim=-1).masked_fill(dead, 0.0)
-    return torch.matmul(p, vh).permute(0, 2, 1, 3).reshape(b * s, h * d)
-
-
 def make_inputs(case, gen):
     b, s, h, d, dtype_name, bias_kind, mask_kind, extra = case
     dtype = DTYPES[dtype_name]
@@ -141,7 +124,7 @@ def make_inputs(case, gen):
     return q, k, v, bias, mask
 
 
-def run_case(case, gen, short_attention, LaunchConfig, assert_close_rule):
+def run_case(case, gen, short_attention, LaunchConfig, assert_close_rule, attention_formula):
     b, s, h, d, dtype_name, bias_kind, mask_kind, extra = case
     dtype = DTYPES[dtype_name]
     q, k, v, bias, mask = make_inputs(case, gen)
@@ -162,8 +145,8 @@ def run_case(case, gen, short_attention, LaunchConfig, assert_close_rule):
     assert out.shape == (b * s, h * d) and out.dtype == dtype, f"shape {tuple(out.shape)}, dtype {out.dtype}"
     assert out.stride() == (h * d, 1), f"not dense [B*S, H*Dh] rows: strides {out.stride()}"
     ref_dtype = torch.float64 if dtype == torch.float32 else torch.float32
-    ref = formula(q, k, v, bias, mask, scale, ref_dtype)
-    same = formula(q, k, v, bias, mask, scale, dtype)
+    ref = attention_formula(q, k, v, bias, mask, dtype=ref_dtype, scale=scale)
+    same = attention_formula(q, k, v, bias, mask, dtype=dtype, scale=scale)
     assert_close_rule(out, ref, same, dtype, "vs formula")
     rows = out.view(b, s, h, d)
     if mask_kind == "padded" and b > 1:
@@ -179,7 +162,7 @@ def run_case(case, gen, short_attention, LaunchConfig, assert_close_rule):
 def main(seed: int) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     assert os.environ.get("TRITON_INTERPRET") == "1", "run by the tests with TRITON_INTERPRET=1"
-    from helpers import assert_close_rule
+    from helpers import assert_close_rule, attention_formula
 
     from fusedenc.triton_attention import LaunchConfig, short_attention
 
@@ -188,7 +171,7 @@ def main(seed: int) -> int:
     for i, case in enumerate(CASES):
         gen = torch.Generator().manual_seed(seed + i)
         try:
-            run_case(case, gen, short_attention, LaunchConfig, assert_close_rule)
+            run_case(case, gen, short_attention, LaunchConfig, assert_close_rule, attention_formula)
             error = None
         except Exception as exc:  # noqa: BLE001 - reported to the parent, one case at a time
             error = f"{type(exc).__name__}: {exc}"
