@@ -256,12 +256,7 @@ def _run_attention(args: argparse.Namespace) -> int:
                     print("  crossover: " + ("; ".join(cross) if cross else "none (one winner throughout)") + "\n")
 
     table = _merge_table(A, out_path, arch, meta, rules, replace=args.replace)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, out_path)
+    _write_json_atomically(out_path, table)
     A.clear_cache()
     print(f"wrote {len(table['rules'])} rules to {out_path}")
     if args.json:
@@ -302,6 +297,21 @@ def _measure_case(A, names, b, s, h, d, dtype, variant, device, gen, args) -> di
     return row
 
 
+def _write_json_atomically(path: str, obj: dict) -> None:
+    """Write a table so that a reader (another process starting) never sees half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _measured_by(subcommand: str) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"measured by `python -m fusedenc.tune {subcommand}` on {now}"
+
+
 def _merge_table(A, path, arch, meta, rules: dict, replace: bool) -> dict:
     old_rules: list[dict] = []
     if not replace and os.path.exists(path):
@@ -315,8 +325,7 @@ def _merge_table(A, path, arch, meta, rules: dict, replace: bool) -> dict:
     return {
         "schema": A.TABLE_SCHEMA,
         "arch": arch,
-        "source": "measured by `python -m fusedenc.tune attention` on "
-        + datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "source": _measured_by("attention"),
         "measured_with": meta,
         "rules": list(rules.values()) + old_rules,
     }
@@ -708,12 +717,7 @@ def _run_gemm(args: argparse.Namespace) -> int:
         })  # fmt: skip
     table = _merge_gemm_file(_native, out_path, arch, meta, choices, replace=args.replace)
     table["measurements"] = list(measured.values())
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, out_path)
+    _write_json_atomically(out_path, table)
     wins = [c for c in table["choices"] if c["index"] != 0]
     print(f"wrote {len(table['choices'])} problems ({len(wins)} with a measured winner other than the heuristic's "
           f"pick) to {out_path}; processes load it when the native core is first used")  # fmt: skip
@@ -734,8 +738,7 @@ def _merge_gemm_file(_native, path, arch, meta, choices: list[dict], replace: bo
     return {
         "schema": _native.GEMM_TUNING_SCHEMA,
         "arch": arch,
-        "source": "measured by `python -m fusedenc.tune gemm` on "
-        + datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "source": _measured_by("gemm"),
         "measured_with": meta,
         "choices": choices + old,
     }
