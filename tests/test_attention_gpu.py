@@ -15,6 +15,7 @@ import torch
 import fusedenc
 import fusedenc.attention as A
 from fusedenc.attention import attention, explain
+from attention_helpers import COPY_OPS, packed_inputs
 from helpers import assert_close_rule, attention_formula
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_attention_tables")]
@@ -36,28 +37,6 @@ def _shape(s):
     if s >= 512:
         return 2, 2
     return 3, 4
-
-
-def packed_inputs(b, s, h, d, dtype, gen, variant="none"):
-    """q, k, v as strided views of one packed [B, S, 3, H, Dh] buffer (what fused_qkv returns)."""
-    qkv = torch.randn((b, s, 3 * h * d), generator=gen).to(DEV, dtype)
-    q, k, v = fusedenc.ops.split_qkv(qkv, h)
-    bias = mask = None
-    if variant in ("bias", "bias+mask"):
-        bias = torch.randn((b, h, s, s), generator=gen).to(DEV, dtype)
-    elif variant == "bias_broadcast":
-        bias = torch.randn((1, h, s, s), generator=gen).to(DEV, dtype)
-    elif variant == "bias_float32":
-        bias = torch.randn((b, h, s, s), generator=gen).to(DEV)
-    elif variant == "bias_strided":  # a transposed view: unit stride in the wrong dimension
-        bias = torch.randn((b, h, s, s), generator=gen).to(DEV, dtype).transpose(-1, -2)
-    if variant in ("mask", "bias+mask", "bias_float32"):
-        lengths = torch.randint(1, s + 1, (b,), generator=gen)
-        mask = torch.arange(s)[None, :] >= lengths[:, None]
-        if b > 1:
-            mask[1] = True  # a sequence that is all padding: its rows must be zeros
-        mask = mask.to(DEV)
-    return qkv, q, k, v, bias, mask
 
 
 def _available_or_skip(name):
@@ -121,7 +100,6 @@ def test_unusual_head_dims_pick_a_backend_that_works(head_dim, gen):
 # ------------------------------------------------------------ no copy ----
 
 
-_COPY_OPS = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::to"}
 
 
 @pytest.mark.gpu
@@ -149,7 +127,7 @@ def test_output_is_the_kernel_output_without_copy(name, gen, monkeypatch):
     kout = kernel_outputs[0]
     assert out.untyped_storage().data_ptr() == kout.untyped_storage().data_ptr(), f"{name}: output was copied"
     assert out.data_ptr() == kout.data_ptr() and out.stride() == (256, 1)
-    copies = [e.key for e in prof.key_averages() if e.key in _COPY_OPS]
+    copies = [e.key for e in prof.key_averages() if e.key in COPY_OPS]
     assert copies == [], f"{name}: copy ops in the call: {copies}"
 
 

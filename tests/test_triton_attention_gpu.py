@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fusedenc
 import fusedenc.attention as A
 from fusedenc.attention import attention, explain
+from attention_helpers import COPY_OPS, packed_inputs
 from helpers import assert_close_rule, attention_formula
 
 pytest.importorskip("triton")
@@ -35,31 +35,6 @@ SHORT_VARIANTS = ["none", "bias+mask"]
 def _needs_backend():
     if not A.BACKENDS[NAME].available():
         pytest.fail(f"{NAME} is not available on this GPU machine (triton installed, GPU visible)")
-
-
-def packed_inputs(b, s, h, d, dtype, gen, variant="none"):
-    """q, k, v as strided views of one packed [B, S, 3, H, Dh] buffer (what fused_qkv returns),
-    plus the bias and mask of ``variant``; masked variants make sequence 1 all padding."""
-    qkv = torch.randn((b, s, 3 * h * d), generator=gen).to(DEV, dtype)
-    q, k, v = fusedenc.ops.split_qkv(qkv, h)
-    bias = mask = None
-    if variant in ("bias", "bias+mask"):
-        bias = torch.randn((b, h, s, s), generator=gen).to(DEV, dtype)
-    elif variant == "bias_broadcast":
-        bias = torch.randn((1, h, s, s), generator=gen).to(DEV, dtype)
-    elif variant == "bias_expanded":  # [B, H, S, S] with batch stride 0
-        bias = torch.randn((1, h, s, s), generator=gen).to(DEV, dtype).expand(b, h, s, s)
-    elif variant == "bias_float32":  # read as float32 in-kernel, never cast to a copy
-        bias = torch.randn((b, h, s, s), generator=gen).to(DEV)
-    elif variant == "bias_strided":  # a transposed view: unit stride in the wrong dimension
-        bias = torch.randn((b, h, s, s), generator=gen).to(DEV, dtype).transpose(-1, -2)
-    if variant in ("mask", "bias+mask", "bias_float32"):
-        lengths = torch.randint(1, s + 1, (b,), generator=gen)
-        mask = torch.arange(s)[None, :] >= lengths[:, None]
-        if b > 1:
-            mask[1] = True
-        mask = mask.to(DEV)
-    return qkv, q, k, v, bias, mask
 
 
 def _shape(s):
@@ -160,7 +135,6 @@ def test_alternative_launch_configs(seq, head_dim, config, gen):
 # ------------------------------------------------------------ no copy ----
 
 
-_COPY_OPS = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::to"}
 #: What merging a mask into a bias would cost: none of it may run.
 _MASK_OPS = {"aten::where", "aten::masked_fill", "aten::masked_fill_", "aten::fill_", "aten::add", "aten::expand"}
 
@@ -188,7 +162,7 @@ def test_output_is_the_kernel_output_without_copy(variant, gen, monkeypatch):
     assert out.untyped_storage().data_ptr() == kout.untyped_storage().data_ptr(), "output was copied"
     assert out.data_ptr() == kout.data_ptr() and out.stride() == (256, 1)
     ops = {e.key for e in prof.key_averages()}
-    assert not ops & _COPY_OPS, f"copy ops in the call: {ops & _COPY_OPS}"
+    assert not ops & COPY_OPS, f"copy ops in the call: {ops & COPY_OPS}"
     assert not ops & _MASK_OPS, f"bias/mask preparation ops in the call: {ops & _MASK_OPS}"
 
 

@@ -1,0 +1,36 @@
+"""Inputs for the attention GPU tests, shared by the generic and the per-backend modules."""
+
+from __future__ import annotations
+
+import torch
+
+import fusedenc
+
+#: Ops that would mean the attention result was copied on its way to [B*S, H*Dh].
+COPY_OPS = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::to"}
+
+
+def packed_inputs(b, s, h, d, dtype, gen, variant="none", device="cuda"):
+    """q, k, v as strided views of one packed [B, S, 3, H, Dh] buffer (what fused_qkv returns),
+    plus the bias and mask of ``variant``; masked variants make sequence 1 all padding (its rows
+    must come out as zeros)."""
+    qkv = torch.randn((b, s, 3 * h * d), generator=gen).to(device, dtype)
+    q, k, v = fusedenc.ops.split_qkv(qkv, h)
+    bias = mask = None
+    if variant in ("bias", "bias+mask"):
+        bias = torch.randn((b, h, s, s), generator=gen).to(device, dtype)
+    elif variant == "bias_broadcast":
+        bias = torch.randn((1, h, s, s), generator=gen).to(device, dtype)
+    elif variant == "bias_expanded":  # [B, H, S, S] with batch stride 0
+        bias = torch.randn((1, h, s, s), generator=gen).to(device, dtype).expand(b, h, s, s)
+    elif variant == "bias_float32":  # float32 bias with half q, k, v
+        bias = torch.randn((b, h, s, s), generator=gen).to(device)
+    elif variant == "bias_strided":  # a transposed view: unit stride in the wrong dimension
+        bias = torch.randn((b, h, s, s), generator=gen).to(device, dtype).transpose(-1, -2)
+    if variant in ("mask", "bias+mask", "bias_float32"):
+        lengths = torch.randint(1, s + 1, (b,), generator=gen)
+        mask = torch.arange(s)[None, :] >= lengths[:, None]
+        if b > 1:
+            mask[1] = True
+        mask = mask.to(device)
+    return qkv, q, k, v, bias, mask
