@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for the performance issue: build, measure
+# the attention backends and the GEMM candidates and write both tuning tables
+# (into a fresh FUSEDENC_CONFIG_DIR, so nothing stale is read), time the
+# per-op microbenchmarks that the levers touch, then run the nps comparison
+# with those tables loaded.  Every step is capped so that one slow step
+# still leaves the others' results.  Everything lands in $OUT/perf.tgz (the
+# device returns at most 8 files), and a summary is printed last.
+# Usage: bash tools/gpu_perf.sh
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+WORK=$(mktemp -d)
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FUSEDENC_REQUIRE_NATIVE=cuda
+export FUSEDENC_CUDA_ARCHITECTURES=${FUSEDENC_CUDA_ARCHITECTURES:-90}
+export FUSEDENC_CONFIG_DIR="$WORK/config"
+mkdir -p "$FUSEDENC_CONFIG_DIR"
+
+step() {  # step NAME SECONDS command...: runs it under a cap, logs to $WORK/NAME.log
+  local name=$1 cap=$2; shift 2
+  local start=$(date +%s)
+  timeout --signal=INT --kill-after=15 "$cap" "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc, $(( $(date +%s) - start ))s" | tee -a "$WORK/steps.txt"
+}
+
+if ! python3 -c "import fusedenc._C" 2>/dev/null; then
+  step build 120 python3 -m pip install --no-build-isolation --no-deps -e .
+fi
+step tune-attention 45 python3 -m fusedenc.tune attention --quick --dtype float16 --head-dims 32,64
+step tune-gemm 70 python3 -m fusedenc.tune gemm --preset t82,bt4,bert-base --batch-sizes 1,16,32,64,256,1024
+step ops 50 python3 bench/ops.py --preset t82 --ops ffn1,attention --out-dir "$WORK" --no-progress --step-timeout 40
+step nps-t82 180 python3 bench/nps.py --preset t82 --compile-modes default,reduce-overhead \
+  --out-dir "$WORK" --no-progress --step-timeout 120
+step nps-bt4 60 python3 bench/nps.py --preset bt4 --batch-sizes 64,256 --out-dir "$WORK" --no-progress --step-timeout 60
+step nps-bert 55 python3 bench/nps.py --preset bert-base-s128 --batch-sizes 32 --out-dir "$WORK" --no-progress --step-timeout 60
+cp "$FUSEDENC_CONFIG_DIR"/*.json "$WORK"/ 2>/dev/null
+(cd "$WORK" && tar czf "$OUT/perf.tgz" .)
+
+echo "==== steps"; cat "$WORK/steps.txt"
+for f in "$WORK"/nps-*.log; do echo "==== $(basename "$f")"; grep -E "^ +[0-9]+ +(torch-compile|fusedenc|gemm-floor)" "$f" | cut -c1-100; done
+echo "==== ops"; grep -E "^ +(ffn1|attention|torch|F\.|fusedenc|triton)" "$WORK/ops.log" | cut -c1-130 | head -30
