@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One call on the GPU machine for the performance issue: build, measure
-# the attention backends and the GEMM candidates and write both tuning tables
-# (into a fresh FUSEDENC_CONFIG_DIR, so nothing stale is read), time the
-# per-op microbenchmarks that the levers touch, then run the nps comparison
-# with those tables loaded.  Every step is capped so that one slow step
+# One call on the GPU machine for the performance issue: build; optionally
+# run GPU tests (FUSEDENC_PERF_TESTS="pytest args") and measure a user
+# attention table (FUSEDENC_PERF_TUNE_ATTENTION=1; else the shipped table
+# runs); measure the GEMM candidates into a gemm tuning table (both into a
+# fresh FUSEDENC_CONFIG_DIR, so nothing stale is read); time the per-op
+# microbenchmarks that the levers touch; then run the nps comparison with
+# those tables loaded.  Every step is capped so that one slow step
 # still leaves the others' results.  Everything lands in $OUT/perf.tgz (the
 # device returns at most 8 files), and a summary is printed last.
 # Usage: bash tools/gpu_perf.sh
@@ -27,19 +29,25 @@ step() {  # step NAME SECONDS command...: runs it under a cap, logs to $WORK/NAM
 if ! python3 -c "import fusedenc._C" 2>/dev/null; then
   step build 120 python3 -m pip install --no-build-isolation --no-deps -e .
 fi
-# batch*heads up to 16384: the presets' large batches (t82 at 256 positions is 6144) are
-# where the short-sequence kernel wins; --quick measures 256 only.
-step tune-attention 150 python3 -m fusedenc.tune attention --dtype float16 --head-dims 32,64,128 \
-  --seq-lens 64,128,256,512 --batch-heads 512,4096,16384 --json "$WORK/attention-measurements.json"
+if [ -n "${FUSEDENC_PERF_TESTS:-}" ]; then  # GPU tests first (pytest args, e.g. "tests/test_attention_gpu.py")
+  FUSEDENC_REQUIRE_GPU=1 step gpu-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $FUSEDENC_PERF_TESTS
+fi
+if [ -n "${FUSEDENC_PERF_TUNE_ATTENTION:-}" ]; then  # a measured user table instead of the shipped one
+  # batch*heads up to 16384: the presets' large batches (t82 at 256 positions is 6144) are
+  # where the short-sequence kernel wins; --quick measures 256 only.
+  step tune-attention 150 python3 -m fusedenc.tune attention --dtype float16 --head-dims 32,64,128 \
+    --seq-lens 64,128,256,512 --batch-heads 512,4096,16384 --json "$WORK/attention-measurements.json"
+fi
 step tune-gemm 60 python3 -m fusedenc.tune gemm --preset t82,bt4,bert-base --batch-sizes 1,16,32,64,256,1024
-step ops 50 python3 bench/ops.py --preset t82 --ops ffn1,attention --out-dir "$WORK" --no-progress --step-timeout 40
+step ops 40 python3 bench/ops.py --preset t82,bt4,bert-base --ops ffn1,attention --out-dir "$WORK" --no-progress --step-timeout 30
 step nps-t82 160 python3 bench/nps.py --preset t82 --compile-modes default,reduce-overhead \
   --out-dir "$WORK" --no-progress --step-timeout 120
 step nps-bt4 60 python3 bench/nps.py --preset bt4 --batch-sizes 64,256 --out-dir "$WORK" --no-progress --step-timeout 60
-step nps-bert 55 python3 bench/nps.py --preset bert-base-s128 --batch-sizes 32 --out-dir "$WORK" --no-progress --step-timeout 60
+step nps-bert 70 python3 bench/nps.py --preset bert-base-s128 --batch-sizes 16,32,256 --out-dir "$WORK" --no-progress --step-timeout 60
 cp "$FUSEDENC_CONFIG_DIR"/*.json "$WORK"/ 2>/dev/null
 (cd "$WORK" && tar czf "$OUT/perf.tgz" .)
 
 echo "==== steps"; cat "$WORK/steps.txt"
+[ -f "$WORK/gpu-tests.log" ] && { echo "==== GPU tests"; grep -E "^(FAILED|ERROR)|passed|failed" "$WORK/gpu-tests.log" | tail -15; }
 for f in "$WORK"/nps-*.log; do echo "==== $(basename "$f")"; grep -E "^ +[0-9]+ +(torch-compile|fusedenc|gemm-floor)" "$f" | cut -c1-100; done
 echo "==== ops"; grep -E "^ +(ffn1|attention|torch|F\.|fusedenc|triton)" "$WORK/ops.log" | cut -c1-130 | head -30
