@@ -322,12 +322,28 @@ def _driver(device: torch.device) -> dict[str, Any]:
 
 
 def _git_commit() -> Optional[str]:
+    # A copy of the tree whose .git is stale (a remote GPU machine's) names the
+    # commit it was made from in FUSEDENC_SOURCE_COMMIT.
+    if os.environ.get("FUSEDENC_SOURCE_COMMIT"):
+        return os.environ["FUSEDENC_SOURCE_COMMIT"] + " (from FUSEDENC_SOURCE_COMMIT)"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     head = _run(["git", "-C", root, "rev-parse", "HEAD"])
     if head is None:
         return None
     dirty = _run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"])
     return head + ("+dirty" if dirty else "")
+
+
+def _tuning_files() -> dict[str, Any]:
+    """Which user tuning tables (attention, GEMM) the run could load: they change the results."""
+    from fusedenc import _native
+
+    where = _native.config_dir()
+    try:
+        names = sorted(n for n in os.listdir(where) if n.endswith(".json"))
+    except OSError:
+        names = []
+    return {"config_dir": where, "files": names, "gemm_tuning_env": os.environ.get(_native.GEMM_TUNING_ENV)}
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -349,6 +365,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "git_commit": _git_commit(),
+        "tuning_files": _tuning_files(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if is_cuda(device):

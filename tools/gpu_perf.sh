@@ -8,7 +8,8 @@
 # those tables loaded.  Every step is capped so that one slow step
 # still leaves the others' results.  Everything lands in $OUT/perf.tgz (the
 # device returns at most 8 files), and a summary is printed last.
-# Usage: bash tools/gpu_perf.sh
+# Usage: FUSEDENC_SOURCE_COMMIT=<the commit you sent> bash tools/gpu_perf.sh
+# (the device's copy of .git can be stale: the result files take the commit from it)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 WORK=$(mktemp -d)
