@@ -351,8 +351,19 @@ def parse_gemm_tuning(text: str, arch: str) -> tuple[dict[str, Any], list[dict[s
     return measured, choices
 
 
-def metadata_differences(measured: dict[str, Any], here: dict[str, Any]) -> list[str]:
-    return [f"{k}: file {measured.get(k)!r}, here {here.get(k)!r}" for k in GEMM_MATCH_KEYS if measured.get(k) != here.get(k)]
+def metadata_differences(
+    measured: dict[str, Any], here: dict[str, Any], keys: tuple[str, ...] = GEMM_MATCH_KEYS
+) -> list[str]:
+    """``key: file X, here Y`` for each of ``keys`` where a tuning file's ``measured_with`` differs from this machine."""
+    return [f"{k}: file {measured.get(k)!r}, here {here.get(k)!r}" for k in keys if measured.get(k) != here.get(k)]
+
+
+def warn_once_per_file(seen: set[str], path: str, message: str, category: type[Warning], stacklevel: int) -> None:
+    """Warn about a user tuning file once per process (``seen`` holds the paths already reported)."""
+    if path in seen:
+        return
+    seen.add(path)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 _tuning_lock = threading.Lock()
@@ -361,15 +372,13 @@ _warned_tuning: set[str] = set()
 
 
 def _warn_tuning(path: str, why: str) -> None:
-    if path in _warned_tuning:
-        return
-    _warned_tuning.add(path)
-    warnings.warn(
+    warn_once_per_file(
+        _warned_tuning, path,
         f"fusedenc: ignoring GEMM tuning file {path}: {why}. Re-run `python -m fusedenc.tune gemm` on this "
         "machine to measure a new one; until then the heuristic's first algorithm runs.",
         GemmTuningWarning,
         stacklevel=3,
-    )
+    )  # fmt: skip
 
 
 def _device_arch(index: int) -> str:

@@ -90,6 +90,7 @@ import torch
 
 # Directory of user tables ($FUSEDENC_CONFIG_DIR, default ~/.cache/fusedenc),
 # shared with the GEMM tuning files.
+from . import _native
 from ._native import CONFIG_DIR_ENV, config_dir  # noqa: F401 - CONFIG_DIR_ENV re-exported
 
 __all__ = [
@@ -724,15 +725,13 @@ _warned_paths: set[str] = set()
 
 
 def _warn_ignored(path: str, why: str) -> None:
-    if path in _warned_paths:
-        return
-    _warned_paths.add(path)
-    warnings.warn(
+    _native.warn_once_per_file(
+        _warned_paths, path,
         f"fusedenc: ignoring attention table {path}: {why}. Re-run `python -m fusedenc.tune attention` "
         "on this machine to measure a new one; until then the shipped table is used.",
         AttentionTableWarning,
         stacklevel=7,  # the caller of attention()
-    )
+    )  # fmt: skip
 
 
 def _load_shipped(arch: str) -> Optional[_Table]:
@@ -761,8 +760,7 @@ def _load_user(arch: str, device: torch.device) -> Optional[_Table]:
     except _TableError as exc:
         _warn_ignored(path, str(exc))
         return None
-    here = device_metadata(device)
-    diffs = [f"{k}: table {measured.get(k)!r}, here {here[k]!r}" for k in METADATA_KEYS if measured.get(k) != here[k]]
+    diffs = _native.metadata_differences(measured, device_metadata(device), METADATA_KEYS)
     if diffs:
         _warn_ignored(path, "measured on another device or library version (" + "; ".join(diffs) + ")")
         return None
@@ -1099,7 +1097,7 @@ def attention(
     """
     if torch.compiler.is_compiling():
         return torch.ops.fusedenc.attention(q, k, v, attn_bias, key_padding_mask, scale, backend)
-    return _plan_for(q, k, v, attn_bias, key_padding_mask, scale, backend).run(q, k, v, attn_bias, key_padding_mask)
+    return _attention(q, k, v, attn_bias, key_padding_mask, scale, backend)
 
 
 def explain(
