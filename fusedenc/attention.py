@@ -83,7 +83,6 @@ import json
 import math
 import os
 import threading
-import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
