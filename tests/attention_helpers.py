@@ -10,6 +10,20 @@ import fusedenc
 COPY_OPS = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::to"}
 
 
+def record_kernel_outputs(backend, monkeypatch) -> list:
+    """Wraps ``backend.kernel`` for this test; returns the list each tensor it returns is appended to."""
+    outputs = []
+    original = backend.kernel
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        outputs.append(out)
+        return out
+
+    monkeypatch.setattr(backend, "kernel", spy)
+    return outputs
+
+
 def packed_inputs(b, s, h, d, dtype, gen, variant="none", device="cuda"):
     """q, k, v as strided views of one packed [B, S, 3, H, Dh] buffer (what fused_qkv returns),
     plus the bias and mask of ``variant``; masked variants make sequence 1 all padding (its rows

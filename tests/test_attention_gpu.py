@@ -15,7 +15,7 @@ import torch
 import fusedenc
 import fusedenc.attention as A
 from fusedenc.attention import attention, explain
-from attention_helpers import COPY_OPS, packed_inputs
+from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs
 from helpers import assert_close_rule, attention_formula
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_attention_tables")]
@@ -100,22 +100,12 @@ def test_unusual_head_dims_pick_a_backend_that_works(head_dim, gen):
 # ------------------------------------------------------------ no copy ----
 
 
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash_attn"])
 def test_output_is_the_kernel_output_without_copy(name, gen, monkeypatch):
     _available_or_skip(name)
     backend = A.BACKENDS[name]
-    kernel_outputs = []
-    original = backend.kernel
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        kernel_outputs.append(out)
-        return out
-
-    monkeypatch.setattr(backend, "kernel", spy)
+    kernel_outputs = record_kernel_outputs(backend, monkeypatch)
     A.clear_cache()
     variant = "none" if name in ("sdpa_flash", "flash_attn") else "bias"
     qkv, q, k, v, bias, mask = packed_inputs(4, 64, 4, 64, torch.float16, gen, variant)

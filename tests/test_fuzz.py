@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fusedenc
-from encoder_helpers import block_config, block_formula, block_params, randomize
+from encoder_helpers import block_config, block_formula, block_params, padding_mask, randomize
 from fusedenc import EncoderBlock
 from fusedenc.activations import ACTIVATIONS
 from helpers import assert_close_rule, attention_formula, linear_formula, randn, ref_dtype, same_dtype_torch
@@ -310,6 +310,26 @@ def attention_cases(draw):
     )
 
 
+def _attn_bias(kind, b, h, s, dtype, dev, g):
+    """The additive attention bias a case names: none, per_batch [B, H, S, S], broadcast [1, H, S, S],
+    fp32 (with half q, k, v) or transposed (a view with unit stride in the wrong dimension)."""
+    if kind == "none":
+        return None
+    if kind == "broadcast":
+        return randn((1, h, s, s), dtype, dev, g)
+    if kind == "fp32":
+        return randn((b, h, s, s), torch.float32, dev, g)
+    bias = randn((b, h, s, s), dtype, dev, g)
+    return bias.transpose(-1, -2) if kind == "transposed" else bias
+
+
+def _padding_mask(kind, b, s, dev, g):
+    """none, lengths (a random length per sequence) or one_sequence_all_padding (the last one)."""
+    if kind == "none":
+        return None
+    return padding_mask(b, s, g, device=dev, full_row=kind == "one_sequence_all_padding" and b > 0)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @FUZZ
 @given(case=attention_cases())
@@ -322,22 +342,8 @@ def test_fuzz_attention(dev, case):
             q, k, v = fusedenc.ops.split_qkv(randn((b, s, 3 * h * dh), dtype, dev, g), h)
         else:
             q, k, v = (randn((b, s, h, dh), dtype, dev, g) for _ in range(3))
-        bias = None
-        if c["bias"] == "per_batch":
-            bias = randn((b, h, s, s), dtype, dev, g)
-        elif c["bias"] == "broadcast":
-            bias = randn((1, h, s, s), dtype, dev, g)
-        elif c["bias"] == "fp32":
-            bias = randn((b, h, s, s), torch.float32, dev, g)
-        elif c["bias"] == "transposed":
-            bias = randn((b, h, s, s), dtype, dev, g).transpose(-1, -2)
-        mask = None
-        if c["mask"] != "none":
-            lengths = torch.randint(1, s + 1, (b,), generator=g)
-            mask = torch.arange(s)[None, :] >= lengths[:, None]
-            if c["mask"] == "one_sequence_all_padding" and b:
-                mask[b - 1] = True
-            mask = mask.to(dev)
+        bias = _attn_bias(c["bias"], b, h, s, dtype, dev, g)
+        mask = _padding_mask(c["mask"], b, s, dev, g)
         got = fusedenc.attention.attention(q, k, v, bias, mask)
         assert got.shape == (b * s, h * dh) and got.dtype == dtype
         ref = attention_formula(q, k, v, bias, mask, dtype=ref_dtype(dtype))
@@ -380,19 +386,8 @@ def test_fuzz_block(dev, case):
                              bias=c["bias"], dtype=dtype, device=dev)  # fmt: skip
         randomize(block, g)
         x = randn((b, s, d), dtype, dev, g)
-        bias = {
-            "none": lambda: None,
-            "per_batch": lambda: randn((b, h, s, s), dtype, dev, g),
-            "broadcast": lambda: randn((1, h, s, s), dtype, dev, g),
-            "fp32": lambda: randn((b, h, s, s), torch.float32, dev, g),
-        }[c["attn_bias"]]()
-        mask = None
-        if c["mask"] != "none":
-            lengths = torch.randint(1, s + 1, (b,), generator=g)
-            mask = torch.arange(s)[None, :] >= lengths[:, None]
-            if c["mask"] == "one_sequence_all_padding" and b:
-                mask[b - 1] = True
-            mask = mask.to(dev)
+        bias = _attn_bias(c["attn_bias"], b, h, s, dtype, dev, g)
+        mask = _padding_mask(c["mask"], b, s, dev, g)
         with torch.inference_mode():
             if c["rows_input"]:
                 got = block(x.reshape(b * s, d), bias, mask, seq_len=s).view(b, s, d)

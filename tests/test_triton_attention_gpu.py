@@ -11,7 +11,7 @@ import torch
 
 import fusedenc.attention as A
 from fusedenc.attention import attention, explain
-from attention_helpers import COPY_OPS, packed_inputs
+from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs
 from helpers import assert_close_rule, attention_formula
 
 pytest.importorskip("triton")
@@ -142,15 +142,7 @@ _MASK_OPS = {"aten::where", "aten::masked_fill", "aten::masked_fill_", "aten::fi
 @pytest.mark.parametrize("variant", ["none", "bias_float32"])
 def test_output_is_the_kernel_output_without_copy(variant, gen, monkeypatch):
     backend = A.BACKENDS[NAME]
-    kernel_outputs = []
-    original = backend.kernel
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        kernel_outputs.append(out)
-        return out
-
-    monkeypatch.setattr(backend, "kernel", spy)
+    kernel_outputs = record_kernel_outputs(backend, monkeypatch)
     A.clear_cache()
     qkv, q, k, v, bias, mask = packed_inputs(4, 64, 4, 64, torch.float16, gen, variant)
     attention(q, k, v, bias, mask, backend=NAME)  # plan and compile
