@@ -16,6 +16,7 @@ Methodology (DESIGN.md's benchmark conventions):
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import dataclasses
 import datetime
@@ -92,6 +93,35 @@ def start(device_name: Optional[str], reps: Optional[int]) -> tuple[torch.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device, reps or (30 if device.type == "cuda" else MIN_REPS)
+
+
+def add_preset_arg(ap: argparse.ArgumentParser, preset_names) -> None:
+    ap.add_argument("--preset", action="append", default=None,
+                    help=f"repeatable or comma list of {', '.join(preset_names)} (or NAME-sLEN); "
+                         "default t82,bt4,bert-base with a GPU, tiny without")  # fmt: skip
+
+
+def add_common_args(ap: argparse.ArgumentParser, dtype_names, reps_help: str) -> None:
+    """The options nps.py and ops.py share besides ``--preset`` (see ``check_common_args``)."""
+    ap.add_argument("--dtype", choices=sorted(dtype_names), default=None,
+                    help="override the presets' float16 (default float32 on CPU)")  # fmt: skip
+    ap.add_argument("--reps", type=int, default=None,
+                    help=f"{reps_help}, median taken (>= {MIN_REPS}; default 30, {MIN_REPS} on CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--tag", default=None, help="output file name part (default: presets, dtype and device)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
+    ap.add_argument("--step-timeout", type=float, default=600.0,
+                    help="exit (status 3) when one step runs longer than this many seconds, naming it: a hung "
+                         "kernel never returns (default 600; 0 disables)")  # fmt: skip
+
+
+def check_common_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Rejects too few ``--reps`` and flattens ``--preset`` into one list of names."""
+    if args.reps is not None and args.reps < MIN_REPS:
+        ap.error(f"--reps must be at least {MIN_REPS} (the median of at least {MIN_REPS} timed runs)")
+    args.preset = [p for item in (args.preset or []) for p in comma_list(item)]
 
 
 def comma_list(text: str) -> list[str]:

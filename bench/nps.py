@@ -86,7 +86,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: import the sibling modules
 
 import _timing as T  # noqa: E402
-from presets import PRESETS, Run, expand, torch_activation  # noqa: E402
+from presets import DTYPES, PRESETS, Run, select_runs, torch_activation  # noqa: E402
 
 import fusedenc  # noqa: E402
 from fusedenc.activations import apply_activation  # noqa: E402
@@ -95,7 +95,6 @@ IMPLS = ("unfused", "torch", "torch-fastpath", "torch-compile", "fusedenc", "fus
 GPU_ONLY_BY_DEFAULT = ("torch-compile", "fusedenc-graph")
 DEFAULT_BATCHES = (1, 16, 64, 256, 1024)
 ATOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SCHEMA = "fusedenc.bench.nps/1"
 
 
@@ -791,9 +790,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         prog="bench/nps.py", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    ap.add_argument("--preset", action="append", default=None,
-                    help=f"repeatable or comma list of {', '.join(PRESETS)} (or NAME-sLEN); "
-                         "default t82,bt4,bert-base with a GPU, tiny without")  # fmt: skip
+    T.add_preset_arg(ap, PRESETS)
     ap.add_argument("--batch-sizes", type=_ints, default=list(DEFAULT_BATCHES),
                     help="positions or sequences per call (default 1,16,64,256,1024)")  # fmt: skip
     ap.add_argument("--impl", action="append", default=None,
@@ -804,27 +801,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                          "max-autotune-no-cudagraphs,reduce-overhead")  # fmt: skip
     ap.add_argument("--compile-dynamic", action="store_true",
                     help="one dynamic-shape torch.compile graph for all batch sizes (default: static per size)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="override the presets' float16 (default float32 on CPU)")
-    ap.add_argument("--reps", type=int, default=None,
-                    help=f"timed calls per point, median taken (>= {T.MIN_REPS}; default 30, {T.MIN_REPS} on CPU)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (after the first call)")
     ap.add_argument("--check-slack", type=float, default=1.5, help="slack factor of the correctness rule (1.5)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--tag", default=None, help="output file name part (default: presets, dtype and device)")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
-    ap.add_argument("--step-timeout", type=float, default=600.0,
-                    help="exit (status 3) when one step runs longer than this many seconds, naming it: a hung "
-                         "kernel never returns (default 600; 0 disables)")
+    T.add_common_args(ap, DTYPES, "timed calls per point")
     args = ap.parse_args(argv)
-    if args.reps is not None and args.reps < T.MIN_REPS:
-        ap.error(f"--reps must be at least {T.MIN_REPS} (the median of at least {T.MIN_REPS} timed runs)")
+    T.check_common_args(ap, args)
     if args.check_slack < 1.0:
         ap.error("--check-slack must be >= 1")
-    args.preset = [p for item in (args.preset or []) for p in T.comma_list(item)]
     impls = [i for item in (args.impl or []) for i in T.comma_list(item)]
     bad = [i for i in impls if i not in IMPLS]
     if bad:
@@ -840,10 +824,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     on_gpu = device.type == "cuda"
     notes: list[str] = []
 
-    presets = args.preset or (["t82", "bt4", "bert-base"] if on_gpu else ["tiny"])
-    dtype = DTYPES[args.dtype] if args.dtype else (None if on_gpu else torch.float32)
     try:
-        runs = expand(presets, dtype)
+        runs = select_runs(args.preset, args.dtype, on_gpu)
     except ValueError as exc:
         print(f"bench/nps.py: {exc}", file=sys.stderr)
         return 2

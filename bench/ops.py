@@ -54,7 +54,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: import the sibling modules
 
 import _timing as T  # noqa: E402
-from presets import PRESETS, Run, expand, torch_activation  # noqa: E402
+from presets import DTYPES, PRESETS, Run, select_runs, torch_activation  # noqa: E402
 
 import fusedenc  # noqa: E402
 from fusedenc import attention as fattn  # noqa: E402
@@ -63,7 +63,6 @@ from fusedenc.norm import layer_norm  # noqa: E402
 
 OPS = ("qkv", "ffn1", "out_proj", "ffn2", "attention", "layernorm")
 ATOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SCHEMA = "fusedenc.bench.ops/1"
 
 
@@ -348,32 +347,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         prog="bench/ops.py", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    ap.add_argument("--preset", action="append", default=None,
-                    help=f"repeatable or comma list of {', '.join(PRESETS)} (or NAME-sLEN); "
-                         "default t82,bt4,bert-base with a GPU, tiny without")  # fmt: skip
+    T.add_preset_arg(ap, PRESETS)
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per call; batch = tokens // seq_len (16384)")
     ap.add_argument("--ops", type=T.comma_list, default=list(OPS), help=f"comma list of {', '.join(OPS)} (default all)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="override the presets' float16 (default float32 on CPU)")
-    ap.add_argument("--reps", type=int, default=None,
-                    help=f"timed replays, median taken (>= {T.MIN_REPS}; default 30, {T.MIN_REPS} on CPU)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--tag", default=None, help="output file name part (default: presets, dtype and device)")
-    ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
-    ap.add_argument("--step-timeout", type=float, default=600.0,
-                    help="exit (status 3) when one step runs longer than this many seconds, naming it: a hung "
-                         "kernel never returns (default 600; 0 disables)")
+    T.add_common_args(ap, DTYPES, "timed replays")
     args = ap.parse_args(argv)
-    if args.reps is not None and args.reps < T.MIN_REPS:
-        ap.error(f"--reps must be at least {T.MIN_REPS}")
+    T.check_common_args(ap, args)
     if args.tokens <= 0:
         ap.error("--tokens must be positive")
     bad = [o for o in args.ops if o not in OPS]
     if bad:
         ap.error(f"unknown --ops {', '.join(bad)}; choose from {', '.join(OPS)}")
-    args.preset = [p for item in (args.preset or []) for p in T.comma_list(item)]
     return args
 
 
@@ -381,10 +365,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     device, args.reps = T.start(args.device, args.reps)
     on_gpu = device.type == "cuda"
-    presets = args.preset or (["t82", "bt4", "bert-base"] if on_gpu else ["tiny"])
-    dtype = DTYPES[args.dtype] if args.dtype else (None if on_gpu else torch.float32)
     try:
-        runs = expand(presets, dtype)
+        runs = select_runs(args.preset, args.dtype, on_gpu)
     except ValueError as exc:
         print(f"bench/ops.py: {exc}", file=sys.stderr)
         return 2

@@ -111,6 +111,19 @@ PRESETS: dict[str, Preset] = {
 }  # fmt: skip
 
 
+#: ``--dtype`` values of the benchmarks.
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def select_runs(preset_names: list[str], dtype_name: str | None, on_gpu: bool) -> list[Run]:
+    """The benchmarks' ``--preset``/``--dtype`` -> runs: t82, bt4, bert-base on a GPU and tiny
+    without one by default; the presets' float16 unless ``--dtype``, float32 on CPU.
+    ``ValueError`` names an unknown preset."""
+    names = preset_names or (["t82", "bt4", "bert-base"] if on_gpu else ["tiny"])
+    dtype = DTYPES[dtype_name] if dtype_name else (None if on_gpu else torch.float32)
+    return expand(names, dtype)
+
+
 def expand(names: list[str], dtype: torch.dtype | None = None) -> list[Run]:
     """Preset names -> runs.  ``bert-base`` gives one run per sequence length;
     ``bert-base-s512`` (any ``NAME-sLEN``) one run at that length.  ``dtype``
