@@ -35,7 +35,7 @@ if [ -n "${FUSEDENC_PERF_TESTS:-}" ]; then  # GPU tests first (pytest args, e.g.
 fi
 if [ -n "${FUSEDENC_PERF_TUNE_ATTENTION:-}" ]; then  # a measured user table instead of the shipped one
   # batch*heads up to 16384: the presets' large batches (t82 at 256 positions is 6144) are
-  # where the short-sequence kernel wins; --quick measures 256 only.
+  # where the short-sequence kernel wins; --quick stops at 4096.
   step tune-attention 150 python3 -m fusedenc.tune attention --dtype float16 --head-dims 32,64,128 \
     --seq-lens 64,128,256,512 --batch-heads 512,4096,16384 --json "$WORK/attention-measurements.json"
 fi
@@ -45,8 +45,7 @@ step nps-t82 160 python3 bench/nps.py --preset t82 --compile-modes default,reduc
   --out-dir "$WORK" --no-progress --step-timeout 120
 step nps-bt4 60 python3 bench/nps.py --preset bt4 --batch-sizes 64,256 --out-dir "$WORK" --no-progress --step-timeout 60
 step nps-bert 70 python3 bench/nps.py --preset bert-base-s128 --batch-sizes 16,32,256 --out-dir "$WORK" --no-progress --step-timeout 60
-cp "$FUSEDENC_CONFIG_DIR"/*.json "$WORK"/ 2>/dev/null
-(cd "$WORK" && tar czf "$OUT/perf.tgz" .)
+(cd "$WORK" && tar czf "$OUT/perf.tgz" .)  # the tables the run used are in config/
 
 echo "==== steps"; cat "$WORK/steps.txt"
 [ -f "$WORK/gpu-tests.log" ] && { echo "==== GPU tests"; grep -E "^(FAILED|ERROR)|passed|failed" "$WORK/gpu-tests.log" | tail -15; }
