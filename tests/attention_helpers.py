@@ -48,3 +48,32 @@ def packed_inputs(b, s, h, d, dtype, gen, variant="none", device="cuda"):
             mask[1] = True
         mask = mask.to(device)
     return qkv, q, k, v, bias, mask
+
+
+def replays_match_eager(b, s, h, d, variant, gen, backend=None, device="cuda"):
+    """Captures ``attention`` on packed inputs in a CUDA graph (planned, and compiled, on a side
+    stream first), then twice: new data into the same buffers, replay, and assert the replay is
+    bitwise what an eager call gives.  Yields ``(out, q, k, v, bias, mask)`` after each replay."""
+    from fusedenc.attention import attention
+
+    qkv, q, k, v, bias, mask = packed_inputs(b, s, h, d, torch.float16, gen, variant, device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention(q, k, v, bias, mask, backend=backend)  # plan (and Triton compile) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention(q, k, v, bias, mask, backend=backend)
+    for _ in range(2):
+        _, _, _, _, bias2, mask2 = packed_inputs(b, s, h, d, torch.float16, gen, variant, device)
+        qkv.copy_(torch.randn(qkv.shape, generator=gen).to(device, qkv.dtype))
+        if bias is not None:
+            bias.copy_(bias2)
+        if mask is not None:
+            mask.copy_(mask2)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = attention(q, k, v, bias, mask, backend=backend)
+        torch.testing.assert_close(out, expected, atol=0, rtol=0, msg=lambda m: f"{variant}: {m} seed={gen.seed_value}")
+        yield out, q, k, v, bias, mask

@@ -15,7 +15,7 @@ import torch
 import fusedenc
 import fusedenc.attention as A
 from fusedenc.attention import attention, explain
-from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs
+from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs, replays_match_eager
 from helpers import assert_close_rule, attention_formula
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_attention_tables")]
@@ -135,27 +135,8 @@ def test_math_output_is_a_copy(gen):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["none", "bias+mask", "bias_float32"])
 def test_cuda_graph_capture_and_replay(variant, gen):
-    b, s, h, d = 3, 64, 4, 64
-    qkv, q, k, v, bias, mask = packed_inputs(b, s, h, d, torch.float16, gen, variant)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        attention(q, k, v, bias, mask)  # plan made outside capture (not required, but usual)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = attention(q, k, v, bias, mask)
-    for _ in range(2):  # new data in the same buffers, replay, compare with eager
-        _, _, _, _, bias2, mask2 = packed_inputs(b, s, h, d, torch.float16, gen, variant)
-        qkv.copy_(torch.randn(qkv.shape, generator=gen).to(DEV, qkv.dtype))
-        if bias is not None:
-            bias.copy_(bias2)
-        if mask is not None:
-            mask.copy_(mask2)
-        graph.replay()
-        torch.cuda.synchronize()
-        expected = attention(q, k, v, bias, mask)
-        torch.testing.assert_close(out, expected, atol=0, rtol=0, msg=lambda m: f"{variant}: {m} seed={gen.seed_value}")
+    for _ in replays_match_eager(3, 64, 4, 64, variant, gen):
+        pass  # each replay is compared with an eager call inside
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ import torch
 
 import fusedenc.attention as A
 from fusedenc.attention import attention, explain
-from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs
+from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs, replays_match_eager
 from helpers import assert_close_rule, attention_formula
 
 pytest.importorskip("triton")
@@ -163,27 +163,7 @@ def test_output_is_the_kernel_output_without_copy(variant, gen, monkeypatch):
 
 @pytest.mark.parametrize("variant", ["none", "bias+mask", "bias_float32"])
 def test_cuda_graph_capture_and_replay(variant, gen):
-    b, s, h, d = 3, 64, 4, 32
-    qkv, q, k, v, bias, mask = packed_inputs(b, s, h, d, torch.float16, gen, variant)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        attention(q, k, v, bias, mask, backend=NAME)  # plan and Triton compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = attention(q, k, v, bias, mask, backend=NAME)
-    for _ in range(2):  # new data in the same buffers, replay, compare with eager
-        _, _, _, _, bias2, mask2 = packed_inputs(b, s, h, d, torch.float16, gen, variant)
-        qkv.copy_(torch.randn(qkv.shape, generator=gen).to(DEV, qkv.dtype))
-        if bias is not None:
-            bias.copy_(bias2)
-        if mask is not None:
-            mask.copy_(mask2)
-        graph.replay()
-        torch.cuda.synchronize()
-        expected = attention(q, k, v, bias, mask, backend=NAME)
-        torch.testing.assert_close(out, expected, atol=0, rtol=0, msg=lambda m: f"{variant}: {m} seed={gen.seed_value}")
+    for out, q, k, v, bias, mask in replays_match_eager(3, 64, 4, 32, variant, gen, backend=NAME):
         check(out, q, k, v, bias, mask, torch.float16, f"replay {variant} seed={gen.seed_value}")
 
 
