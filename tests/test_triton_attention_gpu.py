@@ -178,11 +178,23 @@ def test_opcheck(gen):
 # ------------------------------------------------------------ choice ----
 
 
-def test_chosen_only_when_forced(gen, monkeypatch):
-    """Not in the shipped tables or the fallback order: a measured user table or forcing picks it."""
+def test_chosen_only_by_a_table_rule_or_when_forced(gen, monkeypatch, tmp_path):
+    """Not in the fallback order: only a table rule that names it (the shipped sm90
+    table does where it measured faster) or forcing picks it."""
     qkv, q, k, v, bias, mask = packed_inputs(2, 64, 4, 32, torch.float16, gen, "bias+mask")
     assert NAME not in A.FALLBACK_ORDER
+    ex = explain(q, k, v, bias, mask)
+    if ex.backend == NAME:
+        chosen = next(c for c in ex.candidates if c.available and c.supported)
+        assert chosen.name == NAME and chosen.source in ("user table", "shipped table"), str(ex)
+        rule = ex.user_rule if chosen.source == "user table" else ex.shipped_rule
+        assert NAME in rule["backends"], str(ex)
+
+    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path))  # no user table
+    monkeypatch.setattr(A, "_load_shipped", lambda arch: None)  # and no shipped one
+    A.clear_cache()
     assert explain(q, k, v, bias, mask).backend != NAME
+
     monkeypatch.setenv(A.BACKEND_ENV, NAME)
     A.clear_cache()
     ex = explain(q, k, v, bias, mask)
