@@ -20,6 +20,9 @@ from typing import Any, Optional
 
 import torch
 
+from . import gemm_routes
+from .gemm_routes import GemmConfig
+
 try:  # written by CMake at build time; absent in a plain source checkout
     from . import _build_info
 except ImportError:  # pragma: no cover - only without an install
@@ -215,6 +218,8 @@ GEMM_KEY_FIELDS = (
 )  # fmt: skip
 #: The core's limit on candidates per problem (csrc/gemm.h kMaxGemmCandidates).
 MAX_GEMM_CANDIDATES = 256
+#: What a choice's ``kernel`` may name: the library call (default) or the Triton FFN1 kernel (gemm_routes.py).
+GEMM_KERNELS = ("blaslt", "triton")
 
 _DTYPE_NAMES = ("float16", "bfloat16", "float32")  # index = the core's dtype code
 
@@ -309,11 +314,39 @@ def _check_key(key: object, where: str) -> None:
         raise GemmTuningError(f"{where}.key: a residual cannot be combined with an activation")
 
 
+def _check_kernel(choice: dict[str, Any], where: str) -> None:
+    """A choice's optional ``kernel`` ("blaslt" or "triton") and, for Triton, its ``triton_config``."""
+    kernel = choice.get("kernel", "blaslt")
+    if kernel not in GEMM_KERNELS:
+        raise GemmTuningError(f"{where}.kernel={kernel!r} is not one of {list(GEMM_KERNELS)}")
+    if kernel == "blaslt":
+        return
+    key = choice["key"]
+    dense = key["lda"] == key["k"] and key["ldw"] == key["k"] and key["ldd"] == key["n"]
+    aligned = key["align_a"] == key["align_w"] == key["align_d"] == 16
+    if key["has_residual"] or not dense or not aligned:
+        raise GemmTuningError(
+            f"{where}: the Triton kernel serves only dense, 16-byte aligned problems without a residual"
+        )
+    cfg = choice.get("triton_config")
+    fields = list(GemmConfig._fields)
+    if not isinstance(cfg, list) or len(cfg) != len(fields) or not all(_is_int(v, 1) for v in cfg):
+        raise GemmTuningError(f"{where}.triton_config must be a list of {len(fields)} positive ints {fields}")
+    c = GemmConfig(*cfg)
+    powers_of_two = (c.block_m, c.block_n, c.block_k, c.num_warps)
+    if any(v & (v - 1) for v in powers_of_two) or min(c.block_m, c.block_n, c.block_k) < 16 or c.num_stages > 8:
+        raise GemmTuningError(
+            f"{where}.triton_config={cfg}: blocks must be powers of two >= 16, warps a power of two, stages <= 8"
+        )
+
+
 def parse_gemm_tuning(text: str, arch: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(measured_with, choices) of a tuning file for ``arch``; GemmTuningError says what is wrong.
 
-    Each choice is ``{"key": {GEMM_KEY_FIELDS}, "index": int, "candidates": int, "algo": str}``
-    plus whatever the tuner recorded (times, which GEMM); metadata are checked by the caller.
+    Each choice is ``{"key": {GEMM_KEY_FIELDS}, "index": int, "candidates": int, "algo": str}``,
+    optionally ``"kernel": "triton"`` with ``"triton_config": [GemmConfig fields]`` where the
+    Triton FFN1 kernel won (``index`` is then the library's best, used where Triton is
+    missing), plus whatever the tuner recorded (times, which GEMM); metadata are checked by the caller.
     """
     try:
         obj = json.loads(text)
@@ -344,6 +377,7 @@ def parse_gemm_tuning(text: str, arch: str) -> tuple[dict[str, Any], list[dict[s
             raise GemmTuningError(f"{where}.index={index!r} is not an int in 0..{count - 1}")
         if not isinstance(c.get("algo", ""), str):
             raise GemmTuningError(f"{where}.algo must be a string")
+        _check_kernel(c, where)
         ident = tuple(c["key"][f] for f in GEMM_KEY_FIELDS)
         if ident in seen:
             raise GemmTuningError(f"{where} repeats the key of an earlier choice")
@@ -397,8 +431,9 @@ def load_gemm_tuning(
     Replaces every installed choice (and so clears the plan cache).  ``devices``
     defaults to every visible GPU; ``path`` overrides the file
     (``gemm_tuning_path(arch)``) for all of them.  Returns, per device, what was
-    done: ``{"device", "path", "status", "choices"}``; ``gemm_tuning_report()``
-    keeps the latest.  A file that is absent is skipped silently; one that is
+    done: ``{"device", "path", "status", "choices", "triton_routes"}`` (library
+    choices installed; problems routed to the Triton kernel, ``gemm_routes``);
+    ``gemm_tuning_report()`` keeps the latest.  A file that is absent is skipped silently; one that is
     unreadable, malformed or measured on another device or library version is
     ignored with one ``GemmTuningWarning`` per file and process.
     """
@@ -409,10 +444,11 @@ def load_gemm_tuning(
         devices = list(range(torch.cuda.device_count()))
     report: list[dict[str, Any]] = []
     installs: list[tuple[int, dict]] = []
+    routes: dict[gemm_routes.RouteKey, GemmConfig] = {}
     parsed: dict[str, tuple[Optional[dict], list, Optional[str]]] = {}
     for index in devices:
         file = path or gemm_tuning_path(_device_arch(index))
-        entry: dict[str, Any] = {"device": index, "path": file, "status": "", "choices": 0}
+        entry: dict[str, Any] = {"device": index, "path": file, "status": "", "choices": 0, "triton_routes": 0}
         report.append(entry)
         if file not in parsed:
             try:
@@ -438,18 +474,46 @@ def load_gemm_tuning(
             entry["status"] = f"ignored: {problem}"
             _warn_tuning(file, problem)
             continue
-        chosen = [c for c in choices if c["index"] != 0]  # candidate 0 is what runs anyway
+        routed = _collect_routes(routes, index, choices, file)
+        # Candidate 0 is what runs anyway; a routed problem never reaches the library.
+        chosen = [c for c in choices if c["index"] != 0 and not (routed and c.get("kernel") == "triton")]
         installs.extend((index, c) for c in chosen)
         entry["status"] = "installed"
         entry["choices"] = len(chosen)
+        entry["triton_routes"] = routed
     with _tuning_lock:
         module.clear_gemm_choices()
         for index, c in installs:
             module.set_gemm_choice(
                 **key_to_core(c["key"], index), index=c["index"], candidates=c["candidates"], algo=c.get("algo", "")
             )
+        gemm_routes.install(routes)
         _tuning_report[:] = report
     return report
+
+
+def _collect_routes(
+    routes: dict[gemm_routes.RouteKey, GemmConfig], index: int, choices: list[dict[str, Any]], file: str
+) -> int:
+    """Add a file's Triton choices for device ``index`` to ``routes``; how many.  Without the
+    Triton package they are skipped with one warning (the library's choice serves them)."""
+    triton_choices = [c for c in choices if c.get("kernel") == "triton"]
+    if triton_choices and not gemm_routes.triton_available():
+        warn_once_per_file(
+            _warned_tuning, file + " (triton)",
+            f"fusedenc: {len(triton_choices)} GEMM choices in {file} name the Triton kernel, but the triton "
+            "package is not installed: the library's algorithm serves them.",
+            GemmTuningWarning,
+            stacklevel=4,
+        )  # fmt: skip
+        return 0
+    for c in triton_choices:
+        key = c["key"]
+        route = gemm_routes.RouteKey(
+            index, key["m"], key["n"], key["k"], _DTYPE_NAMES.index(key["dtype"]), key["activation"], key["has_bias"]
+        )
+        routes[route] = GemmConfig(*c["triton_config"])
+    return len(triton_choices)
 
 
 def gemm_tuning_report() -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _native
+from . import _native, gemm_routes
 from .activations import ACTIVATIONS
 
 __all__ = [
@@ -29,7 +29,9 @@ def capabilities() -> dict[str, Any]:
     The table describes the built core even when no GPU is present;
     ``active`` says whether GPU tensors use it now (see ``backend()``).
     A heuristic can still refuse a fused epilogue for one shape at run time:
-    ``fallback_events()`` lists those cases.
+    ``fallback_events()`` lists those cases.  ``triton_gemm_routes`` lists the
+    problems where ``tune gemm`` measured the Triton kernel (activation on the
+    accumulator) faster than the library's epilogue plus the activation kernel.
     """
     b = _native.backend()
     module = _native.native_module()
@@ -44,6 +46,10 @@ def capabilities() -> dict[str, Any]:
         "residual": {},
         # Per device: the GEMM tuning file read at the core's first use and what became of it.
         "gemm_tuning": _native.gemm_tuning_report(),
+        # Problems a tuning file routes to the Triton FFN1 kernel (it measured faster there).
+        "triton_gemm_routes": [
+            dict(key._asdict(), config=config._asdict()) for key, config in sorted(gemm_routes.routes().items())
+        ],
     }
     epilogues = module.native_epilogues() if module else None
     for dtype in _DTYPES:

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _native
+from . import _native, gemm_routes
 from . import attention as _attention
 from .activations import ACTIVATIONS, canonical_activation
 from .norm import layer_norm
@@ -145,6 +145,10 @@ class _NativeExecutor:
         m, k = x.shape
         n = w.shape[0]
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
+        if residual is None and alpha == 1.0:
+            route = gemm_routes.lookup(x, self.index, m, n, k, self.code, activation, b is not None)
+            if route is not None:  # the same choice fusedenc.linear makes: both paths stay bit-identical
+                return gemm_routes.run(x, w, b, out, activation, route)
         fell_back = self.core.gemm(
             self.index, self.stream, m, n, k, x.data_ptr(), k, w.data_ptr(), k,
             0 if b is None else b.data_ptr(), 0 if residual is None else residual.data_ptr(), n,

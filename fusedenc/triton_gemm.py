@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -56,17 +56,11 @@ import triton.language as tl
 
 from . import _checks
 from .activations import canonical_activation
+from .gemm_routes import GemmConfig  # defined there so that loading routes needs no Triton import
 
-__all__ = ["CANDIDATES", "GemmConfig", "launch_config", "linear_act", "m_bucket", "sweep"]
-
-
-class GemmConfig(NamedTuple):
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int  # row blocks that share a column block before moving on (L2 reuse of W)
-    num_warps: int
-    num_stages: int
+__all__ = [
+    "CANDIDATES", "GemmConfig", "launch", "launch_config", "linear_act", "m_bucket", "sweep", "tuning_candidates",
+]  # fmt: skip
 
 
 #: Largest M bucket: every M above 4096 shares one entry.
@@ -133,13 +127,38 @@ def launch_config(m_key: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 
     Float32 inputs take block_k <= 32 and <= 3 stages: their tiles are twice as many bytes.
     """
-    cfg = _CONFIGS.get((m_key, n, k)) or _default_config(m_key)
+    return _fitted(_CONFIGS.get((m_key, n, k)) or _default_config(m_key), m_key, n, k, dtype)
+
+
+def _fitted(cfg: GemmConfig, m_key: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     block_k, stages = cfg.block_k, cfg.num_stages
     if dtype == torch.float32:
         block_k, stages = min(block_k, 32), min(stages, 3)
     return cfg._replace(
         block_m=_fit(cfg.block_m, m_key), block_n=_fit(cfg.block_n, n), block_k=_fit(block_k, k), num_stages=stages
     )
+
+
+#: Small-M alternatives ``tuning_candidates`` tries (block_m follows the M bucket):
+#: narrow or wide column blocks, deeper or shallower K steps.
+_SMALL_M_SHAPES = ((32, 128, 4), (64, 128, 3), (64, 64, 4), (128, 64, 4))  # (block_n, block_k, stages)
+
+
+def tuning_candidates(m: int, n: int, k: int, dtype: torch.dtype) -> list[GemmConfig]:
+    """The configs ``tune gemm`` times at one problem: the table's (first), then the
+    large-M ``CANDIDATES`` or the small-M alternatives, each fitted to the problem, no repeats."""
+    m_key = m_bucket(m)
+    pool = [launch_config(m_key, n, k, dtype)]
+    if m_key <= 64:
+        pool += [GemmConfig(m_key, bn, bk, 1, 4, stages) for bn, bk, stages in _SMALL_M_SHAPES]
+    else:
+        pool += list(CANDIDATES)
+    out: list[GemmConfig] = []
+    for cfg in pool:
+        cfg = _fitted(cfg, m_key, n, k, dtype)
+        if cfg not in out:
+            out.append(cfg)
+    return out
 
 
 # ------------------------------------------------------------ the kernel ----
@@ -281,22 +300,40 @@ def linear_act(
     if p.m == 0:
         return out
     cfg = config or launch_config(m_bucket(p.m), p.n, p.k, x.dtype)
-    align = _checks.align_elems(x.dtype)
-    grid = (triton.cdiv(p.m, cfg.block_m) * triton.cdiv(p.n, cfg.block_n),)
-    if x.is_cuda and x.device.index != torch.cuda.current_device():
-        with torch.cuda.device(x.device):  # Triton launches on the current device's stream
-            return linear_act(x, w, b, activation, out=out, config=config)
+    _launch(p.x2d, p.ldx, w, p.ldw, b, out, p.ldo, p.m, p.n, p.k, activation, cfg)
+    return out
+
+
+def launch(
+    x2d: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor, activation: str, config: GemmConfig
+) -> None:
+    """``out[M, N] = act(x2d[M, K] @ w[N, K]^T + b)`` for dense rows, with no argument checks.
+
+    For callers that already validated the problem (``fusedenc.linear``, the
+    encoder's native path, ``tune gemm``): contiguous 2-D ``x2d`` and ``out``,
+    ``w`` row-major, M > 0, the rules of ``linear_act``; ``activation`` canonical.
+    """
+    m, k = x2d.shape
+    n = w.shape[0]
+    _launch(x2d, k, w, k, b, out, n, m, n, k, activation, config)
+
+
+def _launch(x2d, ldx, w, ldw, b, out, ldo, m, n, k, activation, cfg: GemmConfig) -> None:
+    if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x2d.device):  # Triton launches on the current device's stream
+            return _launch(x2d, ldx, w, ldw, b, out, ldo, m, n, k, activation, cfg)
+    align = _checks.align_elems(x2d.dtype)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _linear_act_kernel[grid](
-        p.x2d, w, x if b is None else b, out,  # x: a placeholder pointer, never read
-        p.m, p.n, p.k, p.ldx // align, p.ldw // align, p.ldo // align,
+        x2d, w, x2d if b is None else b, out,  # x2d: a placeholder pointer, never read
+        m, n, k, ldx // align, ldw // align, ldo // align,
         ALIGN=align,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=p.k % cfg.block_k == 0, HAS_BIAS=b is not None, ACTIVATION=activation,
+        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=b is not None, ACTIVATION=activation,
         # fp32 inputs: full-precision products, not TF32; 16-bit inputs: the target's default
-        PRECISION="ieee" if x.dtype == torch.float32 else None,
+        PRECISION="ieee" if x2d.dtype == torch.float32 else None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out
 
 
 # ------------------------------------------------------------ tuning ----

@@ -337,6 +337,10 @@ def _merge_table(A, path, arch, meta, rules: dict, replace: bool) -> dict:
 # Issue 5, "algorithm choice by measurement": the block's four GEMMs per preset
 # and batch size, every heuristic candidate timed, the fastest correct one kept
 # when it beats the heuristic's own pick (candidate 0) by more than noise.
+# Where the library has no epilogue for the activation (it runs BIAS plus an
+# activation pass), the Triton FFN1 kernel's configs are timed in the same
+# interleaved run and replace the library when they beat its pick by more than
+# noise, confirmed twice ("kernel": "triton" in the file; fusedenc/gemm_routes.py).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +414,10 @@ def _gemm_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", default=None, help="tuning file (default: $FUSEDENC_CONFIG_DIR or ~/.cache/fusedenc/gemm_<arch>.json)")
     p.add_argument("--replace", action="store_true", help="do not merge with an existing file at --out")
+    p.add_argument(
+        "--no-triton", action="store_true",
+        help="do not time the Triton FFN1 kernel where the library has no epilogue for the activation",
+    )  # fmt: skip
 
 
 class _GemmCase:
@@ -553,6 +561,9 @@ def _measure_gemm_on_stream(_native, core, case: _GemmCase, count: int, args, st
     base = errs[0]
     for err in errs:
         ok.append(not math.isnan(err) and err <= 2 * base + atol)
+    triton_configs = _triton_configs(case, found, args)
+    triton_errs = [_triton_error(case, cfg, ref) for cfg in triton_configs]
+    triton_ok = [not math.isnan(e) and e <= 2 * base + atol for e in triton_errs]
     del ref
     # Candidate 0 is by construction the algorithm the default plan runs: check it bitwise.
     cand0 = out0.clone()
@@ -572,10 +583,15 @@ def _measure_gemm_on_stream(_native, core, case: _GemmCase, count: int, args, st
         return run
 
     good = [i for i in range(n_cand) if ok[i]]
-    us_good, method = _time_candidates([runner(i) for i in good], args.reps, args.warmup, stream)
+    triton_good = [i for i in range(len(triton_configs)) if triton_ok[i]]
+    calls = [runner(i) for i in good] + [_triton_runner(case, triton_configs[i]) for i in triton_good]
+    us_all, method = _time_candidates(calls, args.reps, args.warmup, stream)  # interleaved: one comparison
     us: list[Optional[float]] = [None] * n_cand
-    for i, t in zip(good, us_good):
+    for i, t in zip(good, us_all):
         us[i] = t / case.sets
+    triton_us: list[Optional[float]] = [None] * len(triton_configs)
+    for i, t in zip(triton_good, us_all[len(good):]):
+        triton_us[i] = t / case.sets
     winner, confirmed = 0, None
     if ok[0] and len(good) > 1:
         best = min(good, key=lambda i: us[i])
@@ -588,6 +604,31 @@ def _measure_gemm_on_stream(_native, core, case: _GemmCase, count: int, args, st
     speedup = us[0] / us[winner] if us[0] and us[winner] else 1.0
     if confirmed and winner:
         speedup = confirmed[0] / confirmed[1]
+    triton = None
+    if triton_configs:
+        triton = {
+            "configs": [
+                {
+                    "config": list(c),
+                    "us": None if t is None else round(t, 3),
+                    "err": e if math.isfinite(e) else None,
+                    "ok": o,
+                }
+                for c, t, e, o in zip(triton_configs, triton_us, triton_errs, triton_ok)
+            ],
+            "chosen": None,
+            "confirmed_us": None,
+        }
+        if triton_good and us[winner] is not None:
+            best = min(triton_good, key=lambda i: triton_us[i])
+            if triton_us[best] < us[winner] * (1 - args.min_gain):
+                # Confirm against the library's pick in a second interleaved run, as above.
+                again, _ = _time_candidates(
+                    [runner(winner), _triton_runner(case, triton_configs[best])], args.reps, args.warmup, stream
+                )
+                triton["confirmed_us"] = [round(again[0] / case.sets, 3), round(again[1] / case.sets, 3)]
+                if again[1] < again[0] * (1 - args.min_gain):
+                    triton["chosen"] = best
     return {
         "key": _native.key_from_core(found["key"]),
         "epilogue": found["epilogue"],
@@ -608,7 +649,51 @@ def _measure_gemm_on_stream(_native, core, case: _GemmCase, count: int, args, st
         "winner": winner,
         "speedup": round(speedup, 4),
         "confirmed_us": None if confirmed is None else [round(confirmed[0], 3), round(confirmed[1], 3)],
+        "triton": triton,  # None where the library's epilogue applies the activation (or --no-triton)
     }
+
+
+def _triton_configs(case: _GemmCase, found: dict, args) -> list:
+    """The Triton FFN1 kernel's configs to time at this problem, or [] where it is not a candidate:
+    only where the library runs the BIAS epilogue plus an activation pass (no residual, alpha 1)."""
+    from . import gemm_routes
+
+    p = case.p
+    if args.no_triton or p.residual or p.alpha != 1.0 or p.activation == "none":
+        return []
+    if found["epilogue"] not in ("BIAS", "DEFAULT") or not gemm_routes.triton_available():
+        return []
+    from . import triton_gemm
+
+    return triton_gemm.tuning_candidates(p.m, p.n, p.k, case.dtype)
+
+
+def _triton_error(case: _GemmCase, config, ref: torch.Tensor) -> float:
+    """Max abs error of one Triton config on input set 0 (NaN if it fails to compile or launch)."""
+    from . import triton_gemm
+
+    x, w, b, _, out = case.inputs[0]
+    out.fill_(float("nan"))  # poison: a config that writes nothing fails
+    try:
+        triton_gemm.launch(x, w, b, out, case.p.activation, config)
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - a config this GPU cannot run (shared memory, ...) loses
+        print(f"    triton {tuple(config)}: {type(exc).__name__}: {str(exc)[:200]}")
+        return math.nan
+    return (out.float() - ref).abs().max().item()
+
+
+def _triton_runner(case: _GemmCase, config) -> Callable[[], None]:
+    from . import triton_gemm
+
+    sets = [(x, w, b, out) for x, w, b, _, out in case.inputs]
+    act = case.p.activation
+
+    def run() -> None:
+        for x, w, b, out in sets:
+            triton_gemm.launch(x, w, b, out, act, config)
+
+    return run
 
 
 def _print_gemm(label: str, p: GemmProblem, row: dict, min_gain: float) -> None:
@@ -635,6 +720,24 @@ def _print_gemm(label: str, p: GemmProblem, row: dict, min_gain: float) -> None:
         ranked = [c["us"] for c in row["candidates"] if c["us"] is not None]
         best = base / min(ranked) if ranked and base else 1.0
         print(f"    winner: candidate 0 kept (best other {best:.3f}x, needs > {1 / (1 - min_gain):.3f}x, confirmed)")
+    triton = row["triton"]
+    if triton:
+        library = row["candidates"][row["winner"]]["us"]
+        for i, c in enumerate(triton["configs"]):
+            bm, bn, bk, group, warps, stages = c["config"]
+            name = f"triton {bm}x{bn}x{bk} g{group} w{warps} s{stages}"
+            if c["us"] is None:
+                cell = f"{'WRONG':>9}  err {c['err'] if c['err'] is not None else 'non-finite/failed'}"
+            else:
+                cell = f"{c['us']:>9.2f}  {library / c['us']:5.3f}x" if library else f"{c['us']:>9.2f}"
+            mark = " <- chosen" if i == triton["chosen"] else ""
+            print(f"    T{i:<2}  {name:<72} {cell}{mark}")
+        if triton["chosen"] is not None:
+            blaslt_us, triton_us = triton["confirmed_us"]
+            print(f"    => Triton kernel T{triton['chosen']}: {blaslt_us / triton_us:.3f}x the library's pick "
+                  f"(confirmed {triton['confirmed_us']} us); ratios above are against the library's pick")  # fmt: skip
+        else:
+            print(f"    => the library's pick stays (Triton needs > {1 / (1 - min_gain):.3f}x it, confirmed)")
     print()
 
 
@@ -712,17 +815,27 @@ def _run_gemm(args: argparse.Namespace) -> int:
     choices = []
     for row in measured.values():
         w = row["winner"]
-        choices.append({
+        choice = {
             "key": row["key"], "index": w, "candidates": row["count"], "algo": row["candidates"][w]["algo"],
             "us": {"candidate_0": row["candidates"][0]["us"], "chosen": row["candidates"][w]["us"]},
             "speedup": row["speedup"], "used_by": row["used_by"],
-        })  # fmt: skip
+        }  # fmt: skip
+        triton = row["triton"]
+        if triton and triton["chosen"] is not None:
+            # The Triton kernel serves this problem; ``index`` stays the library's pick (used without Triton).
+            best = triton["configs"][triton["chosen"]]
+            choice.update(kernel="triton", triton_config=best["config"])
+            choice["us"]["triton"] = best["us"]
+            choice["speedup"] = round(row["candidates"][0]["us"] / best["us"], 4)
+        choices.append(choice)
     table = _merge_gemm_file(_native, out_path, arch, meta, choices, replace=args.replace)
     table["measurements"] = list(measured.values())
     _write_json_atomically(out_path, table)
-    wins = [c for c in table["choices"] if c["index"] != 0]
+    wins = [c for c in table["choices"] if c["index"] != 0 or c.get("kernel") == "triton"]
+    routed = [c for c in table["choices"] if c.get("kernel") == "triton"]
     print(f"wrote {len(table['choices'])} problems ({len(wins)} with a measured winner other than the heuristic's "
-          f"pick) to {out_path}; processes load it when the native core is first used")  # fmt: skip
+          f"pick, {len(routed)} of them the Triton kernel) to {out_path}; processes load it when the native core "
+          "is first used")  # fmt: skip
     return 0
 
 
@@ -751,7 +864,12 @@ def _merge_gemm_file(_native, path, arch, meta, choices: list[dict], replace: bo
 #: name -> (help, add_arguments(parser), run(args) -> exit status)
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "attention": ("time the attention backends and write attention_<arch>.json", _attention_args, _run_attention),
-    "gemm": ("time the GEMM library's candidate algorithms and write gemm_<arch>.json", _gemm_args, _run_gemm),
+    "gemm": (
+        "time the GEMM library's candidate algorithms (and the Triton FFN1 kernel where the library has no "
+        "epilogue for the activation) and write gemm_<arch>.json",
+        _gemm_args,
+        _run_gemm,
+    ),
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fusedenc
-from fusedenc import _native, tune
+from fusedenc import _native, gemm_routes, tune
 
 ARCH = "sm90"
 HERE = {
@@ -61,6 +61,7 @@ def _fresh_loader_state(monkeypatch):
     """Each test starts with no report and no files warned about."""
     monkeypatch.setattr(_native, "_tuning_report", [])
     monkeypatch.setattr(_native, "_warned_tuning", set())
+    monkeypatch.setattr(gemm_routes, "_ROUTES", {})
 
 
 class FakeCore:
@@ -111,7 +112,7 @@ def test_valid_file_installs_its_non_default_choices(tmp_path, monkeypatch, fake
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report = _native.load_gemm_tuning(core, devices=[0])
-    assert report == [{"device": 0, "path": path, "status": "installed", "choices": 1}]
+    assert report == [{"device": 0, "path": path, "status": "installed", "choices": 1, "triton_routes": 0}]
     assert core.cleared == 1
     assert len(core.choices) == 1  # index 0 is what runs anyway: not installed
     c = core.choices[0]
@@ -119,6 +120,56 @@ def test_valid_file_installs_its_non_default_choices(tmp_path, monkeypatch, fake
     assert c["device"] == 0 and c["dtype"] == 0 and c["activation"] == fusedenc.ACTIVATIONS.index("swish")
     assert c["m"] == 16384 and c["n"] == 2304 and c["k"] == 768 and c["has_bias"] is True
     assert _native.gemm_tuning_report() == report
+
+
+_TRITON = {"kernel": "triton", "triton_config": [128, 128, 64, 8, 8, 3]}
+
+
+def test_a_triton_choice_becomes_a_route_instead_of_a_library_choice(tmp_path, monkeypatch, fake_device):
+    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    obj = _file()
+    obj["choices"][0].update(_TRITON)  # the swish FFN1 problem, library pick index 3
+    path = _write(tmp_path, obj)
+    core = FakeCore()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = _native.load_gemm_tuning(core, devices=[0])
+    assert report == [{"device": 0, "path": path, "status": "installed", "choices": 0, "triton_routes": 1}]
+    assert core.choices == []  # a routed problem never reaches the library
+    key = gemm_routes.RouteKey(0, 16384, 2304, 768, 0, "swish", True)
+    assert gemm_routes.routes() == {key: gemm_routes.GemmConfig(128, 128, 64, 8, 8, 3)}
+    [listed] = fusedenc.capabilities()["triton_gemm_routes"]
+    assert listed["m"] == 16384 and listed["activation"] == "swish" and listed["config"]["block_n"] == 128
+
+    x = torch.empty(16, dtype=torch.float16)
+    assert gemm_routes.lookup(x, *key) == gemm_routes.GemmConfig(128, 128, 64, 8, 8, 3)
+    assert gemm_routes.lookup(x[1:], *key) is None  # not 16-byte aligned: the library serves it
+    assert gemm_routes.lookup(x, *key._replace(m=16383)) is None
+    assert gemm_routes.lookup(x, *key._replace(device=1)) is None
+
+    # Reloading a file without Triton choices removes the routes.
+    _write(tmp_path, _file())
+    _native.load_gemm_tuning(core, devices=[0])
+    assert gemm_routes.routes() == {} and len(core.choices) == 1
+
+
+def test_triton_choices_without_triton_fall_back_to_the_library_pick_with_one_warning(
+    tmp_path, monkeypatch, fake_device
+):
+    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(gemm_routes, "triton_available", lambda: False)
+    obj = _file()
+    obj["choices"][0].update(_TRITON)
+    path = _write(tmp_path, obj)
+    core = FakeCore()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = _native.load_gemm_tuning(core, devices=[0])
+        _native.load_gemm_tuning(core, devices=[0])
+    ours = [w for w in caught if issubclass(w.category, _native.GemmTuningWarning)]
+    assert len(ours) == 1 and path in str(ours[0].message) and "triton" in str(ours[0].message)
+    assert report[0]["status"] == "installed" and report[0]["triton_routes"] == 0
+    assert [c["index"] for c in core.choices] == [3] and gemm_routes.routes() == {}
 
 
 def test_missing_file_is_silent(tmp_path, monkeypatch, fake_device):
@@ -155,6 +206,19 @@ def test_missing_file_is_silent(tmp_path, monkeypatch, fake_device):
         (lambda o: o["choices"][0]["key"].update(has_residual=True), "residual"),
         (lambda o: o["choices"].append(dict(o["choices"][0])), "repeats"),
         (lambda o: o["choices"][0].update(algo=5), "algo"),
+        (lambda o: o["choices"][0].update(kernel="cutlass"), "kernel"),
+        (lambda o: o["choices"][0].update(kernel="triton"), "triton_config"),
+        (lambda o: o["choices"][0].update(kernel="triton", triton_config=[128, 128, 64, 8, 8]), "triton_config"),
+        (lambda o: o["choices"][0].update(kernel="triton", triton_config=[128, 96, 64, 8, 8, 3]), "powers of two"),
+        (lambda o: o["choices"][0].update(kernel="triton", triton_config=[128, 128, 64, 8, 6, 3]), "powers of two"),
+        (lambda o: o["choices"][0].update(kernel="triton", triton_config=[128, 128, 8, 8, 8, 3]), "powers of two"),
+        (lambda o: o["choices"][0].update(kernel="triton", triton_config=[128, 128, 64, 8, 8, True]), "positive ints"),
+        (lambda o: o["choices"][0].update(_TRITON, key=_key(lda=1024)), "dense"),
+        (lambda o: o["choices"][0].update(_TRITON, key=_key(align_a=8)), "aligned"),
+        (
+            lambda o: o["choices"][0].update(_TRITON, key=_key(activation="none", has_residual=True, ldc=2304)),
+            "without a residual",
+        ),
     ],
 )
 def test_mismatched_or_malformed_file_is_ignored_with_one_warning(tmp_path, monkeypatch, fake_device, mutate, reason):
@@ -297,6 +361,7 @@ def test_gemm_argument_parsing():
     assert a.dtype == ["bfloat16"] and a.min_gain == 0.02 and a.reps >= 20 and a.out is None
     d = _parse([])
     assert d.preset is None and d.batch_sizes is None and d.candidates is None and not d.norm_first
+    assert not d.no_triton and _parse(["--no-triton"]).no_triton
     for bad in (["--preset", "gpt2"], ["--batch-sizes", "0"], ["--batch-sizes", "x"], ["--dtype", "int8"]):
         with pytest.raises(SystemExit):
             _parse(bad)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import fusedenc
-from fusedenc import _native, tune
+import fusedenc.encoder as encoder_module
+from fusedenc import _native, gemm_routes, tune
 from fusedenc.activations import activation_id
 from helpers import assert_close_rule, linear_formula, poisoned, randn, same_dtype_torch
 
@@ -37,9 +38,11 @@ def _no_choices(monkeypatch):
     monkeypatch.setattr(_native, "_warned_tuning", set())
     if core is not None:
         core.clear_gemm_choices()
+    gemm_routes.install({})
     yield
     if core is not None:
         core.clear_gemm_choices()
+    gemm_routes.install({})
 
 
 def _operands(problem: tune.GemmProblem, gen):
@@ -202,12 +205,21 @@ def test_tune_gemm_writes_a_file_that_loads_without_warnings(tmp_path):
     assert len(obj["choices"]) == 4  # qkv, out_proj, ffn1, ffn2: four distinct problems
     assert all(0 <= c["index"] < c["candidates"] == 4 for c in obj["choices"])
     assert all(m["candidate_0_is_default"] for m in obj["measurements"]), obj["measurements"]
+    # The Triton FFN1 kernel was timed exactly where cuBLASLt has no epilogue for the activation (swish).
+    timed = {m["used_by"][0].split()[-1]: m["triton"] for m in obj["measurements"]}
+    if gemm_routes.triton_available():
+        assert timed["ffn1"] and all(c["ok"] and c["us"] > 0 for c in timed["ffn1"]["configs"]), timed["ffn1"]
+        assert "T0" in r.stdout
+    assert timed["qkv"] is None and timed["out_proj"] is None and timed["ffn2"] is None
+    routed = [c for c in obj["choices"] if c.get("kernel") == "triton"]
+    assert all(c["key"]["activation"] == "swish" and len(c["triton_config"]) == 6 for c in routed), routed
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", _native.GemmTuningWarning)
         report = _native.load_gemm_tuning(core, devices=[torch.cuda.current_device()], path=str(out))
-    wins = [c for c in obj["choices"] if c["index"] != 0]
+    wins = [c for c in obj["choices"] if c["index"] != 0 and c not in routed]
     assert report[0]["status"] == "installed" and report[0]["choices"] == len(wins), report
+    assert report[0]["triton_routes"] == len(routed) and len(gemm_routes.routes()) == len(routed)
     assert len(fusedenc.gemm_choices()) == len(wins)
 
     # The installed choices serve the block's GEMMs (post-LN t82 at batch 16), within the rule.
@@ -241,3 +253,73 @@ def test_a_file_from_another_device_is_ignored_with_one_warning(tmp_path):
     ours = [w for w in caught if issubclass(w.category, _native.GemmTuningWarning)]
     assert len(ours) == 1 and "device_name" in str(ours[0].message) and str(path) in str(ours[0].message)
     assert report[0]["status"].startswith("ignored") and fusedenc.gemm_choices() == []
+
+
+def _triton_route_file(tmp_path, problem, x, w, b, config) -> str:
+    """A tuning file routing ``problem`` (with these operands' key) to the Triton kernel."""
+    core = _native.native_module()
+    out = torch.empty((problem.m, problem.n), dtype=DTYPE, device=DEVICE)
+    found = core.gemm_candidates(*_core_args(problem, x, w, b, None, out), COUNT)
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({
+        "schema": _native.GEMM_TUNING_SCHEMA, "arch": _native._device_arch(DEVICE.index),
+        "measured_with": _native.gemm_device_metadata(core, DEVICE.index),
+        "choices": [{"key": _native.key_from_core(found["key"]), "index": 0, "candidates": COUNT, "algo": "",
+                     "kernel": "triton", "triton_config": list(config)}],
+    }))  # fmt: skip
+    return str(path)
+
+
+def test_a_triton_route_serves_linear_and_the_block_identically(tmp_path, gen, monkeypatch):
+    """A file's Triton choice routes exactly its problem, in fusedenc.linear and in both block paths."""
+    pytest.importorskip("triton")
+    from fusedenc import triton_gemm
+
+    problem = next(p for p in T82 if p.name == "ffn1")  # t82 batch 16: m 1024, n 2304, k 768, swish + bias
+    x, w, b, _ = _operands(problem, gen)
+    config = gemm_routes.GemmConfig(64, 128, 64, 8, 4, 4)  # not the table's default: the file's config is used
+    path = _triton_route_file(tmp_path, problem, x, w, b, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _native.GemmTuningWarning)
+        report = _native.load_gemm_tuning(_native.native_module(), devices=[DEVICE.index], path=path)
+    assert report[0]["triton_routes"] == 1 and report[0]["choices"] == 0, report
+    launches = []
+    real_launch = triton_gemm.launch
+
+    def spy(*args):
+        launches.append(args[-1])
+        return real_launch(*args)
+
+    monkeypatch.setattr(triton_gemm, "launch", spy)
+
+    what = f"t82 ffn1 via the Triton route (seed {gen.seed_value})"
+    ref = linear_formula(x, w, b, "swish", dtype=torch.float32)
+    out = poisoned((problem.m, problem.n), DTYPE, DEVICE)
+    fusedenc.linear(x, w, b, "swish", out=out)
+    assert launches == [config]
+    assert_close_rule(out, ref, same_dtype_torch(x, w, b, "swish"), DTYPE, what)
+    assert torch.equal(fusedenc.linear(x, w, b, "silu"), out)  # an alias of swish: the same route
+    assert len(launches) == 2
+
+    # Not the routed problem: another M, alpha != 1, no bias, another activation -> the library.
+    fusedenc.linear(x[: problem.m // 2], w, b, "swish")
+    fusedenc.linear(x, w, b, "swish", alpha=0.5)
+    fusedenc.linear(x, w, None, "swish")
+    fusedenc.linear(x, w, b, "mish")
+    assert len(launches) == 2
+
+    # The post-LN t82 block at batch 16 issues this problem once per forward, on both paths.
+    block = fusedenc.EncoderBlock(768, 24, 2304, activation="swish", residual_alpha=30**-0.25)
+    block = block.to(device=DEVICE, dtype=DTYPE).eval()
+    block.ffn1_weight.data.copy_(w)
+    block.ffn1_bias.data.copy_(b)
+    xin = randn((16, 64, 768), DTYPE, DEVICE, gen)
+    launches.clear()
+    with torch.no_grad():
+        native = block(xin)
+    assert launches == [config]
+    monkeypatch.setattr(encoder_module, "_native_active", lambda device: False)
+    with torch.no_grad():
+        via_ops = block(xin)
+    assert launches == [config, config]
+    assert torch.equal(native, via_ops)

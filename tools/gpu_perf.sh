@@ -9,6 +9,7 @@
 # still leaves the others' results.  Everything lands in $OUT/perf.tgz (the
 # device returns at most 8 files), and a summary is printed last.
 # Usage: FUSEDENC_SOURCE_COMMIT=<the commit you sent> bash tools/gpu_perf.sh
+# (FUSEDENC_PERF_NPS="t82 bt4" picks the nps steps; default all three)
 # (the device's copy of .git can be stale: the result files take the commit from it)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -39,15 +40,22 @@ if [ -n "${FUSEDENC_PERF_TUNE_ATTENTION:-}" ]; then  # a measured user table ins
   step tune-attention 150 python3 -m fusedenc.tune attention --dtype float16 --head-dims 32,64,128 \
     --seq-lens 64,128,256,512 --batch-heads 512,4096,16384 --json "$WORK/attention-measurements.json"
 fi
-step tune-gemm 60 python3 -m fusedenc.tune gemm --preset t82,bt4,bert-base --batch-sizes 1,16,32,64,256,1024
+# The batch sizes the nps steps below run (each call merges into the same file).  Where
+# cuBLASLt has no epilogue for the activation (swish, mish, exact GELU), tune gemm also
+# compiles and times the Triton FFN1 kernel's configs: about a minute per preset.
+step tune-gemm-t82 150 python3 -m fusedenc.tune gemm --preset t82 --batch-sizes 1,16,64,256,1024
+step tune-gemm-bt4 80 python3 -m fusedenc.tune gemm --preset bt4 --batch-sizes 64,256
+step tune-gemm-bert 80 python3 -m fusedenc.tune gemm --preset bert-base --batch-sizes 16,32,256
 step ops 40 python3 bench/ops.py --preset t82,bt4,bert-base --ops ffn1,attention --out-dir "$WORK" --no-progress --step-timeout 30
-step nps-t82 160 python3 bench/nps.py --preset t82 --compile-modes default,reduce-overhead \
+nps=" ${FUSEDENC_PERF_NPS:-t82 bt4 bert} "  # which nps steps run (a device call has 10 minutes)
+[[ $nps == *" t82 "* ]] && step nps-t82 160 python3 bench/nps.py --preset t82 --compile-modes default,reduce-overhead \
   --out-dir "$WORK" --no-progress --step-timeout 120
-step nps-bt4 60 python3 bench/nps.py --preset bt4 --batch-sizes 64,256 --out-dir "$WORK" --no-progress --step-timeout 60
-step nps-bert 70 python3 bench/nps.py --preset bert-base-s128 --batch-sizes 16,32,256 --out-dir "$WORK" --no-progress --step-timeout 60
+[[ $nps == *" bt4 "* ]] && step nps-bt4 60 python3 bench/nps.py --preset bt4 --batch-sizes 64,256 --out-dir "$WORK" --no-progress --step-timeout 60
+[[ $nps == *" bert "* ]] && step nps-bert 70 python3 bench/nps.py --preset bert-base-s128 --batch-sizes 16,32,256 --out-dir "$WORK" --no-progress --step-timeout 60
 (cd "$WORK" && tar czf "$OUT/perf.tgz" .)  # the tables the run used are in config/
 
 echo "==== steps"; cat "$WORK/steps.txt"
 [ -f "$WORK/gpu-tests.log" ] && { echo "==== GPU tests"; grep -E "^(FAILED|ERROR)|passed|failed" "$WORK/gpu-tests.log" | tail -15; }
+for f in "$WORK"/tune-gemm-*.log; do echo "==== $(basename "$f")"; grep -E "  ffn1:|=> |^wrote" "$f" | cut -c1-130; done
 for f in "$WORK"/nps-*.log; do echo "==== $(basename "$f")"; grep -E "^ +[0-9]+ +(torch-compile|fusedenc|gemm-floor)" "$f" | cut -c1-100; done
 echo "==== ops"; grep -E "^ +(ffn1|attention|torch|F\.|fusedenc|triton)" "$WORK/ops.log" | cut -c1-130 | head -30

@@ -1,0 +1,90 @@
+"""GEMM problems measured to run faster as the Triton FFN1 kernel than as a BLASLt call.
+
+Where the GEMM library has no epilogue for an activation (cuBLASLt: swish,
+mish, exact GELU, ...), ``fusedenc.linear`` runs the BIAS epilogue and then one
+activation pass over the output.  ``python -m fusedenc.tune gemm`` also times
+``fusedenc.triton_gemm`` (the activation applied to the accumulator, one
+store) at those problems and records, per problem, whichever won
+(``"kernel": "triton"`` and its launch config in the tuning file).  The loader
+(``_native.load_gemm_tuning``) installs those routes here; ``fusedenc.linear``
+and the encoder's native path look a problem up before calling the core.
+
+A route covers one exact problem: device, M, N, K, dtype, activation and
+whether there is a bias, with dense rows (lda = ldw = K, ldd = N), 16-byte
+aligned operands, no residual and alpha = 1 -- the shapes ``tune gemm``
+measures.  Everything else runs the BLASLt path as before.
+
+This module does not import Triton: the loader only checks that it is
+installed, and the kernel module is imported at the first routed call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import NamedTuple, Optional
+
+import torch
+
+__all__ = ["GemmConfig", "RouteKey", "install", "lookup", "routes", "triton_available"]
+
+
+class GemmConfig(NamedTuple):
+    """Launch configuration of ``fusedenc.triton_gemm``'s kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int  # row blocks that share a column block before moving on (L2 reuse of W)
+    num_warps: int
+    num_stages: int
+
+
+class RouteKey(NamedTuple):
+    device: int
+    m: int
+    n: int
+    k: int
+    dtype: int  # the core's dtype code (_native.dtype_code)
+    activation: str  # canonical name
+    has_bias: bool
+
+
+#: The installed routes.  Read without a lock on the hot path (a dict lookup is
+#: atomic under the GIL); ``install`` swaps the contents under the loader's lock.
+_ROUTES: dict[RouteKey, GemmConfig] = {}
+
+
+def triton_available() -> bool:
+    """Whether the Triton package is installed (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def install(new: dict[RouteKey, GemmConfig]) -> None:
+    """Replace every route (the loader calls this after reading the tuning files)."""
+    _ROUTES.clear()
+    _ROUTES.update(new)
+
+
+def routes() -> dict[RouteKey, GemmConfig]:
+    """A copy of the installed routes."""
+    return dict(_ROUTES)
+
+
+def lookup(
+    x: torch.Tensor, device: int, m: int, n: int, k: int, dtype: int, activation: str, has_bias: bool
+) -> Optional[GemmConfig]:
+    """The route of a dense, residual-free, alpha = 1 problem, or None (``x`` for its alignment)."""
+    if not _ROUTES:
+        return None
+    config = _ROUTES.get(RouteKey(device, m, n, k, dtype, activation, has_bias))
+    if config is None or x.data_ptr() % 16:
+        return None
+    return config
+
+
+def run(x2d: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor, activation: str, config: GemmConfig) -> torch.Tensor:
+    """Launch the Triton kernel for a routed problem (dense rows; arguments already checked)."""
+    from . import triton_gemm
+
+    triton_gemm.launch(x2d, w, b, out, activation, config)
+    return out
