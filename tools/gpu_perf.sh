@@ -9,7 +9,7 @@
 # still leaves the others' results.  Everything lands in $OUT/perf.tgz (the
 # device returns at most 8 files), and a summary is printed last.
 # Usage: FUSEDENC_SOURCE_COMMIT=<the commit you sent> bash tools/gpu_perf.sh
-# (FUSEDENC_PERF_NPS="t82 bt4" picks the nps steps; default all three)
+# (FUSEDENC_PERF_NPS="t82 bt4" picks the nps steps; FUSEDENC_PERF_QUICK=1, see below)
 # (the device's copy of .git can be stale: the result files take the commit from it)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -43,15 +43,28 @@ fi
 # The batch sizes the nps steps below run (each call merges into the same file).  Where
 # cuBLASLt has no epilogue for the activation (swish, mish, exact GELU), tune gemm also
 # compiles and times the Triton FFN1 kernel's configs: about a minute per preset.
-step tune-gemm-t82 150 python3 -m fusedenc.tune gemm --preset t82 --batch-sizes 1,16,64,256,1024
-step tune-gemm-bt4 80 python3 -m fusedenc.tune gemm --preset bt4 --batch-sizes 64,256
-step tune-gemm-bert 80 python3 -m fusedenc.tune gemm --preset bert-base --batch-sizes 16,32,256
-step ops 40 python3 bench/ops.py --preset t82,bt4,bert-base --ops ffn1,attention --out-dir "$WORK" --no-progress --step-timeout 30
-nps=" ${FUSEDENC_PERF_NPS:-t82 bt4 bert} "  # which nps steps run (a device call has 10 minutes)
-[[ $nps == *" t82 "* ]] && step nps-t82 160 python3 bench/nps.py --preset t82 --compile-modes default,reduce-overhead \
-  --out-dir "$WORK" --no-progress --step-timeout 120
-[[ $nps == *" bt4 "* ]] && step nps-bt4 60 python3 bench/nps.py --preset bt4 --batch-sizes 64,256 --out-dir "$WORK" --no-progress --step-timeout 60
-[[ $nps == *" bert "* ]] && step nps-bert 70 python3 bench/nps.py --preset bert-base-s128 --batch-sizes 16,32,256 --out-dir "$WORK" --no-progress --step-timeout 60
+# FUSEDENC_PERF_QUICK=1: only the large batches (t82 256 and 1024, bt4 256), no per-op
+# step, no bert-base: about half the device time.
+if [ -n "${FUSEDENC_PERF_QUICK:-}" ]; then
+  t82_batches=256,1024; bt4_batches=256; nps=" ${FUSEDENC_PERF_NPS:-t82 bt4} "; t82_modes=default
+else
+  t82_batches=1,16,64,256,1024; bt4_batches=64,256; nps=" ${FUSEDENC_PERF_NPS:-t82 bt4 bert} "
+  t82_modes=default,reduce-overhead
+fi
+step tune-gemm-t82 150 python3 -m fusedenc.tune gemm --preset t82 --batch-sizes $t82_batches
+step tune-gemm-bt4 80 python3 -m fusedenc.tune gemm --preset bt4 --batch-sizes $bt4_batches
+if [[ $nps == *" bert "* ]]; then
+  step tune-gemm-bert 80 python3 -m fusedenc.tune gemm --preset bert-base --batch-sizes 16,32,256
+fi
+if [ -z "${FUSEDENC_PERF_QUICK:-}" ]; then
+  step ops 40 python3 bench/ops.py --preset t82,bt4,bert-base --ops ffn1,attention --out-dir "$WORK" --no-progress --step-timeout 30
+fi
+[[ $nps == *" t82 "* ]] && step nps-t82 160 python3 bench/nps.py --preset t82 --batch-sizes $t82_batches \
+  --compile-modes $t82_modes --out-dir "$WORK" --no-progress --step-timeout 120
+[[ $nps == *" bt4 "* ]] && step nps-bt4 60 python3 bench/nps.py --preset bt4 --batch-sizes $bt4_batches \
+  --out-dir "$WORK" --no-progress --step-timeout 60
+[[ $nps == *" bert "* ]] && step nps-bert 70 python3 bench/nps.py --preset bert-base-s128 --batch-sizes 16,32,256 \
+  --out-dir "$WORK" --no-progress --step-timeout 60
 (cd "$WORK" && tar czf "$OUT/perf.tgz" .)  # the tables the run used are in config/
 
 echo "==== steps"; cat "$WORK/steps.txt"
