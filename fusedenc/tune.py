@@ -565,7 +565,10 @@ def _measure_gemm_on_stream(_native, core, case: _GemmCase, count: int, args, st
     triton_errs = [_triton_error(case, cfg, ref) for cfg in triton_configs]
     triton_ok = [not math.isnan(e) and e <= 2 * base + atol for e in triton_errs]
     del ref
-    # Candidate 0 is by construction the algorithm the default plan runs: check it bitwise.
+    # Candidate 0 is by construction the algorithm the default plan runs: check it bitwise
+    # (run again: out0 holds whatever ran last).
+    out0.fill_(float("nan"))
+    core.gemm_with_candidate(*case.args(0), count, 0)
     cand0 = out0.clone()
     out0.fill_(float("nan"))
     core.gemm(*case.args(0))
