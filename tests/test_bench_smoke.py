@@ -21,16 +21,18 @@ BENCH = os.path.join(ROOT, "bench")
 ENV_FIELDS = ("device_name", "driver", "torch", "cuda", "hip", "cudnn", "blaslt", "fusedenc_backend", "date_utc")
 
 
-def _run(script: str, args: list[str], tmp_path) -> dict:
+def _run(script: str, args: list[str], tmp_path, tag: str | None = "smoke") -> dict:
+    """Run a benchmark; ``tag=None``: without --tag, so the file is named from preset, dtype and device."""
     # --device cpu: the same CPU run on a GPU machine too (gpu_check.sh runs the CPU tests there).
     cmd = [sys.executable, os.path.join(BENCH, script), "--device", "cpu", "--out-dir", str(tmp_path),
-           "--tag", "smoke", "--no-progress", *args]  # fmt: skip
+           "--no-progress", *(["--tag", tag] if tag else []), *args]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     prefix = os.path.splitext(script)[0]
-    with open(tmp_path / f"{prefix}_smoke.json", encoding="utf-8") as f:
+    [path] = tmp_path.glob(f"{prefix}_{tag}.json" if tag else f"{prefix}_tiny_float32_*.json")
+    with open(path, encoding="utf-8") as f:
         result = json.load(f)
-    assert (tmp_path / f"{prefix}_smoke.txt").read_text(encoding="utf-8").strip()
+    assert path.with_suffix(".txt").read_text(encoding="utf-8").strip()
     result["_stdout"] = proc.stdout
     return result
 
@@ -103,3 +105,11 @@ def test_ops_tiny(tmp_path):
             assert case["us"] > 0 and case["gbs"] > 0 and case["pct_copy_bw"] > 0, (name, case)
             if op["flops"]:
                 assert case["tflops"] > 0 and case["pct_gemm_rate"] > 0, (name, case)
+
+
+@pytest.mark.parametrize("script", ["nps.py", "ops.py"])
+def test_default_file_name_names_preset_dtype_and_device(script, tmp_path):
+    """Without --tag (as tools/gpu_perf.sh runs them) the result files are named from the run."""
+    extra = ["--batch-sizes", "1"] if script == "nps.py" else ["--tokens", "64"]
+    r = _run(script, ["--preset", "tiny", "--reps", "20", *extra], tmp_path, tag=None)
+    assert r["check_passed"] is True
