@@ -85,6 +85,17 @@ class Op:
     shape: str
 
 
+def _routed_to_triton(device, m: int, n: int, k: int, dtype, activation: str) -> bool:
+    """Whether a loaded GEMM tuning file sends fusedenc.linear at this problem to the Triton kernel."""
+    from fusedenc import _native, gemm_routes
+    from fusedenc.activations import canonical_activation
+
+    key = gemm_routes.RouteKey(
+        device.index or 0, m, n, k, _native.dtype_code(dtype), canonical_activation(activation), True
+    )
+    return key in gemm_routes.routes()
+
+
 def _triton_gemm():
     """fusedenc.triton_gemm, or None where triton cannot be imported."""
     try:
@@ -146,6 +157,8 @@ def build_ops(run: Run, batch: int, device: torch.device, wanted: list[str]) -> 
         caps = fusedenc.capabilities()["activations"].get(str(dt).replace("torch.", ""), {}).get(p.activation, {})
         how = {"native": f"{caps.get('epilogue')} epilogue", "fallback": "BIAS epilogue + act. kernel",
                "reference": "PyTorch reference"}.get(caps.get("fusion"), "?")  # fmt: skip
+        if device.type == "cuda" and _routed_to_triton(device, t, f, d, dt, p.activation):
+            how = "Triton kernel: the GEMM tuning file routes this problem"
 
         tg = _triton_gemm() if device.type == "cuda" else None
 
