@@ -124,6 +124,17 @@ def check_common_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     args.preset = [p for item in (args.preset or []) for p in comma_list(item)]
 
 
+def result_base_path(args: argparse.Namespace, runs, env: dict, script: str) -> str:
+    """``<out-dir>/<script>_<tag>`` (the directory made): ``--tag``, else presets, dtype and device."""
+    tag = args.tag or "_".join((
+        "-".join(args.preset or dict.fromkeys(r.name for r in runs)),
+        str(runs[0].dtype).replace("torch.", ""),
+        slug(env["device_name"]),
+    ))  # fmt: skip
+    os.makedirs(args.out_dir, exist_ok=True)
+    return os.path.join(args.out_dir, f"{script}_{tag}")
+
+
 def comma_list(text: str) -> list[str]:
     """A comma-separated command-line value as a list (empty items dropped)."""
     return [x.strip() for x in text.split(",") if x.strip()]

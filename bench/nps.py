@@ -854,9 +854,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "reference, not the fused kernels")  # fmt: skip
 
     env = T.environment(device)
-    tag = args.tag or f"{'-'.join(args.preset or dict.fromkeys(r.name for r in runs))}_{str(runs[0].dtype).replace('torch.', '')}_{T.slug(env['device_name'])}"
-    os.makedirs(args.out_dir, exist_ok=True)
-    base_path = os.path.join(args.out_dir, f"nps_{tag}")
+    base_path = T.result_base_path(args, runs, env, "nps")
 
     n_impl_rows = len(wanted) + (len(args.compile_modes) if "torch-compile" in wanted else 0)
     total = 1 + len(runs) * (1 + n_impl_rows * (1 + len(args.batch_sizes)) + len(args.batch_sizes))

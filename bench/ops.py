@@ -435,9 +435,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if summary:
         print("\n".join(summary))
 
-    tag = args.tag or f"{'-'.join(args.preset or dict.fromkeys(r.name for r in runs))}_{str(runs[0].dtype).replace('torch.', '')}_{T.slug(env['device_name'])}"
-    os.makedirs(args.out_dir, exist_ok=True)
-    base_path = os.path.join(args.out_dir, f"ops_{tag}")
+    base_path = T.result_base_path(args, runs, env, "ops")
     T.write_json(base_path + ".json", {
         "schema": SCHEMA,
         "command": ["bench/ops.py"] + (argv if argv is not None else sys.argv[1:]),
