@@ -340,6 +340,36 @@ def _check_kernel(choice: dict[str, Any], where: str) -> None:
         )
 
 
+def parse_file_header(
+    text: str,
+    schema: str,
+    arches: tuple[str, ...],
+    device_arch: str,
+    measured_keys: tuple[str, ...],
+    error: type[Exception],
+) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """(the file's JSON object, its ``measured_with`` or None) after the checks every table file shares.
+
+    The GEMM tuning file and the attention table open alike: a JSON object with ``schema``,
+    an ``arch`` among ``arches`` and ``measured_with``, which must be null or an object holding
+    ``measured_keys`` (whether null is allowed is the caller's rule).  Raises ``error`` saying what is wrong.
+    """
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise error(f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise error("top level is not a JSON object")
+    if obj.get("schema") != schema:
+        raise error(f"schema is {obj.get('schema')!r}, expected {schema!r}")
+    if obj.get("arch") not in arches:
+        raise error(f"arch is {obj.get('arch')!r}, this device is {device_arch!r}")
+    measured = obj.get("measured_with")
+    if measured is not None and not (isinstance(measured, dict) and all(k in measured for k in measured_keys)):
+        raise error(f"measured_with must be null or an object with keys {list(measured_keys)}")
+    return obj, measured
+
+
 def parse_gemm_tuning(text: str, arch: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(measured_with, choices) of a tuning file for ``arch``; GemmTuningError says what is wrong.
 
@@ -348,18 +378,8 @@ def parse_gemm_tuning(text: str, arch: str) -> tuple[dict[str, Any], list[dict[s
     Triton FFN1 kernel won (``index`` is then the library's best, used where Triton is
     missing), plus whatever the tuner recorded (times, which GEMM); metadata are checked by the caller.
     """
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        raise GemmTuningError(f"not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise GemmTuningError("top level is not a JSON object")
-    if obj.get("schema") != GEMM_TUNING_SCHEMA:
-        raise GemmTuningError(f"schema is {obj.get('schema')!r}, expected {GEMM_TUNING_SCHEMA!r}")
-    if obj.get("arch") != arch:
-        raise GemmTuningError(f"arch is {obj.get('arch')!r}, this device is {arch!r}")
-    measured = obj.get("measured_with")
-    if not isinstance(measured, dict) or not all(k in measured for k in GEMM_MATCH_KEYS):
+    obj, measured = parse_file_header(text, GEMM_TUNING_SCHEMA, (arch,), arch, GEMM_MATCH_KEYS, GemmTuningError)
+    if measured is None:
         raise GemmTuningError(f"measured_with must be an object with keys {list(GEMM_MATCH_KEYS)}")
     choices = obj.get("choices")
     if not isinstance(choices, list):

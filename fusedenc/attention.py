@@ -79,7 +79,6 @@ import dataclasses
 import functools
 import importlib
 import importlib.resources
-import json
 import math
 import os
 import threading
@@ -677,19 +676,7 @@ class _Table:
 
 
 def _parse_table(text: str, path: str, kind: str, arch: str) -> tuple[_Table, Optional[dict]]:
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        raise _TableError(f"not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise _TableError("top level is not a JSON object")
-    if obj.get("schema") != TABLE_SCHEMA:
-        raise _TableError(f"schema is {obj.get('schema')!r}, expected {TABLE_SCHEMA!r}")
-    if obj.get("arch") not in (arch, "*"):
-        raise _TableError(f"arch is {obj.get('arch')!r}, this device is {arch!r}")
-    measured = obj.get("measured_with")
-    if measured is not None and not (isinstance(measured, dict) and all(k in measured for k in METADATA_KEYS)):
-        raise _TableError(f"measured_with must be null or an object with keys {list(METADATA_KEYS)}")
+    obj, measured = _native.parse_file_header(text, TABLE_SCHEMA, (arch, "*"), arch, METADATA_KEYS, _TableError)
     if kind == "user" and measured is None:
         raise _TableError("a user table must say what it was measured with (measured_with)")
     rules = obj.get("rules")

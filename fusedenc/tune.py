@@ -315,14 +315,18 @@ def _measured_by(subcommand: str) -> str:
 
 
 def _merge_table(A, path, arch, meta, rules: dict, replace: bool) -> dict:
+    """The table to write: the new rules, plus the old file's rules for other problems when
+    the old file is valid and was measured on this same setup (as the loader would judge it)."""
+    from . import _native
+
     old_rules: list[dict] = []
     if not replace and os.path.exists(path):
         try:
             with open(path, encoding="utf-8") as f:
-                old = json.load(f)
-            if old.get("schema") == A.TABLE_SCHEMA and old.get("arch") == arch and old.get("measured_with") == meta:
-                old_rules = [r for r in old.get("rules", []) if tuple(r.get("match", {}).values()) not in rules]
-        except (OSError, ValueError, AttributeError):
+                old, measured_with = A._parse_table(f.read(), path, "user", arch)
+            if not _native.metadata_differences(measured_with, meta, A.METADATA_KEYS):
+                old_rules = [r for r in old.rules if tuple(r.get("match", {}).values()) not in rules]
+        except (OSError, ValueError):
             old_rules = []
     return {
         "schema": A.TABLE_SCHEMA,
@@ -843,6 +847,8 @@ def _run_gemm(args: argparse.Namespace) -> int:
 
 
 def _merge_gemm_file(_native, path, arch, meta, choices: list[dict], replace: bool) -> dict:
+    """The file to write: the new choices, plus the old file's choices for other problems when
+    the old file is valid and was measured on this same setup (as the loader would judge it)."""
     old: list[dict] = []
     if not replace and os.path.exists(path):
         try:

@@ -313,6 +313,30 @@ def test_corrupt_user_table_is_ignored_with_one_warning(content, tmp_path, monke
     assert ex.user_table is None and ex.backend == "sdpa_math"
 
 
+@pytest.mark.parametrize("old_file", ["same-setup", "other-setup", "corrupt", "no-metadata", "none", "replace"])
+def test_tune_keeps_old_rules_only_from_a_valid_table_of_this_setup(old_file, tmp_path):
+    from fusedenc import tune
+
+    meta = A.device_metadata("cpu")
+    path = tmp_path / "attention_cpu.json"
+    kept = {"match": {"dtype": "float16", "seq": "<=128"}, "backends": ["sdpa_math"]}
+    replaced = {"match": {"dtype": "float16", "seq": "<=256"}, "backends": ["sdpa_flash", "sdpa_math"]}
+    if old_file in ("same-setup", "replace"):
+        _write_table(path, metadata=meta, rules=[kept, replaced])
+    elif old_file == "other-setup":
+        _write_table(path, metadata=dict(meta, torch="0.0.1"), rules=[kept, replaced])
+    elif old_file == "corrupt":
+        _write_table(path, metadata=meta, rules=[kept, dict(replaced, backends=["warp_speed"])])
+    elif old_file == "no-metadata":
+        _write_table(path, metadata=None, rules=[kept, replaced])
+    new = {("float16", "<=256"): {"match": {"dtype": "float16", "seq": "<=256"}, "backends": ["sdpa_math"]}}
+    merged = tune._merge_table(A, str(path), "cpu", meta, new, replace=old_file == "replace")
+    assert merged["measured_with"] == meta and merged["arch"] == "cpu"
+    assert merged["rules"] == list(new.values()) + ([kept] if old_file == "same-setup" else [])
+    table, measured = A._parse_table(json.dumps(merged), str(path), "user", "cpu")  # the loader accepts it
+    assert measured == meta and list(table.rules) == merged["rules"]
+
+
 # ------------------------------------------------------------ forcing, explain ----
 
 

@@ -367,6 +367,27 @@ def test_gemm_argument_parsing():
             _parse(bad)
 
 
+@pytest.mark.parametrize("old_file", ["same-setup", "other-setup", "corrupt", "other-arch", "none", "replace"])
+def test_tune_gemm_keeps_old_choices_only_from_a_valid_file_of_this_setup(old_file, tmp_path):
+    path = tmp_path / "gemm_sm90.json"
+    kept = {"key": _key(m=64), "index": 1, "candidates": 8, "algo": "old, other problem"}
+    replaced = {"key": _key(), "index": 5, "candidates": 8, "algo": "old, same problem"}
+    if old_file in ("same-setup", "replace"):
+        path.write_text(json.dumps(_file([kept, replaced])))
+    elif old_file == "other-setup":
+        path.write_text(json.dumps(_file([kept, replaced], measured_with=dict(HERE, library_version=130000))))
+    elif old_file == "corrupt":
+        path.write_text(json.dumps(_file([kept, dict(replaced, index=9)])))  # index >= candidates
+    elif old_file == "other-arch":
+        path.write_text(json.dumps(_file([kept, replaced], arch="sm80")))
+    new = [{"key": _key(), "index": 2, "candidates": 8, "algo": "new"}]
+    merged = tune._merge_gemm_file(_native, str(path), ARCH, dict(HERE), new, replace=old_file == "replace")
+    assert merged["measured_with"] == HERE and merged["arch"] == ARCH
+    assert merged["choices"] == (new + [kept] if old_file == "same-setup" else new)
+    # what the tuner writes is what the loader accepts
+    assert _native.parse_gemm_tuning(json.dumps(merged), ARCH) == (HERE, merged["choices"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 def test_tune_gemm_without_gpu_exits_2(tmp_path):
     env = dict(os.environ, FUSEDENC_CONFIG_DIR=str(tmp_path))
