@@ -38,6 +38,15 @@
 #             exception" on the first kernel of a process that has loaded a Triton kernel or
 #             runs our tests (reproduced 2026-11-22 on an H100 with one triton_short call and
 #             with the ops tests; the same runs without a filter are clean), so none is used.
+#             So racecheck over the regular tests is slow (their GPU references are large cuBLAS
+#             GEMMs: ~30 s a test for the 4097-row Triton GEMM tests, hours for the suite), and
+#             tests/test_kernel_sweep_gpu.py exists for it: every launch configuration of our
+#             kernels against CPU references, ~20 s under racecheck:
+#                 bash tools/sanitize.sh --tools racecheck tests/test_kernel_sweep_gpu.py -m gpu
+#             Under racecheck the concurrency tests (8 threads on 8 streams, a graph replay beside
+#             eager calls, concurrent first use) are deselected: racecheck's host-side state for
+#             them outgrows a 128 GiB machine (the OOM killer ended the process at 127.9 GB,
+#             2026-11-22).  memcheck runs them.
 #   An "Internal Sanitizer Error" line is counted as an error: the tool failed, nothing was checked.
 #   tests with "tune" in their names (tune attention/gemm in a subprocess: timing runs with
 #             their own time limits) are deselected under both tools.
@@ -118,7 +127,8 @@ summary="$OUT/sanitize-summary.txt"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
   python3 -c "import torch, fusedenc; print('torch', torch.__version__, 'cuda', torch.version.cuda, '|', fusedenc.backend())" 2>&1
   echo "selection: ${args[*]}"
-  echo "git: $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+  # FUSEDENC_SOURCE_COMMIT names the code where .git is not its own (a copied working tree)
+  echo "git: ${FUSEDENC_SOURCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')}"
   echo
 } > "$summary"
 
@@ -131,6 +141,8 @@ for tool in "${tool_list[@]}"; do
   if [ "$tool" = "memcheck" ] && [ "${FUSEDENC_SANITIZE_CACHING:-0}" != "1" ]; then
     env_extra=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
     k="$k and not graph and not captur"
+  elif [ "$tool" = "racecheck" ]; then  # host memory: see the header
+    k="$k and not eight_threads and not beside_eager and not concurrent_first_use"
   fi
   tool_flags=()
   if [ "$tool" = "racecheck" ]; then
