@@ -347,12 +347,14 @@ def parse_file_header(
     device_arch: str,
     measured_keys: tuple[str, ...],
     error: type[Exception],
+    measured_optional: bool,
 ) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
-    """(the file's JSON object, its ``measured_with`` or None) after the checks every table file shares.
+    """(the file's JSON object, its ``measured_with``) after the checks every table file shares.
 
     The GEMM tuning file and the attention table open alike: a JSON object with ``schema``,
-    an ``arch`` among ``arches`` and ``measured_with``, which must be null or an object holding
-    ``measured_keys`` (whether null is allowed is the caller's rule).  Raises ``error`` saying what is wrong.
+    an ``arch`` among ``arches`` and ``measured_with``, an object holding ``measured_keys``
+    (or null, where ``measured_optional``: the shipped attention tables are not measured
+    on the user's machine).  Raises ``error`` saying what is wrong.
     """
     try:
         obj = json.loads(text)
@@ -365,8 +367,11 @@ def parse_file_header(
     if obj.get("arch") not in arches:
         raise error(f"arch is {obj.get('arch')!r}, this device is {device_arch!r}")
     measured = obj.get("measured_with")
-    if measured is not None and not (isinstance(measured, dict) and all(k in measured for k in measured_keys)):
-        raise error(f"measured_with must be null or an object with keys {list(measured_keys)}")
+    if measured is None and measured_optional:
+        return obj, None
+    if not (isinstance(measured, dict) and all(k in measured for k in measured_keys)):
+        null = "null or " if measured_optional else ""
+        raise error(f"measured_with must be {null}an object with keys {list(measured_keys)}")
     return obj, measured
 
 
@@ -378,9 +383,9 @@ def parse_gemm_tuning(text: str, arch: str) -> tuple[dict[str, Any], list[dict[s
     Triton FFN1 kernel won (``index`` is then the library's best, used where Triton is
     missing), plus whatever the tuner recorded (times, which GEMM); metadata are checked by the caller.
     """
-    obj, measured = parse_file_header(text, GEMM_TUNING_SCHEMA, (arch,), arch, GEMM_MATCH_KEYS, GemmTuningError)
-    if measured is None:
-        raise GemmTuningError(f"measured_with must be an object with keys {list(GEMM_MATCH_KEYS)}")
+    obj, measured = parse_file_header(
+        text, GEMM_TUNING_SCHEMA, (arch,), arch, GEMM_MATCH_KEYS, GemmTuningError, measured_optional=False
+    )
     choices = obj.get("choices")
     if not isinstance(choices, list):
         raise GemmTuningError("choices must be a list")

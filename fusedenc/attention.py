@@ -676,7 +676,9 @@ class _Table:
 
 
 def _parse_table(text: str, path: str, kind: str, arch: str) -> tuple[_Table, Optional[dict]]:
-    obj, measured = _native.parse_file_header(text, TABLE_SCHEMA, (arch, "*"), arch, METADATA_KEYS, _TableError)
+    obj, measured = _native.parse_file_header(
+        text, TABLE_SCHEMA, (arch, "*"), arch, METADATA_KEYS, _TableError, measured_optional=True
+    )
     if kind == "user" and measured is None:
         raise _TableError("a user table must say what it was measured with (measured_with)")
     rules = obj.get("rules")
