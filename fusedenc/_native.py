@@ -265,6 +265,11 @@ def _is_int(v: object, low: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
+def key_ident(key: dict[str, Any]) -> tuple:
+    """A file key's identity (its values in GEMM_KEY_FIELDS order): what makes two choices the same problem."""
+    return tuple(key[f] for f in GEMM_KEY_FIELDS)
+
+
 def key_from_core(key: dict[str, Any]) -> dict[str, Any]:
     """A key as ``_C.gemm_candidates`` returns it -> the file's form (names, no device)."""
     from .activations import ACTIVATIONS
@@ -403,7 +408,7 @@ def parse_gemm_tuning(text: str, arch: str) -> tuple[dict[str, Any], list[dict[s
         if not isinstance(c.get("algo", ""), str):
             raise GemmTuningError(f"{where}.algo must be a string")
         _check_kernel(c, where)
-        ident = tuple(c["key"][f] for f in GEMM_KEY_FIELDS)
+        ident = key_ident(c["key"])
         if ident in seen:
             raise GemmTuningError(f"{where} repeats the key of an earlier choice")
         seen.add(ident)

@@ -803,7 +803,7 @@ def _run_gemm(args: argparse.Namespace) -> int:
                     case = _GemmCase(core, problem, dtype, device, stream, ws, gen, l2)
                     with torch.cuda.stream(side):
                         probe = core.gemm_candidates(*case.args(0), count)
-                    ident = tuple(_native.key_from_core(probe["key"]).values())
+                    ident = _native.key_ident(_native.key_from_core(probe["key"]))
                     if ident in measured:
                         measured[ident]["used_by"].append(f"{label} {problem.name}")
                         print(f"{label}  {problem.name}: same problem as {measured[ident]['used_by'][0]}\n")
@@ -855,8 +855,8 @@ def _merge_gemm_file(_native, path, arch, meta, choices: list[dict], replace: bo
             with open(path, encoding="utf-8") as f:
                 measured_with, old_choices = _native.parse_gemm_tuning(f.read(), arch)
             if not _native.metadata_differences(measured_with, meta):
-                new = {tuple(c["key"].values()) for c in choices}
-                old = [c for c in old_choices if tuple(c["key"][f] for f in _native.GEMM_KEY_FIELDS) not in new]
+                new = {_native.key_ident(c["key"]) for c in choices}
+                old = [c for c in old_choices if _native.key_ident(c["key"]) not in new]
         except (OSError, ValueError):
             old = []
     return {
