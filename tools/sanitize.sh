@@ -2,7 +2,12 @@
 # Run the GPU test suite (or a selection of it) under compute-sanitizer and
 # write a per-tool summary of the errors it found.
 #
-#   bash tools/sanitize.sh [--tools memcheck,racecheck] [--timeout SECONDS] [--no-build] [pytest args...]
+#   bash tools/sanitize.sh [--tools memcheck,racecheck] [--timeout SECONDS] [--no-build]
+#                          [--tests-file FILE] [pytest args...]
+#   bash tools/sanitize.sh --print-k TOOL     the -k of the default selection under TOOL
+#
+# --tests-file FILE adds the node ids in FILE (one a line) to the pytest args: how
+# tools/sanitize_shards.sh hands each shard its share of a list of tests.
 #
 # Without pytest args it runs the default selection below.  Each tool runs
 # pytest once, under `timeout`, so that one device command (10 minutes at most)
@@ -12,6 +17,10 @@
 #   sanitize-summary.txt           per tool: errors, racecheck hazards, pytest's result line, exit codes
 #   sanitize-<tool>-pytest.log     pytest's output under the tool
 #   sanitize-<tool>-<pid>.log      the sanitizer's report per process (subprocesses included)
+#   sanitize-<tool>-covered.txt    "<node id> passed|skipped" for each test that ran to its end, written
+#                                  only when the run found nothing in our kernels and no test failed
+#                                  (a run cut short by its time limit still covers the tests it finished):
+#                                  what reports/<tool>-covered.txt accumulates across device calls
 #
 # Choices, and why:
 #   --target-processes all   the tests start subprocesses (determinism, env vars): check them too
@@ -43,6 +52,8 @@
 #             tests/test_kernel_sweep_gpu.py exists for it: every launch configuration of our
 #             kernels against CPU references, ~20 s under racecheck:
 #                 bash tools/sanitize.sh --tools racecheck tests/test_kernel_sweep_gpu.py -m gpu
+#             The suite's coverage is built over many calls: reports/racecheck-covered.txt,
+#             tools/sanitize_coverage.py (what is left) and tools/sanitize_shards.sh (runs it).
 #             Under racecheck the concurrency tests (8 threads on 8 streams, a graph replay beside
 #             eager calls, concurrent first use) are deselected: racecheck's host-side state for
 #             them outgrows a 128 GiB machine (the OOM killer ended the process at 127.9 GB,
@@ -50,15 +61,30 @@
 #   An "Internal Sanitizer Error" line is counted as an error: the tool failed, nothing was checked.
 #   tests with "tune" in their names (tune attention/gemm in a subprocess: timing runs with
 #             their own time limits) are deselected under both tools.
-#   pytest runs with -v and -rfE, so a run stopped by its time limit still says which tests
-#             passed or failed; errors are counted from the reports themselves, as a process
+#   pytest runs with -v, -rfE and per-test times, so a run stopped by its time limit still says
+#             which tests passed or failed and how long each took; errors are counted from the reports themselves, as a process
 #             killed by the limit writes no ERROR SUMMARY line.
 #   torch.compile tests are deselected by default (Triton compilation under the sanitizer takes
 #             minutes and checks nothing of ours); the fuzz tests run FUSEDENC_FUZZ_EXAMPLES=5.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/sanitize-out}
-mkdir -p "$OUT"
+
+# The default selection: every GPU test except the long stress tests (100k calls, a
+# third of the GPU's memory, two subprocesses: hours under memcheck) and torch.compile.
+DEFAULT_K="not stress and not oversized and not processes and not compile"
+# The -k terms each tool adds to the user's selection (reasons in the header): one definition,
+# used by the runs below; --print-k prints the default selection's under a tool, the suite
+# that tools/sanitize_coverage.py counts a tool's coverage against.
+tool_k() {
+  local k="not tune"
+  if [ "$1" = "memcheck" ] && [ "${FUSEDENC_SANITIZE_CACHING:-0}" != "1" ]; then
+    k="$k and not graph and not captur"
+  elif [ "$1" = "racecheck" ]; then  # host memory: see the header
+    k="$k and not eight_threads and not beside_eager and not concurrent_first_use"
+  fi
+  echo "$k"
+}
 
 tools="memcheck,racecheck"
 limit=270
@@ -69,9 +95,18 @@ while [ $# -gt 0 ]; do
     --tools) tools="$2"; shift 2 ;;
     --timeout) limit="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
+    --tests-file)
+      [ -r "$2" ] || { echo "sanitize.sh: --tests-file $2: not readable" >&2; exit 2; }
+      # node ids may hold spaces ("[129-32-at most 128]"); a ledger's outcome word is dropped
+      mapfile -t listed < <(grep -vE '^[[:space:]]*(#|$)' "$2" | sed -E 's/ (passed|skipped|ran)$//')
+      args+=("${listed[@]}"); shift 2 ;;
+    --print-k)
+      case "$2" in memcheck|racecheck) echo "($DEFAULT_K) and $(tool_k "$2")"; exit 0 ;;
+        *) echo "sanitize.sh: --print-k takes memcheck or racecheck, not '$2'" >&2; exit 2 ;; esac ;;
     *) args+=("$1"); shift ;;
   esac
 done
+mkdir -p "$OUT"
 
 SANITIZER=${COMPUTE_SANITIZER:-}
 if [ -z "$SANITIZER" ]; then
@@ -93,9 +128,6 @@ if [ $build -eq 1 ]; then
   fi
 fi
 
-# The default selection: every GPU test except the long stress tests (100k calls, a
-# third of the GPU's memory, two subprocesses: hours under memcheck) and torch.compile.
-DEFAULT_K="not stress and not oversized and not processes and not compile"
 # The vendor libraries' kernels (see the header): cuBLASLt's GEMMs, cuDNN, PyTorch's attention kernels.
 # Ours are layer_norm_kernel, bias_activation_kernel (csrc/kernels) and the Triton kernels
 # _short_attention_kernel and _linear_act_kernel, none of which matches.
@@ -136,13 +168,10 @@ overall=0
 IFS=',' read -r -a tool_list <<< "$tools"
 for tool in "${tool_list[@]}"; do
   rm -f "$OUT"/sanitize-"$tool"-*.log
-  k="${user_k:+($user_k) and }not tune"
+  k="${user_k:+($user_k) and }$(tool_k "$tool")"
   env_extra=()
   if [ "$tool" = "memcheck" ] && [ "${FUSEDENC_SANITIZE_CACHING:-0}" != "1" ]; then
     env_extra=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
-    k="$k and not graph and not captur"
-  elif [ "$tool" = "racecheck" ]; then  # host memory: see the header
-    k="$k and not eight_threads and not beside_eager and not concurrent_first_use"
   fi
   tool_flags=()
   if [ "$tool" = "racecheck" ]; then
@@ -155,7 +184,7 @@ for tool in "${tool_list[@]}"; do
     "$SANITIZER" --tool "$tool" --target-processes all --report-api-errors "${FUSEDENC_SANITIZE_API_ERRORS:-no}" \
     --print-limit 100 --error-exitcode 86 "${tool_flags[@]}" \
     --log-file "$OUT/sanitize-$tool-%p.log" \
-    python3 -m pytest -v -rfE -p no:cacheprovider --maxfail=20 "${rest[@]}" "${kargs[@]}" \
+    python3 -m pytest -v -rfE -p no:cacheprovider -o console_output_style=times --maxfail=20 "${rest[@]}" "${kargs[@]}" \
     > "$OUT/sanitize-$tool-pytest.log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))
@@ -197,6 +226,15 @@ for tool in "${tool_list[@]}"; do
   failed_tests=$(echo "$result" | grep -cE "[0-9]+ (failed|error)")
   if [ "$ours" -ne 0 ] || [ "$failed_tests" -ne 0 ] || [ "$status" != finished ] || { [ $rc -ne 0 ] && [ $rc -ne 86 ]; }; then
     overall=1
+  fi
+  # The tests this run covers: none when it found anything in our kernels, a sanitizer failure,
+  # or a failed test (a timed-out run covers those it finished; a crash covers nothing).
+  covered="$OUT/sanitize-$tool-covered.txt"
+  rm -f "$covered"
+  failed_any=$(grep -cE "( (FAILED|ERROR)( |$))|(^(FAILED|ERROR) )" "$OUT/sanitize-$tool-pytest.log")
+  if [ "$ours" -eq 0 ] && [ "$failed_any" -eq 0 ] && { [ $rc -eq 0 ] || [ $rc -eq 86 ] || [ "$status" != finished ]; }; then
+    grep -E "^[^ ]+::.* (PASSED|SKIPPED)( |$)" "$OUT/sanitize-$tool-pytest.log" \
+      | sed -E 's/^(.*::.*) (PASSED|SKIPPED)( .*)?$/\1 \L\2/' > "$covered"
   fi
 done
 

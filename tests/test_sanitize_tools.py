@@ -1,0 +1,194 @@
+"""CPU tests of the compute-sanitizer tooling: tools/sanitize.sh, tools/sanitize_shards.sh
+and tools/sanitize_coverage.py.
+
+The scripts run as a user runs them, with a fake compute-sanitizer (COMPUTE_SANITIZER)
+that runs the command it wraps and writes the report we tell it to: so what the
+scripts conclude from a clean run, a race in one of our kernels, a race in a vendor
+kernel and a failed test is checked without a GPU.  The tests they run are a
+throwaway file of our own, with a space in one node id (pytest allows it; one of
+our suites has "[129-32-at most 128]").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAKE_SANITIZER = textwrap.dedent("""\
+    #!/usr/bin/env bash
+    # Stands in for compute-sanitizer: runs the wrapped command, writes $FAKE_REPORT as its log.
+    if [ "${1:-}" = "--version" ]; then echo "Version 0.0 (fake)"; exit 0; fi
+    log=""
+    while [ $# -gt 0 ]; do
+      case "$1" in
+        --log-file) log="$2"; shift 2 ;;
+        python3) break ;;
+        *) shift ;;
+      esac
+    done
+    "$@"; rc=$?
+    printf '%s\\n' "${FAKE_REPORT:-========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)}" > "${log//%p/$$}"
+    exit $rc
+    """)
+
+THROWAWAY_TESTS = textwrap.dedent("""\
+    import os
+    import pytest
+
+    @pytest.mark.parametrize("case", ["plain", "at most 128"])
+    def test_passes(case):
+        assert os.environ.get("FAKE_FAIL") != case
+
+    def test_is_skipped():
+        pytest.skip("nothing to check here")
+    """)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    tests_file = tmp_path / "test_throwaway.py"
+    tests_file.write_text(THROWAWAY_TESTS)
+    ids = [f"{tests_file}::test_passes[plain]", f"{tests_file}::test_passes[at most 128]",
+           f"{tests_file}::test_is_skipped"]
+    listing = tmp_path / "tests.txt"
+    listing.write_text("# a comment, then node ids; a ledger's outcome word is allowed\n"
+                       + "\n".join(ids) + " passed\n")
+    env = dict(os.environ, COMPUTE_SANITIZER=str(fake), PYTHONPATH=str(ROOT))
+    env.pop("FAKE_REPORT", None)
+    return tmp_path, ids, listing, env
+
+
+def _run(cmd: list[str], env: dict, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", *cmd], cwd=ROOT, env=dict(env, OUT=str(out)),
+                          capture_output=True, text=True, timeout=240)
+
+
+def _covered(out: Path) -> dict[str, str]:
+    path = out / "sanitize-racecheck-covered.txt"
+    if not path.exists():
+        return {}
+    return dict(line.rsplit(" ", 1) for line in path.read_text().splitlines())
+
+
+def _sanitize(setup, out_name: str, **extra_env) -> tuple[subprocess.CompletedProcess, Path]:
+    tmp_path, _, listing, env = setup
+    out = tmp_path / out_name
+    proc = _run(["tools/sanitize.sh", "--no-build", "--tools", "racecheck", "--timeout", "200",
+                 "--tests-file", str(listing)], dict(env, **extra_env), out)
+    return proc, out
+
+
+def _key(node_id: str) -> str:
+    """pytest -v prints a node id relative to the rootdir: compare by what follows the file name."""
+    return node_id.split("test_throwaway.py", 1)[1]
+
+
+def test_clean_run_lists_every_test_it_covered(setup):
+    proc, out = _sanitize(setup, "clean")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    covered = {_key(k): v for k, v in _covered(out).items()}
+    assert covered == {"::test_passes[plain]": "passed", "::test_passes[at most 128]": "passed",
+                       "::test_is_skipped": "skipped"}
+    summary = (out / "sanitize-summary.txt").read_text()
+    assert "== racecheck: 0 reports in fusedenc or PyTorch kernels" in summary
+    assert "3 tests reported" in summary
+    # per-test times in the log, so a run cut short says what each test cost
+    assert any(line.rstrip().endswith(("s", "ms", "us"))
+               for line in (out / "sanitize-racecheck-pytest.log").read_text().splitlines() if " PASSED" in line)
+
+
+def test_a_race_in_our_kernel_fails_the_run_and_covers_nothing(setup):
+    report = "========= Error: Race reported between Write access at layer_norm_kernel+0x1a0"
+    proc, out = _sanitize(setup, "ours", FAKE_REPORT=report)
+    assert proc.returncode == 1
+    assert _covered(out) == {}
+    assert "== racecheck: 1 reports in fusedenc or PyTorch kernels" in (out / "sanitize-summary.txt").read_text()
+
+
+def test_a_race_in_a_vendor_kernel_is_listed_not_counted(setup):
+    report = "========= Error: Race reported between Read access at nvjet_sm90_hsh_64x64_64x13_1x2_h_bz_NNT+0x40"
+    proc, out = _sanitize(setup, "vendor", FAKE_REPORT=report)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(_covered(out)) == 3
+    summary = (out / "sanitize-summary.txt").read_text()
+    assert "0 reports in fusedenc or PyTorch kernels" in summary and "1 race reports in vendor library kernels" in summary
+
+
+def test_a_failed_test_covers_nothing(setup):
+    proc, out = _sanitize(setup, "failed", FAKE_FAIL="at most 128")
+    assert proc.returncode == 1
+    assert _covered(out) == {}
+
+
+def test_shards_split_the_list_and_merge_what_they_covered(setup):
+    tmp_path, ids, listing, env = setup
+    out = tmp_path / "shards"
+    proc = _run(["tools/sanitize_shards.sh", "--tool", "racecheck", "--shards", "2", "--timeout", "200",
+                 "--no-build", str(listing)], env, out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {_key(k) for k in _covered(out)} == {_key(i) for i in ids}
+    summary = (out / "sanitize-summary.txt").read_text()
+    assert "#### shard 0 (2 tests)" in summary and "#### shard 1 (1 tests)" in summary
+    assert (out / "sanitize-logs.tgz").exists() and not list(out.glob("shard-*"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tool", "racecheck", "--shards", "0"], "--shards takes a positive count"),
+    (["--tool", "initcheck"], "--tool memcheck or racecheck"),
+    (["--tool", "racecheck", "/nonexistent/list.txt"], "a readable list of node ids is required"),
+])
+def test_shards_refuse_bad_arguments(setup, args, message):
+    tmp_path, _, _, env = setup
+    proc = _run(["tools/sanitize_shards.sh", *args], env, tmp_path / "bad")
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def _coverage_module():
+    spec = importlib.util.spec_from_file_location("sanitize_coverage", ROOT / "tools" / "sanitize_coverage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_coverage_counts_per_file_and_keeps_collection_order(tmp_path):
+    cov = _coverage_module()
+    ledger = tmp_path / "ledger.txt"
+    ledger.write_text("# comment\n\ntests/a.py::t[at most 128] passed\ntests/b.py::u skipped\nold.py::gone ran\n")
+    covered = cov.read_ledger(ledger)
+    assert covered == {"tests/a.py::t[at most 128]": "passed", "tests/b.py::u": "skipped", "old.py::gone": "ran"}
+    suite = ["tests/a.py::s", "tests/a.py::t[at most 128]", "tests/b.py::u", "tests/b.py::v"]
+    assert cov.coverage_table(suite, covered) == [("tests/a.py", 2, 1, 0), ("tests/b.py", 2, 1, 1)]
+
+
+@pytest.mark.parametrize("line", ["tests/a.py::t", "tests/a.py::t finished", "no_node_id passed"])
+def test_coverage_names_a_malformed_ledger_line(tmp_path, line):
+    cov = _coverage_module()
+    ledger = tmp_path / "ledger.txt"
+    ledger.write_text(f"tests/a.py::ok passed\n{line}\n")
+    with pytest.raises(SystemExit, match=r"ledger.txt:2: expected"):
+        cov.read_ledger(ledger)
+
+
+def test_committed_racecheck_ledger_names_only_tests_of_the_suite(tmp_path):
+    """The ledger in reports/ is read back by the real tool: every line parses and names a
+    test the suite still collects (a renamed test's line would claim coverage nobody has)."""
+    remaining = tmp_path / "remaining.txt"
+    proc = subprocess.run([sys.executable, "tools/sanitize_coverage.py", "--tool", "racecheck",
+                           "--remaining", str(remaining)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "name no test of the suite" not in proc.stdout, proc.stdout
+    cov = _coverage_module()
+    ledger = cov.read_ledger(ROOT / "reports" / "racecheck-covered.txt")
+    left = remaining.read_text().splitlines()
+    assert left and not set(left) & set(ledger)
