@@ -40,7 +40,7 @@ def collect(k: str) -> list[str]:
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
          "-m", "gpu", "-k", k, "tests"],
-        cwd=ROOT, capture_output=True, text=True)
+        cwd=ROOT, capture_output=True, text=True, check=False)
     ids = [line for line in result.stdout.splitlines() if "::" in line]
     if result.returncode not in (0, 5) or not ids:
         raise SystemExit(f"collection failed (exit {result.returncode}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
