@@ -62,8 +62,8 @@
 #   tests with "tune" in their names (tune attention/gemm in a subprocess: timing runs with
 #             their own time limits) are deselected under both tools.
 #   pytest runs with -v, -rfE and per-test times, so a run stopped by its time limit still says
-#             which tests passed or failed and how long each took; errors are counted from the reports themselves, as a process
-#             killed by the limit writes no ERROR SUMMARY line.
+#             which tests passed or failed and how long each took; errors are counted from the
+#             reports themselves, as a process killed by the limit writes no ERROR SUMMARY line.
 #   torch.compile tests are deselected by default (Triton compilation under the sanitizer takes
 #             minutes and checks nothing of ours); the fuzz tests run FUSEDENC_FUZZ_EXAMPLES=5.
 set -uo pipefail
