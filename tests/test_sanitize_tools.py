@@ -75,10 +75,9 @@ def _run(cmd: list[str], env: dict, out: Path) -> subprocess.CompletedProcess:
 
 
 def _covered(out: Path) -> dict[str, str]:
+    """The run's covered list, read as the ledger it is appended to is read."""
     path = out / "sanitize-racecheck-covered.txt"
-    if not path.exists():
-        return {}
-    return dict(line.rsplit(" ", 1) for line in path.read_text().splitlines())
+    return _coverage_module().read_ledger(path) if path.exists() else {}
 
 
 def _sanitize(setup, out_name: str, **extra_env) -> tuple[subprocess.CompletedProcess, Path]:

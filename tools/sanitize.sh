@@ -221,18 +221,18 @@ for tool in "${tool_list[@]}"; do
     grep -E "(^(FAILED|ERROR) )|( FAILED( |$))" "$OUT/sanitize-$tool-pytest.log" | sort -u | head -10 | sed 's/^/   /'
     echo
   } >> "$summary"
+  # Failed or errored tests, from -v's per-test lines and -rfE's summary (a run cut short has no result line).
+  failed=$(grep -cE "( (FAILED|ERROR)( |$))|(^(FAILED|ERROR) )" "$OUT/sanitize-$tool-pytest.log")
   # Fails on any report in our kernels, a sanitizer failure, a failed test or a run cut short.
   # (Exit code 86 alone is the sanitizer's: it is set by the library kernels' races too.)
-  failed_tests=$(echo "$result" | grep -cE "[0-9]+ (failed|error)")
-  if [ "$ours" -ne 0 ] || [ "$failed_tests" -ne 0 ] || [ "$status" != finished ] || { [ $rc -ne 0 ] && [ $rc -ne 86 ]; }; then
+  if [ "$ours" -ne 0 ] || [ "$failed" -ne 0 ] || [ "$status" != finished ] || { [ $rc -ne 0 ] && [ $rc -ne 86 ]; }; then
     overall=1
   fi
   # The tests this run covers: none when it found anything in our kernels, a sanitizer failure,
   # or a failed test (a timed-out run covers those it finished; a crash covers nothing).
   covered="$OUT/sanitize-$tool-covered.txt"
   rm -f "$covered"
-  failed_any=$(grep -cE "( (FAILED|ERROR)( |$))|(^(FAILED|ERROR) )" "$OUT/sanitize-$tool-pytest.log")
-  if [ "$ours" -eq 0 ] && [ "$failed_any" -eq 0 ] && { [ $rc -eq 0 ] || [ $rc -eq 86 ] || [ "$status" != finished ]; }; then
+  if [ "$ours" -eq 0 ] && [ "$failed" -eq 0 ] && { [ $rc -eq 0 ] || [ $rc -eq 86 ] || [ "$status" != finished ]; }; then
     grep -E "^[^ ]+::.* (PASSED|SKIPPED)( |$)" "$OUT/sanitize-$tool-pytest.log" \
       | sed -E 's/^(.*::.*) (PASSED|SKIPPED)( .*)?$/\1 \L\2/' > "$covered"
   fi
