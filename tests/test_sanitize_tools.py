@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -41,11 +42,13 @@ FAKE_SANITIZER = textwrap.dedent("""\
 
 THROWAWAY_TESTS = textwrap.dedent("""\
     import os
+    import time
     import pytest
 
     @pytest.mark.parametrize("case", ["plain", "at most 128"])
     def test_passes(case):
         assert os.environ.get("FAKE_FAIL") != case
+        time.sleep(float(os.environ.get("FAKE_SLEEP", "0")) if case == "at most 128" else 0)
 
     def test_is_skipped():
         pytest.skip("nothing to check here")
@@ -80,10 +83,10 @@ def _covered(out: Path) -> dict[str, str]:
     return _coverage_module().read_ledger(path) if path.exists() else {}
 
 
-def _sanitize(setup, out_name: str, **extra_env) -> tuple[subprocess.CompletedProcess, Path]:
+def _sanitize(setup, out_name: str, limit: int = 200, **extra_env) -> tuple[subprocess.CompletedProcess, Path]:
     tmp_path, _, listing, env = setup
     out = tmp_path / out_name
-    proc = _run(["tools/sanitize.sh", "--no-build", "--tools", "racecheck", "--timeout", "200",
+    proc = _run(["tools/sanitize.sh", "--no-build", "--tools", "racecheck", "--timeout", str(limit),
                  "--tests-file", str(listing)], dict(env, **extra_env), out)
     return proc, out
 
@@ -130,6 +133,29 @@ def test_a_failed_test_covers_nothing(setup):
     assert _covered(out) == {}
 
 
+KILLED = "========= Error: process didn't terminate successfully"
+
+
+def test_a_killed_process_fails_the_run_and_is_not_called_a_report_in_our_kernels(setup):
+    """The OOM killer ending a racecheck process is a failed run, and the summary says so,
+    not that our kernels have a race."""
+    proc, out = _sanitize(setup, "killed", FAKE_REPORT=KILLED)
+    assert proc.returncode == 1
+    assert _covered(out) == {}
+    summary = (out / "sanitize-summary.txt").read_text()
+    assert "== racecheck: 0 reports in fusedenc or PyTorch kernels" in summary
+    assert "1 process(es) killed or crashed" in summary
+
+
+def test_a_run_cut_short_covers_what_it_finished_and_exits_3(setup):
+    """The limit stops the run inside its second test: exit 3 (no problem, not complete) and the
+    first test is covered; the one interrupted is not."""
+    proc, out = _sanitize(setup, "short", limit=8, FAKE_SLEEP="120")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert {_key(k): v for k, v in _covered(out).items()} == {"::test_passes[plain]": "passed"}
+    assert "TIMED OUT after 8s (partial)" in (out / "sanitize-summary.txt").read_text()
+
+
 def test_shards_split_the_list_and_merge_what_they_covered(setup):
     tmp_path, ids, listing, env = setup
     out = tmp_path / "shards"
@@ -138,8 +164,34 @@ def test_shards_split_the_list_and_merge_what_they_covered(setup):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert {_key(k) for k in _covered(out)} == {_key(i) for i in ids}
     summary = (out / "sanitize-summary.txt").read_text()
-    assert "#### shard 0 (2 tests)" in summary and "#### shard 1 (1 tests)" in summary
+    assert "#### shard 0 (2 tests): finished, no problem" in summary and "#### shard 1 (1 tests): finished" in summary
     assert (out / "sanitize-logs.tgz").exists() and not list(out.glob("shard-*"))
+
+
+def test_shards_cut_short_exit_3_and_keep_what_they_finished(setup):
+    """Shard 1 holds the slow test and is stopped by the limit: exit 3, shard 0's tests and
+    none of shard 1's are covered; the monitor wrote each shard's memory."""
+    tmp_path, _, listing, env = setup
+    out = tmp_path / "shards-short"
+    proc = _run(["tools/sanitize_shards.sh", "--tool", "racecheck", "--shards", "2", "--timeout", "8",
+                 "--no-build", str(listing)], dict(env, FAKE_SLEEP="120", FUSEDENC_SANITIZE_MONITOR_S="1"), out)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert {_key(k) for k in _covered(out)} == {"::test_passes[plain]", "::test_is_skipped"}
+    summary = (out / "sanitize-summary.txt").read_text()
+    assert "#### shard 0 (2 tests): finished, no problem" in summary
+    assert "#### shard 1 (1 tests): cut short by the limit, no problem" in summary
+    samples = (out / "host-memory.txt").read_text().splitlines()
+    assert samples and all(re.search(r"GB \(shards: \d+ \d+\)", line) for line in samples), samples
+
+
+def test_a_shard_with_a_problem_fails_the_whole_and_covers_nothing(setup):
+    tmp_path, _, listing, env = setup
+    out = tmp_path / "shards-killed"
+    proc = _run(["tools/sanitize_shards.sh", "--tool", "racecheck", "--shards", "2", "--timeout", "200",
+                 "--no-build", str(listing)], dict(env, FAKE_REPORT=KILLED), out)
+    assert proc.returncode == 1
+    assert _covered(out) == {}
+    assert "A PROBLEM (exit 1): covers nothing" in (out / "sanitize-summary.txt").read_text()
 
 
 @pytest.mark.parametrize("args, message", [

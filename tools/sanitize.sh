@@ -21,6 +21,9 @@
 #                                  only when the run found nothing in our kernels and no test failed
 #                                  (a run cut short by its time limit still covers the tests it finished):
 #                                  what reports/<tool>-covered.txt accumulates across device calls
+# Exit status: 0 every tool's run finished with no problem; 1 a problem in some run (a report in
+# our kernels, a sanitizer failure, a killed or crashed process, a failed test); 3 no problem, but
+# a run was cut short by its time limit (it covers the tests it finished); 2 bad arguments.
 #
 # Choices, and why:
 #   --target-processes all   the tests start subprocesses (determinism, env vars): check them too
@@ -199,12 +202,15 @@ for tool in "${tool_list[@]}"; do
   cat "${logs[@]}" 2>/dev/null | grep -E "^========= (Invalid|Error|Program hit|Warning: Race|Address|Internal Sanitizer Error)" > "$OUT/sanitize-$tool-reports.txt"
   reports=$(wc -l < "$OUT/sanitize-$tool-reports.txt")
   internal=$(grep -c "Internal Sanitizer Error" "$OUT/sanitize-$tool-reports.txt")
+  # "Error: process didn't terminate successfully": a process killed or crashed, not a report
+  # about a kernel (under racecheck, the OOM killer: see the header).  It fails the run all the same.
+  killed=$(grep -c "process didn't terminate successfully" "$OUT/sanitize-$tool-reports.txt")
   library=0
   if [ "$tool" = racecheck ]; then  # races in the vendor libraries' kernels are listed, not counted (header)
     library=$(grep -E "Race reported" "$OUT/sanitize-$tool-reports.txt" | grep -cE "access at [^ ]*($LIBRARY_KERNELS)")
   fi
-  ours=$((reports - library))
-  if [ "$tool" = memcheck ] && [ "$summed" -gt "$ours" ]; then ours=$summed; fi
+  ours=$((reports - library - killed))
+  if [ "$tool" = memcheck ] && [ $((summed - killed)) -gt "$ours" ]; then ours=$((summed - killed)); fi
   result=$(grep -E "[0-9]+ (passed|failed|error)" "$OUT/sanitize-$tool-pytest.log" | tail -1)
   ran=$(grep -cE "(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)( |$)" "$OUT/sanitize-$tool-pytest.log")
   last=$(grep -E "(PASSED|FAILED|ERROR|SKIPPED)( |$)" "$OUT/sanitize-$tool-pytest.log" | tail -1 | cut -d' ' -f1)
@@ -212,6 +218,7 @@ for tool in "${tool_list[@]}"; do
   [ $rc -eq 124 ] || [ $rc -eq 130 ] || [ $rc -eq 137 ] && status="TIMED OUT after ${limit}s (partial)"
   {
     echo "== $tool: $ours reports in fusedenc or PyTorch kernels ($internal of them internal sanitizer errors)$([ "$tool" = racecheck ] && echo ", $library race reports in vendor library kernels (not counted)"); $processes process(es) finished"
+    [ "$killed" -gt 0 ] && echo "   $killed process(es) killed or crashed (\"process didn't terminate successfully\": out of host memory?): the run covers nothing"
     echo "   pytest: ${result:-no result line}; $ran tests reported, the last: ${last:-none}"
     echo "   exit code $rc ($status), ${secs}s; -k: ${k:-none}${env_extra:+; ${env_extra[*]}}"
     if [ "$reports" -gt 0 ]; then
@@ -223,16 +230,24 @@ for tool in "${tool_list[@]}"; do
   } >> "$summary"
   # Failed or errored tests, from -v's per-test lines and -rfE's summary (a run cut short has no result line).
   failed=$(grep -cE "( (FAILED|ERROR)( |$))|(^(FAILED|ERROR) )" "$OUT/sanitize-$tool-pytest.log")
-  # Fails on any report in our kernels, a sanitizer failure, a failed test or a run cut short.
-  # (Exit code 86 alone is the sanitizer's: it is set by the library kernels' races too.)
-  if [ "$ours" -ne 0 ] || [ "$failed" -ne 0 ] || [ "$status" != finished ] || { [ $rc -ne 0 ] && [ $rc -ne 86 ]; }; then
-    overall=1
+  # A problem: any report in our kernels, a sanitizer failure, a killed or crashed process, a
+  # failed test, or an exit code that is none of these (86 alone is the sanitizer's: the library
+  # kernels' races set it too).  A run cut short by its limit with no problem is "short".
+  problem=0
+  if [ "$ours" -ne 0 ] || [ "$killed" -ne 0 ] || [ "$failed" -ne 0 ]; then
+    problem=1
+  elif [ "$status" = finished ] && [ $rc -ne 0 ] && [ $rc -ne 86 ]; then
+    problem=1
   fi
-  # The tests this run covers: none when it found anything in our kernels, a sanitizer failure,
-  # or a failed test (a timed-out run covers those it finished; a crash covers nothing).
+  if [ $problem -eq 1 ]; then
+    overall=1
+  elif [ "$status" != finished ] && [ $overall -eq 0 ]; then
+    overall=3
+  fi
+  # The tests this run covers: none after a problem; a run cut short covers the tests it finished.
   covered="$OUT/sanitize-$tool-covered.txt"
   rm -f "$covered"
-  if [ "$ours" -eq 0 ] && [ "$failed" -eq 0 ] && { [ $rc -eq 0 ] || [ $rc -eq 86 ] || [ "$status" != finished ]; }; then
+  if [ $problem -eq 0 ]; then
     grep -E "^[^ ]+::.* (PASSED|SKIPPED)( |$)" "$OUT/sanitize-$tool-pytest.log" \
       | sed -E 's/^(.*::.*) (PASSED|SKIPPED)( .*)?$/\1 \L\2/' > "$covered"
   fi
