@@ -5,6 +5,7 @@
 #   bash tools/sanitize.sh [--tools memcheck,racecheck] [--timeout SECONDS] [--no-build]
 #                          [--tests-file FILE] [pytest args...]
 #   bash tools/sanitize.sh --print-k TOOL     the -k of the default selection under TOOL
+#   bash tools/sanitize.sh --print-tests FILE the node ids that --tests-file FILE runs
 #
 # --tests-file FILE adds the node ids in FILE (one a line) to the pytest args: how
 # tools/sanitize_shards.sh hands each shard its share of a list of tests.
@@ -89,6 +90,13 @@ tool_k() {
   echo "$k"
 }
 
+# The node ids of a list file, one a line: comments and blank lines skipped, a ledger's outcome
+# word dropped (node ids may hold spaces: "[129-32-at most 128]").  --tests-file reads a list
+# with it; --print-tests prints one, for tools/sanitize_shards.sh to deal out.
+tests_in() {
+  grep -vE '^[[:space:]]*(#|$)' "$1" | sed -E 's/ (passed|skipped|ran)$//'
+}
+
 tools="memcheck,racecheck"
 limit=270
 build=1
@@ -100,9 +108,11 @@ while [ $# -gt 0 ]; do
     --no-build) build=0; shift ;;
     --tests-file)
       [ -r "$2" ] || { echo "sanitize.sh: --tests-file $2: not readable" >&2; exit 2; }
-      # node ids may hold spaces ("[129-32-at most 128]"); a ledger's outcome word is dropped
-      mapfile -t listed < <(grep -vE '^[[:space:]]*(#|$)' "$2" | sed -E 's/ (passed|skipped|ran)$//')
+      mapfile -t listed < <(tests_in "$2")
       args+=("${listed[@]}"); shift 2 ;;
+    --print-tests)
+      [ -r "$2" ] || { echo "sanitize.sh: --print-tests $2: not readable" >&2; exit 2; }
+      tests_in "$2"; exit 0 ;;
     --print-k)
       case "$2" in memcheck|racecheck) echo "($DEFAULT_K) and $(tool_k "$2")"; exit 0 ;;
         *) echo "sanitize.sh: --print-k takes memcheck or racecheck, not '$2'" >&2; exit 2 ;; esac ;;

@@ -50,7 +50,7 @@ done
 case "$tool" in memcheck|racecheck) ;; *) echo "sanitize_shards.sh: --tool memcheck or racecheck" >&2; exit 2 ;; esac
 [[ "$shards" =~ ^[1-9][0-9]*$ ]] || { echo "sanitize_shards.sh: --shards takes a positive count, not '$shards'" >&2; exit 2; }
 [ -n "$list" ] && [ -r "$list" ] || { echo "sanitize_shards.sh: a readable list of node ids is required" >&2; exit 2; }
-mapfile -t tests < <(grep -vE '^[[:space:]]*(#|$)' "$list" | sed -E 's/ (passed|skipped|ran)$//')
+mapfile -t tests < <(bash tools/sanitize.sh --print-tests "$list")
 [ ${#tests[@]} -gt 0 ] || { echo "sanitize_shards.sh: $list names no tests" >&2; exit 2; }
 [ "$shards" -gt ${#tests[@]} ] && shards=${#tests[@]}
 mkdir -p "$OUT"
