@@ -12,6 +12,7 @@
 #   sanitize-<tool>-covered.txt  the tests the shards covered (see sanitize.sh), to append to
 #                                reports/<tool>-covered.txt
 #   host-memory.txt              host memory used (all, and per shard) and GPU use, every 10 s
+#                                (FUSEDENC_SANITIZE_MONITOR_S)
 #   sanitize-logs.tgz            the shards' logs (the sanitizer's reports, pytest's output)
 #
 # Exit status: 0 every shard finished with no problem; 3 no problem, but some shard was cut short
@@ -78,7 +79,8 @@ for ((i = 0; i < shards; i++)); do
     --tests-file "$OUT/shard-$i/tests.txt" > "$OUT/shard-$i/driver.txt" 2>&1 &
   pids+=($!)
 done
-( while sleep "${FUSEDENC_SANITIZE_MONITOR_S:-10}"; do
+interval=${FUSEDENC_SANITIZE_MONITOR_S:-10}
+( while sleep "$interval"; do
     per_shard=$(for pid in "${pids[@]}"; do ps -o rss= -s "$pid" 2>/dev/null | awk '{s += $1} END {printf "%d ", s / 1048576}'; done)
     echo "$(date +%T) host $(free -g | awk 'NR==2{print $3}') GB (shards: ${per_shard% }), gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null)"
   done > "$OUT/host-memory.txt" ) &
@@ -102,7 +104,7 @@ summary="$OUT/sanitize-summary.txt"
 {
   echo "fusedenc compute-sanitizer shards: $tool, ${#tests[@]} tests from $list in $shards shards, ${limit}s each"
   echo "git: ${FUSEDENC_SOURCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
-  echo "peak host memory: $(awk '{print $3}' "$OUT/host-memory.txt" | sort -n | tail -1) GB (per shard, every 10 s: host-memory.txt)"
+  echo "peak host memory: $(awk '{print $3}' "$OUT/host-memory.txt" | sort -n | tail -1) GB (per shard, every ${interval} s: host-memory.txt)"
   for ((i = 0; i < shards; i++)); do
     echo
     echo "#### shard $i ($(wc -l < "$OUT/shard-$i/tests.txt") tests): ${verdict[$i]}"
