@@ -27,6 +27,7 @@ FAKE_SANITIZER = textwrap.dedent("""\
     #!/usr/bin/env bash
     # Stands in for compute-sanitizer: runs the wrapped command, writes $FAKE_REPORT as its log.
     if [ "${1:-}" = "--version" ]; then echo "Version 0.0 (fake)"; exit 0; fi
+    [ -n "${FAKE_ARGS:-}" ] && printf '%s\\n' "$@" > "$FAKE_ARGS"
     log=""
     while [ $# -gt 0 ]; do
       case "$1" in
@@ -154,6 +155,31 @@ def test_a_run_cut_short_covers_what_it_finished_and_exits_3(setup):
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert {_key(k): v for k, v in _covered(out).items()} == {"::test_passes[plain]": "passed"}
     assert "TIMED OUT after 8s (partial)" in (out / "sanitize-summary.txt").read_text()
+
+
+def test_more_sanitizer_options_reach_the_sanitizer_and_the_summary(setup):
+    tmp_path = setup[0]
+    proc, out = _sanitize(setup, "flags", FAKE_ARGS=str(tmp_path / "args.txt"),
+                          FUSEDENC_SANITIZE_FLAGS="--racecheck-num-hazards 1024")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = (tmp_path / "args.txt").read_text().splitlines()
+    assert args[args.index("--racecheck-num-hazards") + 1] == "1024"
+    assert args.index("--racecheck-num-hazards") < args.index("python3")
+    assert "sanitizer options: --tool racecheck --racecheck-report analysis --racecheck-num-hazards 1024" in (
+        out / "sanitize-summary.txt").read_text()
+
+
+def test_stack_dumps_name_the_test_that_was_running(setup):
+    """FUSEDENC_SANITIZE_STACKS_S: a test process writes its stack while a slow test runs."""
+    proc, out = _sanitize(setup, "stacks", FUSEDENC_SANITIZE_STACKS_S="0.5", FAKE_SLEEP="2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    dumps = list(out.glob("stacks-*.txt"))
+    assert len(dumps) == 1
+    text = dumps[0].read_text()
+    assert re.match(r"pid \d+: started \d\d:\d\d:\d\d, a dump every 0.5 s after it\n", text)
+    assert "in test_passes" in text
+    proc, out = _sanitize(setup, "stacks", FAKE_SLEEP="2")  # off by default, and stale dumps go
+    assert list(out.glob("stacks-*.txt")) == []
 
 
 def test_shards_split_the_list_and_merge_what_they_covered(setup):

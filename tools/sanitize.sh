@@ -22,6 +22,11 @@
 #                                  only when the run found nothing in our kernels and no test failed
 #                                  (a run cut short by its time limit still covers the tests it finished):
 #                                  what reports/<tool>-covered.txt accumulates across device calls
+# Environment:
+#   FUSEDENC_SANITIZE_FLAGS="..."  more compute-sanitizer options (after ours; the summary names them)
+#   FUSEDENC_SANITIZE_STACKS_S=N   every N s, each pytest process writes its Python stack to
+#                                  $OUT/stacks-<pid>.txt (tools/pytest_stack_dumps.py): which test line
+#                                  ran while host memory grew (tools/sanitize_shards.sh: host-memory.txt)
 # Exit status: 0 every tool's run finished with no problem; 1 a problem in some run (a report in
 # our kernels, a sanitizer failure, a killed or crashed process, a failed test); 3 no problem, but
 # a run was cut short by its time limit (it covers the tests it finished); 2 bad arguments.
@@ -178,6 +183,7 @@ summary="$OUT/sanitize-summary.txt"
 } > "$summary"
 
 overall=0
+rm -f "$OUT"/stacks-*.txt
 IFS=',' read -r -a tool_list <<< "$tools"
 for tool in "${tool_list[@]}"; do
   rm -f "$OUT"/sanitize-"$tool"-*.log
@@ -190,6 +196,14 @@ for tool in "${tool_list[@]}"; do
   if [ "$tool" = "racecheck" ]; then
     tool_flags=(--racecheck-report analysis)
   fi
+  read -r -a more_flags <<< "${FUSEDENC_SANITIZE_FLAGS:-}"
+  tool_flags+=("${more_flags[@]}")
+  plugin=()
+  if [ -n "${FUSEDENC_SANITIZE_STACKS_S:-}" ]; then
+    env_extra+=("PYTHONPATH=$PWD/tools${PYTHONPATH:+:$PYTHONPATH}" "FUSEDENC_DUMP_STACKS_S=$FUSEDENC_SANITIZE_STACKS_S"
+                "FUSEDENC_DUMP_STACKS_DIR=$OUT")
+    plugin=(-p pytest_stack_dumps)
+  fi
   kargs=()
   [ -n "$k" ] && kargs=(-k "$k")
   start=$(date +%s)
@@ -197,7 +211,7 @@ for tool in "${tool_list[@]}"; do
     "$SANITIZER" --tool "$tool" --target-processes all --report-api-errors "${FUSEDENC_SANITIZE_API_ERRORS:-no}" \
     --print-limit 100 --error-exitcode 86 "${tool_flags[@]}" \
     --log-file "$OUT/sanitize-$tool-%p.log" \
-    python3 -m pytest -v -rfE -p no:cacheprovider -o console_output_style=times --maxfail=20 "${rest[@]}" "${kargs[@]}" \
+    python3 -m pytest -v -rfE -p no:cacheprovider "${plugin[@]}" -o console_output_style=times --maxfail=20 "${rest[@]}" "${kargs[@]}" \
     > "$OUT/sanitize-$tool-pytest.log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))
@@ -231,6 +245,7 @@ for tool in "${tool_list[@]}"; do
     [ "$killed" -gt 0 ] && echo "   $killed process(es) killed or crashed (\"process didn't terminate successfully\": out of host memory?): the run covers nothing"
     echo "   pytest: ${result:-no result line}; $ran tests reported, the last: ${last:-none}"
     echo "   exit code $rc ($status), ${secs}s; -k: ${k:-none}${env_extra:+; ${env_extra[*]}}"
+    echo "   sanitizer options: --tool $tool ${tool_flags[*]}"
     if [ "$reports" -gt 0 ]; then
       echo "   reports (count, first line):"
       sed -E 's/\+0x[0-9a-f]+//g' "$OUT/sanitize-$tool-reports.txt" | sort | uniq -c | sort -rn | head -15 | sed 's/^/     /'

@@ -21,14 +21,17 @@
 # still count; 2 bad arguments.
 #
 # Why shards: racecheck over the regular tests is slow (tools/sanitize.sh, header) and a test
-# that does not finish inside one call's limit is not covered.  Concurrent processes kept the
-# H100 at 100% and covered about twice the tests of one process in the same time
-# (2026-11-22: 74 tests in 460 s from six shards against 30-47 from one).  Host memory is the
-# limit: six shards of ordinary tests stay near 50 GB of the machine's 128 GiB, but a few tests
-# grow a racecheck process by tens of GB, and beside other shards the OOM killer ends the
-# largest shard (seen 2026-11-22: test_threads_on_separate_streams_match_serial,
-# test_linear_shapes[fp32-x1x17x241xK768-N2304-mish-nobias], test_t82_stack_at_depth,
-# test_graph_runner_matches_eager).  Give those a call with few shards.
+# that does not finish inside one call's limit is not covered.  For small tests, whose time is
+# mostly Python and pytest, concurrent processes covered about twice the tests of one process
+# (2026-11-22: 74 tests in 460 s from six shards against 30-47 from one).  Tests that take
+# minutes keep the GPU busy alone, and shards only split it: use one or two for those
+# (reports/sanitize-2026-11-22e-h100.txt: one shard finished seven in a call, two shards four
+# or five).  Host memory is the other limit: six shards of ordinary tests stay near 50 GB of
+# the machine's 128 GiB, but a few tests grow a racecheck process by tens of GB, and the OOM
+# killer ends the largest shard (seen 2026-11-22: test_threads_on_separate_streams_match_serial
+# and test_graph_runner_matches_eager beside other shards; test_t82_stack_at_depth even alone).
+# Give those a call of their own; FUSEDENC_SANITIZE_STACKS_S (tools/sanitize.sh) shows where
+# their memory grows, beside host-memory.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/sanitize-out}
