@@ -6,16 +6,13 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSEDENC_REQUIRE_GPU=1 FUSEDENC_REQUIRE_NATIVE=cuda
-export FUSEDENC_CUDA_ARCHITECTURES=${FUSEDENC_CUDA_ARCHITECTURES:-90}
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } > "$OUT/env.txt" 2>&1
 
-if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
-fi
+bash "$(dirname "$0")/build_core.sh" "$OUT/build.log" || exit 1
 
 # A wall-clock cap so a hang still leaves a log and a summary behind (SIGINT:
 # pytest stops cleanly and still prints its summary).

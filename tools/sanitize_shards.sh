@@ -60,9 +60,7 @@ mapfile -t tests < <(bash tools/sanitize.sh --print-tests "$list")
 mkdir -p "$OUT"
 
 if [ $build -eq 1 ]; then
-  if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
-    tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
-  fi
+  bash tools/build_core.sh "$OUT/build.log" || exit 1
 fi
 
 # Round-robin, so the neighbours in a list (a file's largest cases come together) spread out.
