@@ -268,4 +268,7 @@ def test_committed_racecheck_ledger_names_only_tests_of_the_suite(tmp_path):
     cov = _coverage_module()
     ledger = cov.read_ledger(ROOT / "reports" / "racecheck-covered.txt")
     left = remaining.read_text().splitlines()
-    assert left and not set(left) & set(ledger)
+    assert not set(left) & set(ledger)
+    # what is covered and what is left make up the suite (no left-over list once all is covered)
+    done, total = map(int, re.search(r"^  all +(\d+) of (\d+)$", proc.stdout, re.M).groups())
+    assert total > 0 and done + len(left) == total, proc.stdout
