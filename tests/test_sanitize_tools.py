@@ -56,6 +56,12 @@ THROWAWAY_TESTS = textwrap.dedent("""\
     """)
 
 
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# two GPUs: a line each, unless -i picks one
+if [ "$1" = "-i" ]; then echo "GPU $2: FakeH100"; else printf 'GPU 0: FakeH100\\nGPU 1: FakeH100\\n'; fi
+"""
+
+
 @pytest.fixture
 def setup(tmp_path):
     fake = tmp_path / "compute-sanitizer"
@@ -229,6 +235,13 @@ def test_shards_cut_short_exit_3_and_keep_what_they_finished(setup):
     none of shard 1's are covered; the monitor wrote each shard's memory."""
     tmp_path, _, listing, env = setup
     out = tmp_path / "shards-short"
+    # A machine of two GPUs where the tests see GPU 1 first: the samples and the summary name it alone
+    # (nvidia-smi prints a line per GPU unless -i picks one).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = dict(env, PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", CUDA_VISIBLE_DEVICES="1,0")
     proc = _run(["tools/sanitize_shards.sh", "--tool", "racecheck", "--shards", "2", "--timeout", "8",
                  "--no-build", str(listing)], dict(env, FAKE_SLEEP="120", FUSEDENC_SANITIZE_MONITOR_S="1"), out)
     assert proc.returncode == 3, proc.stdout + proc.stderr
@@ -237,7 +250,8 @@ def test_shards_cut_short_exit_3_and_keep_what_they_finished(setup):
     assert "#### shard 0 (2 tests): finished, no problem" in summary
     assert "#### shard 1 (1 tests): cut short by the limit, no problem" in summary
     samples = (out / "host-memory.txt").read_text().splitlines()
-    assert samples and all(re.search(r"GB \(shards: \d+ \d+\)", line) for line in samples), samples
+    assert samples and all(re.search(r"GB \(shards: \d+ \d+\), gpu GPU 1: ", line) for line in samples), samples
+    assert [line for line in summary.splitlines() if line.startswith("gpu: ")] == ["gpu: GPU 1: FakeH100"] * 2
 
 
 def test_a_shard_with_a_problem_fails_the_whole_and_covers_nothing(setup):

@@ -171,7 +171,8 @@ summary="$OUT/sanitize-summary.txt"
 {
   echo "fusedenc compute-sanitizer run, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "sanitizer: $("$SANITIZER" --version 2>/dev/null | grep -i version | head -1)"
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+  gpu=${CUDA_VISIBLE_DEVICES:-0}; gpu=${gpu%%,*}  # the tests' GPU: the first visible one
+  nvidia-smi -i "${gpu:-0}" --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
   python3 -c "import torch, fusedenc; print('torch', torch.__version__, 'cuda', torch.version.cuda, '|', fusedenc.backend())" 2>&1
   echo "selection: ${args[*]}"
   # FUSEDENC_SOURCE_COMMIT names the code where .git is not its own (a copied working tree)

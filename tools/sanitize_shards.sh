@@ -81,9 +81,12 @@ for ((i = 0; i < shards; i++)); do
   pids+=($!)
 done
 interval=${FUSEDENC_SANITIZE_MONITOR_S:-10}
+# The tests run on the first visible GPU; nvidia-smi ignores CUDA_VISIBLE_DEVICES and would print
+# a line for every GPU of a larger machine (it takes an index or a UUID, as that variable does).
+gpu=${CUDA_VISIBLE_DEVICES:-0}; gpu=${gpu%%,*}
 ( while sleep "$interval"; do
     per_shard=$(for pid in "${pids[@]}"; do ps -o rss= -s "$pid" 2>/dev/null | awk '{s += $1} END {printf "%d ", s / 1048576}'; done)
-    echo "$(date +%T) host $(free -g | awk 'NR==2{print $3}') GB (shards: ${per_shard% }), gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null)"
+    echo "$(date +%T) host $(free -g | awk 'NR==2{print $3}') GB (shards: ${per_shard% }), gpu $(nvidia-smi -i "${gpu:-0}" --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null)"
   done > "$OUT/host-memory.txt" ) &
 monitor=$!
 # sanitize.sh exits 0 (finished, no problem), 3 (no problem, cut short by the limit: the usual
