@@ -2,7 +2,8 @@
 
 GPU tests carry ``@pytest.mark.gpu``.  They are skipped where no GPU with the
 native core is available, except when FUSEDENC_REQUIRE_GPU=1 (set on the GPU
-machine), where a missing GPU or core fails them instead of skipping.
+machine), where a missing GPU or core stops the run with an error instead: a GPU
+run that quietly checked nothing must not exit 0.
 """
 
 from __future__ import annotations
@@ -25,17 +26,17 @@ def _gpu_unavailable_reason() -> str | None:
     return None
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: only the tests that will run
 def pytest_collection_modifyitems(config, items):
-    reason = _gpu_unavailable_reason()
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    reason = _gpu_unavailable_reason() if gpu_items else None
     if reason is None:
         return
-    require = os.environ.get("FUSEDENC_REQUIRE_GPU") == "1"
-    for item in items:
-        if "gpu" in item.keywords:
-            if require:
-                item.add_marker(pytest.mark.xfail(reason=reason, run=False, strict=True))
-            else:
-                item.add_marker(pytest.mark.skip(reason=f"needs a GPU: {reason}"))
+    if os.environ.get("FUSEDENC_REQUIRE_GPU") == "1":
+        raise pytest.UsageError(
+            f"FUSEDENC_REQUIRE_GPU=1, but the {len(gpu_items)} selected GPU tests cannot run: {reason}")
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason=f"needs a GPU: {reason}"))
 
 
 @pytest.fixture(autouse=True)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import fusedenc
 from fusedenc import _native
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_backend_reports_a_reason():
@@ -60,6 +65,25 @@ def test_native_core_was_built_when_required():
     assert module is not None, f"native core missing: {fusedenc.backend()}"
     assert module.VENDOR == required
     assert module.library_version() > 0
+
+
+@pytest.mark.parametrize(
+    ("require", "marks", "code", "says"),
+    [
+        ("1", "gpu", 4, "FUSEDENC_REQUIRE_GPU=1, but the 1 selected GPU tests cannot run: no GPU visible"),
+        ("", "gpu", 0, "1 skipped"),
+        ("1", "not gpu", 5, "1 deselected"),  # nothing selected to require a GPU for
+    ],
+    ids=["required-fails", "not-required-skips", "deselected-is-not-required"],
+)
+def test_a_required_gpu_that_is_missing_stops_the_run(require, marks, code, says):
+    """With FUSEDENC_REQUIRE_GPU=1 a GPU run without a GPU (here: none visible) must not exit 0."""
+    node = "tests/test_layer_norm_gpu.py::test_matches_reference[1-8-dtype0]"
+    env = dict(os.environ, FUSEDENC_REQUIRE_GPU=require, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marks, node],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert says in proc.stdout + proc.stderr
 
 
 def test_fallback_events_and_plan_cache_without_gpu():
