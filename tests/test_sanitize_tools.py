@@ -301,18 +301,33 @@ def test_coverage_names_a_malformed_ledger_line(tmp_path, line):
         cov.read_ledger(ledger)
 
 
-def test_committed_racecheck_ledger_names_only_tests_of_the_suite(tmp_path):
-    """The ledger in reports/ is read back by the real tool: every line parses and names a
+@pytest.mark.parametrize("tool", ["racecheck", "memcheck"])
+def test_committed_ledger_names_only_tests_of_the_suite(tmp_path, tool):
+    """Each ledger in reports/ is read back by the real tool: every line parses and names a
     test the suite still collects (a renamed test's line would claim coverage nobody has)."""
     remaining = tmp_path / "remaining.txt"
-    proc = subprocess.run([sys.executable, "tools/sanitize_coverage.py", "--tool", "racecheck",
+    proc = subprocess.run([sys.executable, "tools/sanitize_coverage.py", "--tool", tool,
                            "--remaining", str(remaining)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "name no test of the suite" not in proc.stdout, proc.stdout
     cov = _coverage_module()
-    ledger = cov.read_ledger(ROOT / "reports" / "racecheck-covered.txt")
+    ledger = cov.read_ledger(ROOT / "reports" / f"{tool}-covered.txt")
     left = remaining.read_text().splitlines()
     assert not set(left) & set(ledger)
     # what is covered and what is left make up the suite (no left-over list once all is covered)
     done, total = map(int, re.search(r"^  all +(\d+) of (\d+)$", proc.stdout, re.MULTILINE).groups())
     assert total > 0 and done + len(left) == total, proc.stdout
+
+
+@pytest.mark.parametrize(("tool", "switch", "term"), [
+    ("racecheck", "FUSEDENC_SANITIZE_CONCURRENCY", "not eight_threads"),
+    ("memcheck", "FUSEDENC_SANITIZE_CACHING", "not graph"),
+])
+def test_print_k_names_each_tools_exclusions_and_their_switch_lifts_them(tool, switch, term):
+    def print_k(**env):
+        return subprocess.run(["bash", "tools/sanitize.sh", "--print-k", tool], cwd=ROOT, check=True,
+                              env=dict({k: v for k, v in os.environ.items() if k != switch}, **env),
+                              capture_output=True, text=True).stdout
+
+    assert term in print_k() and "not stress" in print_k()
+    assert term not in print_k(**{switch: "1"}) and "not stress" in print_k(**{switch: "1"})
