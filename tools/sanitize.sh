@@ -67,7 +67,8 @@
 #             eager calls, concurrent first use) are deselected: racecheck's host-side state for
 #             them outgrows a 128 GiB machine (the OOM killer ended the process at 127.9 GB,
 #             2026-11-22).  memcheck runs them.  FUSEDENC_SANITIZE_CONCURRENCY=1 keeps them, for a
-#             machine with more host memory (they ran clean on a 256 GiB H200 machine).
+#             machine with more host memory; on a 256 GiB H200 machine two still outgrew it and the
+#             third hung with the GPU idle (reports/sanitize-2026-11-22f-h100.txt, call 7).
 #   An "Internal Sanitizer Error" line is counted as an error: the tool failed, nothing was checked.
 #   tests with "tune" in their names (tune attention/gemm in a subprocess: timing runs with
 #             their own time limits) are deselected under both tools.
