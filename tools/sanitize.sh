@@ -84,12 +84,15 @@ OUT=${OUT:-$PWD/sanitize-out}
 # The default selection: every GPU test except the long stress tests (100k calls, a
 # third of the GPU's memory, two subprocesses: hours under memcheck) and torch.compile.
 DEFAULT_K="not stress and not oversized and not processes and not compile"
+# memcheck runs without PyTorch's caching allocator unless FUSEDENC_SANITIZE_CACHING=1 (header).
+memcheck_uncached=1
+[ "${FUSEDENC_SANITIZE_CACHING:-0}" = "1" ] && memcheck_uncached=0
 # The -k terms each tool adds to the user's selection (reasons in the header): one definition,
 # used by the runs below; --print-k prints the default selection's under a tool, the suite
 # that tools/sanitize_coverage.py counts a tool's coverage against.
 tool_k() {
   local k="not tune"
-  if [ "$1" = "memcheck" ] && [ "${FUSEDENC_SANITIZE_CACHING:-0}" != "1" ]; then
+  if [ "$1" = "memcheck" ] && [ $memcheck_uncached -eq 1 ]; then
     k="$k and not graph and not captur"
   elif [ "$1" = "racecheck" ] && [ "${FUSEDENC_SANITIZE_CONCURRENCY:-0}" != "1" ]; then  # host memory: see the header
     k="$k and not eight_threads and not beside_eager and not concurrent_first_use"
@@ -182,28 +185,32 @@ summary="$OUT/sanitize-summary.txt"
   echo
 } > "$summary"
 
-overall=0
+# What every tool's run shares: the caller's extra sanitizer options, and the stack dumps.
+read -r -a more_flags <<< "${FUSEDENC_SANITIZE_FLAGS:-}"
+stack_env=()
+plugin=()
 rm -f "$OUT"/stacks-*.txt
+if [ -n "${FUSEDENC_SANITIZE_STACKS_S:-}" ]; then
+  stack_env=("PYTHONPATH=$PWD/tools${PYTHONPATH:+:$PYTHONPATH}" "FUSEDENC_DUMP_STACKS_S=$FUSEDENC_SANITIZE_STACKS_S"
+             "FUSEDENC_DUMP_STACKS_DIR=$OUT")
+  plugin=(-p pytest_stack_dumps)
+fi
+
+overall=0
 IFS=',' read -r -a tool_list <<< "$tools"
 for tool in "${tool_list[@]}"; do
   rm -f "$OUT"/sanitize-"$tool"-*.log
   k="${user_k:+($user_k) and }$(tool_k "$tool")"
   env_extra=()
-  if [ "$tool" = "memcheck" ] && [ "${FUSEDENC_SANITIZE_CACHING:-0}" != "1" ]; then
+  if [ "$tool" = "memcheck" ] && [ $memcheck_uncached -eq 1 ]; then
     env_extra=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
   fi
   tool_flags=()
   if [ "$tool" = "racecheck" ]; then
     tool_flags=(--racecheck-report analysis)
   fi
-  read -r -a more_flags <<< "${FUSEDENC_SANITIZE_FLAGS:-}"
   tool_flags+=("${more_flags[@]}")
-  plugin=()
-  if [ -n "${FUSEDENC_SANITIZE_STACKS_S:-}" ]; then
-    env_extra+=("PYTHONPATH=$PWD/tools${PYTHONPATH:+:$PYTHONPATH}" "FUSEDENC_DUMP_STACKS_S=$FUSEDENC_SANITIZE_STACKS_S"
-                "FUSEDENC_DUMP_STACKS_DIR=$OUT")
-    plugin=(-p pytest_stack_dumps)
-  fi
+  env_extra+=("${stack_env[@]}")
   kargs=()
   [ -n "$k" ] && kargs=(-k "$k")
   start=$(date +%s)
