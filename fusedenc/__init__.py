@@ -3,16 +3,27 @@
 GEMM + bias + activation (and residual) fused in hipBLASLt/cuBLASLt epilogues,
 one GEMM for Q, K and V, a flash-attention call on the packed QKV buffer, a
 fused residual + LayerNorm kernel, ``EncoderBlock`` / ``EncoderStack`` built
-from them, and PyTorch references for every op.
+from them, and PyTorch references for every op.  docs/ARCHITECTURE.md maps the
+code: which module owns what, and the one seam to the native core (``core``).
 """
 
-from ._native import Backend, backend
-from ._report import capabilities, clear_plan_cache, fallback_events, gemm_choices, plan_cache_info, set_plan_cache_limit
 from .activations import ACTIVATIONS
-from .encoder import EncoderBlock, EncoderStack, GraphRunner
+from .core import (
+    Backend,
+    FallbackWarning,
+    backend,
+    clear_plan_cache,
+    fallback_events,
+    gemm_choices,
+    plan_cache_info,
+    set_plan_cache_limit,
+)
+from .encoder import EncoderBlock, EncoderStack
+from .graphs import GraphRunner
 from .hf import patch_hf
 from .norm import layer_norm
-from .ops import FallbackWarning, fused_qkv, linear, pack_qkv, reference_linear
+from .ops import fused_qkv, linear, pack_qkv, reference_linear
+from .report import capabilities
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """EncoderBlock and EncoderStack: a transformer encoder layer built from the fused ops.
 
-Data path of one post-LN block (DESIGN.md), ``T = B*S`` rows of ``D``::
+Data path of one post-LN block (docs/ARCHITECTURE.md), ``T = B*S`` rows of ``D``::
 
     qkv = x @ Wqkv^T + bqkv              one GEMM, bias in the epilogue        [T, 3D]
     a   = attention(q, k, v views)       reads the packed buffer, writes       [T, D]
@@ -15,15 +15,12 @@ sublayers; the attention residual rides in the LayerNorm kernel (which also
 writes the new residual stream) and the FFN residual in the last GEMM's
 epilogue (``beta * C``).  No separate add, scale or bias kernel runs.
 
-Two ways to run the same data path:
-  * the *ops* path calls the public ops (``fusedenc.linear``, ``layer_norm``,
-    ``attention``); it serves CPU tensors (the PyTorch references), a build
-    without a native core, and ``torch.compile`` (the ops are custom ops);
-  * the *native* path, for eager calls on the GPU, validates a call's
-    signature once and then calls the core directly with raw pointers, so a
-    block costs a few microseconds of host time per op instead of the ops'
-    per-call argument checks.
-Both compute bit-identical results on the GPU (tested).
+Two executors run the same data path (``executors.py``): the *ops* path through
+the public ops (CPU, no native core, ``torch.compile``) and the *native* path
+for eager calls on the GPU, which validates a call's signature once and then
+calls ``core`` directly, so a block costs a few microseconds of host time per
+op instead of the ops' per-call argument checks.  Both compute bit-identical
+results on the GPU (tested).  ``graphs.py`` replays a whole stack as CUDA graphs.
 
 Inference only: no autograd, no dropout.
 """
@@ -32,163 +29,30 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from . import _native, gemm_routes
-from . import attention as _attention
-from .activations import ACTIVATIONS, canonical_activation
+from . import activations, core
+from .attention import plan_for
+from .checks import ALIGN_BYTES, LAYER_NORM_MAX_DIM
+from .executors import NativeExecutor, OpsExecutor
 from .norm import layer_norm
-from .ops import _current_stream, _report_fallback, linear
 
-__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]
+__all__ = ["EncoderBlock", "EncoderStack"]
 
 _QKV_KEYS = ("q_weight", "k_weight", "v_weight")
 _QKV_BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
-
-#: Activation name -> the core's id (fusedenc::Activation), looked up per GEMM on the hot path.
-_ACTIVATION_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 #: Row length (elements) every GEMM operand and LayerNorm row must be a multiple of:
 #: 16 bytes of fp16/bf16.  fp32 would need only 4; one rule keeps it simple.
 _DIM_MULTIPLE = 8
 
 
-# ------------------------------------------------------------ activations ----
-
-
-def _activation_from_torch(act: object) -> str:
-    """Our activation name for what nn.TransformerEncoderLayer holds in ``.activation``."""
-    if isinstance(act, str):
-        return canonical_activation(act)
-    if act is F.relu:
-        return "relu"
-    if act is F.gelu:
-        return "gelu"
-    if act is F.silu:
-        return "swish"
-    if act is F.mish:
-        return "mish"
-    if act in (torch.tanh, F.tanh):
-        return "tanh"
-    if act in (torch.sigmoid, F.sigmoid):
-        return "sigmoid"
-    if act is F.selu:
-        return "selu"
-    modules = {nn.ReLU: "relu", nn.SiLU: "swish", nn.Mish: "mish", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SELU: "selu"}
-    for cls, name in modules.items():
-        if type(act) is cls:
-            return name
-    if type(act) is nn.GELU:
-        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    raise TypeError(
-        f"activation {act!r} has no fusedenc equivalent; supported: relu, gelu (exact or tanh), "
-        "silu, mish, tanh, sigmoid, selu (as functions, nn modules or names)"
-    )
-
-
-# ------------------------------------------------------------ executors ----
-# The data path is written once (EncoderBlock._run) against these two small
-# executors.  Each returns new tensors; the native one trusts that the block
-# validated the call's signature.
-
-
-class _OpsExecutor:
-    """Runs each step through the public ops: references on CPU, custom ops under torch.compile."""
-
-    def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
-        return linear(x, w, b, activation, residual, alpha=alpha)
-
-    def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
-        return layer_norm(x, w, b, eps, residual=residual, alpha=alpha, x_bias=x_bias)
-
-    def layer_norm_sum(self, x, w, b, eps, residual, alpha, x_bias):
-        """(h, LN(h)) with h = alpha * (x + x_bias) + residual."""
-        h = torch.empty_like(x)
-        out = layer_norm(x, w, b, eps, residual=residual, alpha=alpha, x_bias=x_bias, sum_out=h)
-        return h, out
-
-    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
-        q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
-        return _attention.attention(q, k, v, attn_bias, key_padding_mask)
-
-
-class _NativeExecutor:
-    """Calls the native core directly: no per-call argument checks (done once per signature).
-
-    One executor serves every block of a stack's forward (same device, stream and dtype).
-    """
-
-    __slots__ = ("core", "device", "index", "stream", "workspace", "ws", "ws_bytes", "dtype", "code")
-
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.core = _native.native_module()
-        self.device = device
-        self.index = device.index
-        self.stream = _current_stream(device)
-        # Hold the tensor, not just its address: during CUDA-graph capture the
-        # workspace is a fresh allocation from the graph's pool, and if it were
-        # freed here the block's own GEMM outputs could be carved from the same
-        # memory while the library still uses it as scratch (seen: a hang in
-        # replay at bt4 shapes).  Freed when the forward returns, after every
-        # GEMM that uses it is queued: later reuse is stream-ordered.
-        self.workspace = _native.workspace(device, self.stream)
-        self.ws, self.ws_bytes = self.workspace.data_ptr(), self.workspace.numel()
-        self.dtype = dtype
-        self.code = _native.dtype_code(dtype)
-
-    def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
-        m, k = x.shape
-        n = w.shape[0]
-        out = torch.empty((m, n), dtype=self.dtype, device=self.device)
-        if residual is None and alpha == 1.0:
-            route = gemm_routes.lookup(x, self.index, m, n, k, self.code, activation, b is not None)
-            if route is not None:  # the same choice fusedenc.linear makes: both paths stay bit-identical
-                return gemm_routes.run(x, w, b, out, activation, route)
-        fell_back = self.core.gemm(
-            self.index, self.stream, m, n, k, x.data_ptr(), k, w.data_ptr(), k,
-            0 if b is None else b.data_ptr(), 0 if residual is None else residual.data_ptr(), n,
-            out.data_ptr(), n, self.code, _ACTIVATION_IDS[activation], alpha,
-            1.0, self.ws, self.ws_bytes,
-        )  # fmt: skip
-        if fell_back:
-            _report_fallback(self.core)
-        return out
-
-    def _layer_norm(self, x, w, b, eps, residual, alpha, x_bias, sum_out):
-        rows, cols = x.shape
-        out = torch.empty((rows, cols), dtype=self.dtype, device=self.device)
-        self.core.layer_norm(
-            self.index, self.stream, rows, cols, x.data_ptr(), cols,
-            0 if residual is None else residual.data_ptr(), cols,
-            0 if x_bias is None else x_bias.data_ptr(),
-            0 if w is None else w.data_ptr(), 0 if b is None else b.data_ptr(),
-            out.data_ptr(), cols, 0 if sum_out is None else sum_out.data_ptr(), cols,
-            self.code, eps, alpha,
-        )  # fmt: skip
-        return out
-
-    def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
-        return self._layer_norm(x, w, b, eps, residual, alpha, x_bias, None)
-
-    def layer_norm_sum(self, x, w, b, eps, residual, alpha, x_bias):
-        h = torch.empty_like(x)
-        return h, self._layer_norm(x, w, b, eps, residual, alpha, x_bias, h)
-
-    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
-        q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
-        out = plan.run(q, k, v, attn_bias, key_padding_mask)
-        # The next GEMM is told these are dense rows (lda = D): guarantee it
-        # whatever layout a backend returns (a no-op for every backend today).
-        return out if out.is_contiguous() else out.contiguous()
-
-
 def _native_active(device: torch.device) -> bool:
-    return device.type == "cuda" and _native.backend().name != "reference"
+    """Whether the block runs the native executor on ``device`` (a seam the tests patch)."""
+    return core.active_on(device)
 
 
 # ------------------------------------------------------------ the block ----
@@ -249,7 +113,7 @@ class EncoderBlock(nn.Module):
             raise ValueError(f"layer_norm_eps={layer_norm_eps} must be >= 0")
         self.d_model, self.n_heads, self.d_ff = d_model, n_heads, d_ff
         self.head_dim = d_model // n_heads
-        self.activation = canonical_activation(activation)
+        self.activation = activations.canonical_activation(activation)
         self.norm_first = bool(norm_first)
         self.residual_alpha = float(residual_alpha)
         self.layer_norm_eps = float(layer_norm_eps)
@@ -330,7 +194,7 @@ class EncoderBlock(nn.Module):
             d,
             attn.num_heads,
             layer.linear1.out_features,
-            _activation_from_torch(layer.activation),
+            activations.from_torch(layer.activation),
             norm_first=layer.norm_first,
             layer_norm_eps=layer.norm1.eps,
             bias=attn.in_proj_bias is not None,
@@ -414,16 +278,16 @@ class EncoderBlock(nn.Module):
 
     def _forward_rows(self, x2, batch, seq, attn_bias, key_padding_mask, executor=None):
         """The block on contiguous [T, D] rows; returns [T, D].  ``executor``: a
-        _NativeExecutor shared by the blocks of a stack (made here when None)."""
+        NativeExecutor shared by the blocks of a stack (made here when None)."""
         if torch.compiler.is_compiling() or not _native_active(x2.device):
             self._validate(x2, batch, seq, attn_bias, key_padding_mask)
             if x2.shape[0] == 0:
                 return torch.empty_like(x2)
-            return self._run(_OpsExecutor(), None, x2, batch, seq, attn_bias, key_padding_mask)
+            return self._run(OpsExecutor(), None, x2, batch, seq, attn_bias, key_padding_mask)
         plan = self._plan(x2, batch, seq, attn_bias, key_padding_mask)
         if plan is None:  # empty batch
             return torch.empty_like(x2)
-        ex = executor if executor is not None else _NativeExecutor(x2.device, x2.dtype)
+        ex = executor if executor is not None else NativeExecutor(x2.device, x2.dtype)
         return self._run(ex, plan, x2, batch, seq, attn_bias, key_padding_mask)
 
     def _run(self, ex, attn_plan, x2, batch, seq, attn_bias, key_padding_mask):
@@ -518,7 +382,7 @@ class EncoderBlock(nn.Module):
             self._check_native_operands(x2)
             qkv = torch.empty((x2.shape[0], 3 * self.d_model), dtype=x2.dtype, device=x2.device)
             q, k, v = qkv.view(batch, seq, 3, self.n_heads, self.head_dim).unbind(2)
-            plan = _attention._plan_for(q, k, v, attn_bias, key_padding_mask, None, None)
+            plan = plan_for(q, k, v, attn_bias, key_padding_mask, None, None)
         with self._plans_lock:
             if len(self._plans) >= 256:
                 self._plans.clear()
@@ -527,8 +391,6 @@ class EncoderBlock(nn.Module):
 
     def _check_native_operands(self, x2):
         """What the core assumes of every operand on the native path (the ops' rules, checked once)."""
-        from ._checks import ALIGN_BYTES, LAYER_NORM_MAX_DIM
-
         if self.d_model > LAYER_NORM_MAX_DIM:
             raise ValueError(f"d_model={self.d_model} exceeds the fused LayerNorm's limit of {LAYER_NORM_MAX_DIM}")
         if x2.data_ptr() % ALIGN_BYTES:
@@ -621,7 +483,7 @@ class EncoderStack(nn.Module):
         # One native executor (stream, workspace) for every block of this forward.
         ex = None
         if not torch.compiler.is_compiling() and _native_active(rows.device):
-            ex = _NativeExecutor(rows.device, rows.dtype)
+            ex = NativeExecutor(rows.device, rows.dtype)
         for block in self.blocks:
             rows = block._forward_rows(rows, batch, seq, attn_bias, key_padding_mask, ex)
         if self.final_norm is not None:
@@ -636,147 +498,8 @@ class EncoderStack(nn.Module):
         *,
         attn_bias: bool = False,
         key_padding_mask: bool = False,
-    ) -> "GraphRunner":
-        """A CUDA-graph runner over this stack for inputs ``[B, seq_len, D]`` (see GraphRunner)."""
+    ):
+        """A CUDA-graph runner over this stack for inputs ``[B, seq_len, D]`` (``fusedenc.GraphRunner``)."""
+        from .graphs import GraphRunner  # graphs.py runs any stack-like module; it does not import this one
+
         return GraphRunner(self, seq_len, batch_sizes, attn_bias=attn_bias, key_padding_mask=key_padding_mask)
-
-
-# ------------------------------------------------------------ CUDA graphs ----
-
-
-class _Captured:
-    __slots__ = ("graph", "x", "bias", "mask", "out")
-
-    def __init__(self, graph, x, bias, mask, out):
-        self.graph, self.x, self.bias, self.mask, self.out = graph, x, bias, mask, out
-
-
-class GraphRunner:
-    """Replays one CUDA graph of the whole stack per batch-size bucket.
-
-    Inference engines with fixed batch sizes spend most of their time at small
-    batches on kernel launches; a graph replays all of a stack's launches in
-    one call.  A call with B sequences runs the graph of the smallest bucket
-    ``>= B``, with B copied into the bucket's static input (rows past B are
-    padding: sequences are independent, so they do not affect the real ones);
-    a batch larger than every bucket runs in chunks of the largest.  Graphs are
-    captured on first use of a bucket (``capture_all()`` does it up front) and
-    share one memory pool.
-
-    The result is a view into the bucket's static output, valid until the
-    next call (``.clone()`` it to keep it); a chunked call returns a new tensor.
-    ``attn_bias`` / ``key_padding_mask`` say whether calls pass them
-    (``[B or 1, H, S, S]`` and bool ``[B, S]``).  Input ``[B, S, D]`` in the
-    stack's dtype on its GPU (batch first).  Not thread-safe: one runner per thread.
-    """
-
-    def __init__(self, stack: EncoderStack, seq_len: int, batch_sizes: Sequence[int], *, attn_bias: bool, key_padding_mask: bool):
-        if not isinstance(stack, EncoderStack):
-            raise TypeError(f"stack must be an EncoderStack, got {type(stack).__name__}")
-        p = stack.blocks[0].qkv_weight
-        if p.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need the stack on a GPU; its parameters are on {p.device}")
-        if not stack.batch_first:
-            raise ValueError("the graph runner takes batch-first input; build the stack with batch_first=True")
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-        sizes = sorted(set(batch_sizes))
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
-            raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
-        self.stack = stack
-        self.seq_len = seq_len
-        self.batch_sizes = tuple(sizes)
-        self.with_bias = bool(attn_bias)
-        self.with_mask = bool(key_padding_mask)
-        self.dtype, self.device = p.dtype, p.device
-        self._d = stack.blocks[0].d_model
-        self._h = stack.blocks[0].n_heads
-        self._graphs: dict[int, _Captured] = {}
-        self._pool = None
-        self.capture_seconds = 0.0
-
-    def capture_all(self) -> float:
-        """Capture every bucket's graph now (largest first); returns the seconds spent."""
-        start = time.perf_counter()
-        for b in reversed(self.batch_sizes):
-            if b not in self._graphs:
-                self._capture(b)
-        return time.perf_counter() - start
-
-    def _capture(self, bucket: int) -> _Captured:
-        start = time.perf_counter()
-        s, d, h = self.seq_len, self._d, self._h
-        kw = {"dtype": self.dtype, "device": self.device}
-        x = torch.zeros((bucket, s, d), **kw)
-        bias = torch.zeros((bucket, h, s, s), **kw) if self.with_bias else None
-        mask = torch.zeros((bucket, s), dtype=torch.bool, device=self.device) if self.with_mask else None
-        # Warm up on a side stream first: GEMM plans, the attention decision and
-        # lazily made constants must exist before capture.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.stack(x, bias, mask)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.stack(x, bias, mask)
-        captured = _Captured(graph, x, bias, mask, out)
-        self._graphs[bucket] = captured
-        self.capture_seconds += time.perf_counter() - start
-        return captured
-
-    def _check(self, x, attn_bias, key_padding_mask):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3 or x.shape[1] != self.seq_len or x.shape[2] != self._d:
-            raise ValueError(f"x must have shape [B, {self.seq_len}, {self._d}], got {tuple(x.shape)}")
-        if x.dtype != self.dtype or x.device != self.device:
-            raise TypeError(f"x is {x.dtype} on {x.device}; the runner takes {self.dtype} on {self.device}")
-        if (attn_bias is not None) != self.with_bias:
-            raise ValueError(f"this runner was made with attn_bias={self.with_bias}; pass an attn_bias exactly then")
-        if (key_padding_mask is not None) != self.with_mask:
-            raise ValueError(
-                f"this runner was made with key_padding_mask={self.with_mask}; pass a key_padding_mask exactly then"
-            )
-        b, s, h = x.shape[0], self.seq_len, self._h
-        if attn_bias is not None:
-            if attn_bias.dim() != 4 or attn_bias.shape[0] not in (1, b) or tuple(attn_bias.shape[1:]) != (h, s, s):
-                raise ValueError(f"attn_bias must have shape ({b} or 1, {h}, {s}, {s}), got {tuple(attn_bias.shape)}")
-            if attn_bias.device != self.device:
-                raise ValueError(f"attn_bias is on {attn_bias.device}, the runner on {self.device}")
-        if key_padding_mask is not None:
-            if tuple(key_padding_mask.shape) != (b, s) or key_padding_mask.dtype != torch.bool:
-                raise ValueError(f"key_padding_mask must be bool of shape ({b}, {s}), got "
-                                 f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")  # fmt: skip
-            if key_padding_mask.device != self.device:
-                raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, the runner on {self.device}")
-
-    def __call__(self, x, attn_bias=None, key_padding_mask=None):
-        self._check(x, attn_bias, key_padding_mask)
-        b = x.shape[0]
-        if b == 0:
-            return torch.empty_like(x)
-        largest = self.batch_sizes[-1]
-        if b > largest:
-            parts = []
-            for i in range(0, b, largest):
-                sl = slice(i, min(b, i + largest))
-                bias = None if attn_bias is None else (attn_bias if attn_bias.shape[0] == 1 else attn_bias[sl])
-                mask = None if key_padding_mask is None else key_padding_mask[sl]
-                parts.append(self._replay(x[sl], bias, mask).clone())
-            return torch.cat(parts)
-        return self._replay(x, attn_bias, key_padding_mask)
-
-    def _replay(self, x, attn_bias, key_padding_mask):
-        b = x.shape[0]
-        bucket = next(s for s in self.batch_sizes if s >= b)
-        g = self._graphs.get(bucket) or self._capture(bucket)
-        g.x[:b].copy_(x)
-        if attn_bias is not None:
-            g.bias[:b].copy_(attn_bias)
-        if key_padding_mask is not None:
-            g.mask[:b].copy_(key_padding_mask)
-        g.graph.replay()
-        return g.out[:b]

@@ -6,8 +6,8 @@ activation pass over the output.  ``python -m fusedenc.tune gemm`` also times
 ``fusedenc.triton_gemm`` (the activation applied to the accumulator, one
 store) at those problems and records, per problem, whichever won
 (``"kernel": "triton"`` and its launch config in the tuning file).  The loader
-(``_native.load_gemm_tuning``) installs those routes here; ``fusedenc.linear``
-and the encoder's native path look a problem up before calling the core.
+(``core.load_gemm_tuning``) installs those routes here, and ``core.gemm``, the
+one launcher of every GEMM, looks each problem up before calling the library.
 
 A route covers one exact problem: device, M, N, K, dtype, activation and
 whether there is a bias, with dense rows (lda = ldw = K, ldd = N), 16-byte
@@ -15,7 +15,7 @@ aligned operands, no residual and alpha = 1 -- the shapes ``tune gemm``
 measures.  Everything else runs the BLASLt path as before.
 
 This module does not import Triton: the loader only checks that it is
-installed, and the kernel module is imported at the first routed call.
+installed, and ``core.gemm`` imports the kernel module at the first routed call.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class RouteKey(NamedTuple):
     m: int
     n: int
     k: int
-    dtype: int  # the core's dtype code (_native.dtype_code)
+    dtype: int  # the core's dtype code (dtypes.code)
     activation: str  # canonical name
     has_bias: bool
 
@@ -81,10 +81,3 @@ def lookup(
         return None
     return config
 
-
-def run(x2d: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor, activation: str, config: GemmConfig) -> torch.Tensor:
-    """Launch the Triton kernel for a routed problem (dense rows; arguments already checked)."""
-    from . import triton_gemm
-
-    triton_gemm.launch(x2d, w, b, out, activation, config)
-    return out

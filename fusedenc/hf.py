@@ -25,6 +25,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
+from . import dtypes
+from .activations import HF_ACTIVATIONS
 from .encoder import EncoderBlock
 from .ops import pack_qkv
 
@@ -43,25 +45,10 @@ __all__ = [
 #: alike but compute something else (rotary, sparse, convolutions, pre-LN).
 SUPPORTED_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "data2vec-text")
 
-#: ``config.hidden_act`` -> fusedenc activation.  HF's "gelu" is the exact erf form.
-HF_ACTIVATIONS = {
-    "gelu": "gelu",
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "relu": "relu",
-    "silu": "swish",
-    "swish": "swish",
-    "tanh": "tanh",
-    "sigmoid": "sigmoid",
-    "mish": "mish",
-}
-
 #: The attention implementations whose masks the adapter understands (checked and
 #: tested).  The patched layers run fusedenc's attention whichever is selected;
 #: the choice only decides the mask format HF hands them.
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 #: Where each EncoderBlock parameter comes from in a BertLayer.
 _LINEARS = {
@@ -366,7 +353,7 @@ def _check_layer(layer: nn.Module, where: str, config) -> None:
             raise TypeError(f"{where}.{path} must be an affine nn.LayerNorm over the last dim, got {m}")
     params = [p for m in modules.values() for p in (m.weight, m.bias)]
     dtype, device = params[0].dtype, params[0].device
-    if dtype not in _DTYPES:
+    if dtype not in dtypes.SUPPORTED:
         raise TypeError(f"{where}: weights are {dtype}; patch_hf supports float16, bfloat16 and float32")
     if device.type == "meta":
         raise ValueError(f"{where}: weights are on the meta device; load them before patching")

@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import _checks, _native
-from .ops import _current_stream
+from . import checks, core
+from .device import current_stream
 
 __all__ = ["layer_norm", "reference_layer_norm"]
 
@@ -58,30 +58,23 @@ def reference_layer_norm(
 
 def _check(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out):
     """Every argument rule (the eager op and both fake implementations): (eps, alpha, problem)."""
-    eps = _checks.check_scalar(eps, "eps")
-    alpha = _checks.check_scalar(alpha, "alpha")
-    return eps, alpha, _checks.check_layer_norm(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out)
+    eps = checks.check_scalar(eps, "eps")
+    alpha = checks.check_scalar(alpha, "alpha")
+    return eps, alpha, checks.check_layer_norm(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out)
 
 
 def _layer_norm(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out):
     eps, alpha, p = _check(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out)
 
-    if x.is_cuda and _native.backend().name != "reference":
+    if core.active_on(x.device):
         if out is None:
             out = torch.empty(p.out_shape, dtype=x.dtype, device=x.device)
         if p.rows == 0:
             return out
-        device = x.device
-        _native.native_module().layer_norm(
-            device.index, _current_stream(device), p.rows, p.cols,
-            p.x2d.data_ptr(), p.ldx,
-            0 if residual is None else residual.data_ptr(), p.ldr,
-            0 if x_bias is None else x_bias.data_ptr(),
-            0 if weight is None else weight.data_ptr(),
-            0 if bias is None else bias.data_ptr(),
-            out.data_ptr(), p.ldo,
-            0 if sum_out is None else sum_out.data_ptr(), p.lds,
-            _native.dtype_code(x.dtype), eps, alpha,
+        core.layer_norm(
+            x=p.x2d, ldx=p.ldx, rows=p.rows, cols=p.cols, out=out, ldo=p.ldo, weight=weight, bias=bias,
+            residual=residual, ldr=p.ldr, x_bias=x_bias, sum_out=sum_out, lds=p.lds, eps=eps, alpha=alpha,
+            stream=current_stream(x.device),
         )  # fmt: skip
         return out
 

@@ -16,13 +16,14 @@ the tests.
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 
-from . import _checks, _native, gemm_routes
-from .activations import ACTIVATIONS, activation_id, apply_activation, canonical_activation
+from . import checks, core
+from .activations import ACTIVATIONS, apply_activation, canonical_activation
+from .core import FallbackWarning
+from .device import current_stream
 
 __all__ = [
     "ACTIVATIONS",
@@ -33,10 +34,6 @@ __all__ = [
     "reference_linear",
     "split_qkv",
 ]
-
-
-class FallbackWarning(RuntimeWarning):
-    """A fused epilogue was unavailable for a shape; a slower correct path runs instead."""
 
 
 def reference_linear(
@@ -62,59 +59,23 @@ def reference_linear(
     return y.to(x.dtype)
 
 
-_get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _current_stream(device: torch.device) -> int:
-    if _get_raw_stream is not None:
-        return _get_raw_stream(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def _report_fallback(module) -> None:
-    events = module.fallback_events()
-    if events:
-        e = events[-1]
-        warnings.warn(
-            f"fusedenc: {e['requested']} epilogue unavailable for {e['problem']} ({e['reason']}); "
-            f"using {e['used']}. fusedenc.fallback_events() lists every such case.",
-            FallbackWarning,
-            stacklevel=3,
-        )
-
-
 def _linear(x, weight, bias, activation, residual, alpha, beta, out):
     activation = canonical_activation(activation)
-    alpha = _checks.check_scalar(alpha, "alpha")
-    beta = _checks.check_scalar(beta, "beta")
-    p = _checks.check_linear(x, weight, bias, activation, residual, alpha, beta, out)
+    alpha = checks.check_scalar(alpha, "alpha")
+    beta = checks.check_scalar(beta, "beta")
+    p = checks.check_linear(x, weight, bias, activation, residual, alpha, beta, out)
 
-    if x.is_cuda and _native.backend().name != "reference":
+    if core.active_on(x.device):
         if out is None:
             out = torch.empty(p.out_shape, dtype=x.dtype, device=x.device)
         if p.m == 0:
             return out
-        res = p.residual2d
-        device = x.device
-        code = _native.dtype_code(x.dtype)
-        if res is None and alpha == 1.0 and p.ldx == p.k and p.ldw == p.k and p.ldo == p.n:
-            route = gemm_routes.lookup(p.x2d, device.index, p.m, p.n, p.k, code, activation, bias is not None)
-            if route is not None:  # measured faster than the library here (tune gemm)
-                return gemm_routes.run(p.x2d, weight, bias, out, activation, route)
-        module = _native.native_module()
-        stream = _current_stream(device)
-        ws = _native.workspace(device, stream)
-        fell_back = module.gemm(
-            device.index, stream, p.m, p.n, p.k,
-            p.x2d.data_ptr(), p.ldx, weight.data_ptr(), p.ldw,
-            0 if bias is None else bias.data_ptr(),
-            0 if res is None else res.data_ptr(), p.ldr,
-            out.data_ptr(), p.ldo,
-            code, activation_id(activation),
-            alpha, beta, ws.data_ptr(), ws.numel(),
+        stream = current_stream(x.device)
+        core.gemm(
+            a=p.x2d, lda=p.ldx, w=weight, ldw=p.ldw, out=out, ldo=p.ldo, m=p.m, n=p.n, k=p.k,
+            bias=bias, residual=p.residual2d, ldr=p.ldr, activation=activation, alpha=alpha, beta=beta,
+            stream=stream, workspace=core.workspace(x.device, stream),
         )  # fmt: skip
-        if fell_back:
-            _report_fallback(module)
         return out
 
     result = reference_linear(x, weight, bias, activation, residual, beta, alpha=alpha)
@@ -143,7 +104,7 @@ def _linear_op(
 @_linear_op.register_fake
 def _linear_fake(x, weight, bias, activation, residual, alpha, beta):
     activation = canonical_activation(activation)
-    p = _checks.check_linear(x, weight, bias, activation, residual, alpha, beta, None)
+    p = checks.check_linear(x, weight, bias, activation, residual, alpha, beta, None)
     return x.new_empty(p.out_shape)
 
 
@@ -164,7 +125,7 @@ def _linear_out_op(
 @_linear_out_op.register_fake
 def _linear_out_fake(out, x, weight, bias, activation, residual, alpha, beta):
     activation = canonical_activation(activation)
-    _checks.check_linear(x, weight, bias, activation, residual, alpha, beta, out)
+    checks.check_linear(x, weight, bias, activation, residual, alpha, beta, out)
 
 
 # ------------------------------------------------------------ public ops ----
@@ -218,8 +179,8 @@ def fused_qkv(
     buffer (what a packed-QKV flash-attention call reads).  Build ``w_qkv`` and
     ``b_qkv`` with ``pack_qkv``.
     """
-    x = _checks._tensor(x, "x")
-    w_qkv = _checks._tensor(w_qkv, "w_qkv")
+    x = checks.tensor_arg(x, "x")
+    w_qkv = checks.tensor_arg(w_qkv, "w_qkv")
     if x.dim() != 3:
         raise ValueError(f"x must be [B, S, D], got shape {tuple(x.shape)}")
     d = x.shape[-1]
@@ -229,12 +190,12 @@ def fused_qkv(
         raise ValueError(f"num_heads={num_heads} does not divide D={d}")
     if w_qkv.dim() != 2 or tuple(w_qkv.shape) != (3 * d, d):
         raise ValueError(f"w_qkv must have shape ({3 * d}, {d}) for D={d}, got {tuple(w_qkv.shape)}")
-    _checks._same_kind(w_qkv, "w_qkv", x)
+    checks.same_kind(w_qkv, "w_qkv", x)
     if b_qkv is not None:
-        b_qkv = _checks._tensor(b_qkv, "b_qkv")
+        b_qkv = checks.tensor_arg(b_qkv, "b_qkv")
         if tuple(b_qkv.shape) != (3 * d,):
             raise ValueError(f"b_qkv must have shape ({3 * d},) for D={d}, got {tuple(b_qkv.shape)}")
-        _checks._same_kind(b_qkv, "b_qkv", x)
+        checks.same_kind(b_qkv, "b_qkv", x)
     qkv = linear(x, w_qkv, b_qkv)
     return split_qkv(qkv, num_heads)
 
@@ -258,7 +219,7 @@ def pack_qkv(
     """Concatenate separate ``[D, D]`` projections into ``w_qkv [3D, D]`` and ``b_qkv [3D]``."""
     weights = {"q_weight": q_weight, "k_weight": k_weight, "v_weight": v_weight}
     for name, w in weights.items():
-        _checks._tensor(w, name)
+        checks.tensor_arg(w, name)
         if w.dim() != 2 or w.shape[0] != w.shape[1]:
             raise ValueError(f"{name} must be square [D, D], got shape {tuple(w.shape)}")
         if w.shape != q_weight.shape:
@@ -274,7 +235,7 @@ def pack_qkv(
         return w_qkv, None
     d = q_weight.shape[0]
     for name, b in biases.items():
-        _checks._tensor(b, name)
+        checks.tensor_arg(b, name)
         if tuple(b.shape) != (d,):
             raise ValueError(f"{name} must have shape ({d},), got {tuple(b.shape)}")
         _same_as_q(b, name, q_weight)

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _checks
+from . import checks
 from .activations import canonical_activation
 from .gemm_routes import GemmConfig  # defined there so that loading routes needs no Triton import
 
@@ -283,7 +283,7 @@ def linear_act(
 ) -> torch.Tensor:
     """``act(x @ w.T + b)`` in one Triton kernel; returns ``[..., N]`` (``out`` when given).
 
-    The argument rules of ``fusedenc.linear`` (``_checks.check_linear``), without
+    The argument rules of ``fusedenc.linear`` (``checks.check_linear``), without
     residual or alpha: x ``[..., K]`` with unit last stride and any row stride,
     w ``[N, K]`` row-major (any row stride), b ``[N]`` contiguous or None, out
     ``[..., N]`` or None; fp16, bf16 or fp32; K, N and row strides multiples of
@@ -292,7 +292,7 @@ def linear_act(
     tests); it is used as given, not fitted to the problem.
     """
     activation = canonical_activation(activation)
-    p = _checks.check_linear(x, w, b, activation, None, 1.0, 1.0, out)
+    p = checks.check_linear(x, w, b, activation, None, 1.0, 1.0, out)
     if not (x.is_cuda or _interpreting()):
         raise ValueError(f"x is on {x.device}: linear_act runs on GPU tensors (on CPU only under TRITON_INTERPRET=1)")
     if out is None:
@@ -322,7 +322,7 @@ def _launch(x2d, ldx, w, ldw, b, out, ldo, m, n, k, activation, cfg: GemmConfig)
     if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
         with torch.cuda.device(x2d.device):  # Triton launches on the current device's stream
             return _launch(x2d, ldx, w, ldw, b, out, ldo, m, n, k, activation, cfg)
-    align = _checks.align_elems(x2d.dtype)
+    align = checks.align_elems(x2d.dtype)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _linear_act_kernel[grid](
         x2d, w, x2d if b is None else b, out,  # x2d: a placeholder pointer, never read

@@ -15,6 +15,7 @@ import torch
 
 import fusedenc
 import fusedenc.attention as A
+from fusedenc import table_files
 
 
 def _gpu_unavailable_reason() -> str | None:
@@ -51,7 +52,7 @@ def _fp32_matmuls_in_full_precision():
 @pytest.fixture
 def no_attention_tables(tmp_path, monkeypatch):
     """No user attention table (an empty config dir), no forced backend, fresh caches."""
-    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path / "no-tables"))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path / "no-tables"))
     monkeypatch.delenv(A.BACKEND_ENV, raising=False)
     A.clear_cache()
     yield

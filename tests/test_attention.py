@@ -14,6 +14,8 @@ import torch
 
 import fusedenc
 import fusedenc.attention as A
+from fusedenc import table_files
+from fusedenc.device import device_metadata
 from fusedenc.attention import AttentionTableWarning, attention, explain
 from helpers import assert_close_rule, attention_formula, randn, ref_dtype
 
@@ -220,7 +222,7 @@ def test_shipped_tables_parse(name, arch):
     res = __import__("importlib.resources").resources.files("fusedenc.configs") / name
     assert res.is_file(), f"{name} is not package data of fusedenc.configs"
     text = res.read_text(encoding="utf-8")
-    table, measured = A._parse_table(text, str(res), "shipped", arch)
+    table, measured = A.parse_table(text, str(res), "shipped", arch)
     # shipped tables say where their rules come from, and are never matched against device metadata
     assert json.loads(text)["source"].strip() and measured is None
     # every table key finds a rule, and every rule lists math or a backend math can back up
@@ -249,9 +251,9 @@ def _call_three_times(gen):
 
 
 def test_user_table_with_matching_metadata_is_used(tmp_path, monkeypatch, gen):
-    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
     rules = [{"match": {"extras": "none"}, "backends": ["sdpa_flash", "sdpa_math"]}]
-    _write_table(tmp_path / "attention_cpu.json", metadata=A.device_metadata("cpu"), rules=rules)
+    _write_table(tmp_path / "attention_cpu.json", metadata=device_metadata("cpu"), rules=rules)
     A.clear_cache()
     assert A.user_table_path("cpu") == str(tmp_path / "attention_cpu.json")
     warned, ex = _call_three_times(gen)
@@ -274,8 +276,8 @@ def test_user_table_with_matching_metadata_is_used(tmp_path, monkeypatch, gen):
     ],
 )
 def test_user_table_from_other_setup_is_ignored_with_one_warning(field, value, tmp_path, monkeypatch, gen):
-    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path))
-    meta = dict(A.device_metadata("cpu"), **{field: value})
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
+    meta = dict(device_metadata("cpu"), **{field: value})
     _write_table(tmp_path / "attention_cpu.json", metadata=meta)
     A.clear_cache()
     warned, ex = _call_three_times(gen)
@@ -298,12 +300,12 @@ def test_user_table_from_other_setup_is_ignored_with_one_warning(field, value, t
     ids=["bad-json", "not-object", "schema", "arch", "no-metadata", "unknown-backend", "bad-bucket"],
 )
 def test_corrupt_user_table_is_ignored_with_one_warning(content, tmp_path, monkeypatch, gen):
-    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
     path = tmp_path / "attention_cpu.json"
     if content == "BACKENDS":
-        _write_table(path, metadata=A.device_metadata("cpu"), rules=[{"match": {}, "backends": ["warp_speed"]}])
+        _write_table(path, metadata=device_metadata("cpu"), rules=[{"match": {}, "backends": ["warp_speed"]}])
     elif content == "SEQ":
-        _write_table(path, metadata=A.device_metadata("cpu"), rules=[{"match": {"seq": "<=100"}, "backends": ["sdpa_math"]}])
+        _write_table(path, metadata=device_metadata("cpu"), rules=[{"match": {"seq": "<=100"}, "backends": ["sdpa_math"]}])
     else:
         path.write_text(content)
     A.clear_cache()
@@ -315,9 +317,9 @@ def test_corrupt_user_table_is_ignored_with_one_warning(content, tmp_path, monke
 
 @pytest.mark.parametrize("old_file", ["same-setup", "other-setup", "corrupt", "no-metadata", "none", "replace"])
 def test_tune_keeps_old_rules_only_from_a_valid_table_of_this_setup(old_file, tmp_path):
-    from fusedenc import tune
+    from fusedenc.tune import attention as tune_attention
 
-    meta = A.device_metadata("cpu")
+    meta = device_metadata("cpu")
     path = tmp_path / "attention_cpu.json"
     kept = {"match": {"dtype": "float16", "seq": "<=128"}, "backends": ["sdpa_math"]}
     replaced = {"match": {"dtype": "float16", "seq": "<=256"}, "backends": ["sdpa_flash", "sdpa_math"]}
@@ -330,10 +332,10 @@ def test_tune_keeps_old_rules_only_from_a_valid_table_of_this_setup(old_file, tm
     elif old_file == "no-metadata":
         _write_table(path, metadata=None, rules=[kept, replaced])
     new = {("float16", "<=256"): {"match": {"dtype": "float16", "seq": "<=256"}, "backends": ["sdpa_math"]}}
-    merged = tune._merge_table(A, str(path), "cpu", meta, new, replace=old_file == "replace")
+    merged = tune_attention.merge_table(str(path), "cpu", meta, new, replace=old_file == "replace")
     assert merged["measured_with"] == meta and merged["arch"] == "cpu"
     assert merged["rules"] == list(new.values()) + ([kept] if old_file == "same-setup" else [])
-    table, measured = A._parse_table(json.dumps(merged), str(path), "user", "cpu")  # the loader accepts it
+    table, measured = A.parse_table(json.dumps(merged), str(path), "user", "cpu")  # the loader accepts it
     assert measured == meta and list(table.rules) == merged["rules"]
 
 
@@ -406,12 +408,12 @@ def test_explain(gen):
 def test_plans_are_cached_per_signature(gen):
     q, k, v = packed_qkv(2, 4, 2, 8, torch.float32, gen)
     attention(q, k, v)
-    n = len(A._plans)
+    n = A.cache_info()["plans"]
     q2, k2, v2 = packed_qkv(2, 4, 2, 8, torch.float32, gen)  # same signature, other tensors
     attention(q2, k2, v2)
-    assert len(A._plans) == n
+    assert A.cache_info()["plans"] == n
     attention(*packed_qkv(2, 5, 2, 8, torch.float32, gen))
-    assert len(A._plans) == n + 1
+    assert A.cache_info()["plans"] == n + 1
 
 
 # ------------------------------------------------------------ compile, custom op ----

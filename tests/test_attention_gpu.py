@@ -14,6 +14,8 @@ import torch
 
 import fusedenc
 import fusedenc.attention as A
+from fusedenc import table_files
+from fusedenc.device import device_arch, device_metadata
 from fusedenc.attention import attention, explain
 from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs, replays_match_eager
 from helpers import assert_close_rule, attention_formula
@@ -60,7 +62,7 @@ def test_backend_matches_reference_and_math(name, dtype, seq, head_dim, gen):
     for variant in VARIANTS if head_dim == 64 else SHORT_VARIANTS:
         what = f"{name} {dtype} S={seq} Dh={head_dim} {variant} seed={gen.seed_value}"
         qkv, q, k, v, bias, mask = packed_inputs(b, seq, h, head_dim, dtype, gen, variant)
-        call = A._describe(q, k, v, bias, mask)
+        call = A.describe_call(q, k, v, bias, mask)
         ok, why = backend.supports(call)
         if not ok:
             assert why, what
@@ -146,11 +148,10 @@ def test_cuda_graph_capture_of_a_first_call(variant, gen):
     b, s, h, d = 2, 80, 2, 32  # S not a multiple of 16: the padded-bias path
     qkv, q, k, v, bias, mask = packed_inputs(b, s, h, d, torch.float16, gen, variant)
     A.clear_cache()
-    A._consts.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attention(q, k, v, bias, mask)
-    assert A._consts == {}  # made in the graph's pool, not kept for eager use
+    assert A.cache_info()["constants"] == 0  # made in the graph's pool, not kept for eager use
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, attention(q, k, v, bias, mask), atol=0, rtol=0)
@@ -215,12 +216,12 @@ def test_tune_quick_writes_a_table_that_loads_without_warnings(tmp_path, monkeyp
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "crossover" in r.stdout and "winner" in r.stdout
-    path = tmp_path / f"attention_{A.device_arch(DEV)}.json"
+    path = tmp_path / f"attention_{device_arch(DEV)}.json"
     table = json.loads(path.read_text())
-    assert table["measured_with"] == A.device_metadata(DEV)
+    assert table["measured_with"] == device_metadata(DEV)
     assert table["rules"] and all(rule["backends"] for rule in table["rules"])
 
-    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
     A.clear_cache()
     gen = torch.Generator().manual_seed(0)
     qkv, q, k, v, bias, mask = packed_inputs(32, 256, 8, 64, torch.float16, gen)  # a key --quick measures

@@ -373,14 +373,14 @@ def test_bad_call_raises_naming_the_argument(row, dev):
     [("", None), ("  ", None), ("7", 7), (" 64 ", 64), ("0", "warn"), ("-3", "warn"), ("lots", "warn"), ("2.5", "warn")],
 )
 def test_plan_cache_limit_from_env(text, expected, monkeypatch):
-    from fusedenc import _native
+    from fusedenc import core
 
-    monkeypatch.setenv(_native.PLAN_CACHE_LIMIT_ENV, text)
+    monkeypatch.setenv(core.PLAN_CACHE_LIMIT_ENV, text)
     if expected == "warn":
         with pytest.warns(RuntimeWarning, match=r"FUSEDENC_PLAN_CACHE_LIMIT=.*not a positive integer"):
-            assert _native.plan_cache_limit_from_env() is None
+            assert core.plan_cache_limit_from_env() is None
     else:
-        assert _native.plan_cache_limit_from_env() == expected
+        assert core.plan_cache_limit_from_env() == expected
 
 
 @pytest.mark.parametrize("text, limit", [("5", 5), ("bogus", 1024), (None, 1024)])
@@ -390,14 +390,14 @@ def test_plan_cache_limit_env_applies_at_first_use(text, limit):
     import subprocess
     import sys
 
-    from fusedenc import _native
+    from fusedenc import core
 
-    if _native.native_module() is None:
+    if core.native_module() is None:
         pytest.skip(f"no native core: {fusedenc.backend()}")
     env = dict(os.environ)
-    env.pop(_native.PLAN_CACHE_LIMIT_ENV, None)
+    env.pop(core.PLAN_CACHE_LIMIT_ENV, None)
     if text is not None:
-        env[_native.PLAN_CACHE_LIMIT_ENV] = text
+        env[core.PLAN_CACHE_LIMIT_ENV] = text
     code = (
         "import warnings, fusedenc\n"
         "with warnings.catch_warnings(record=True) as w:\n"

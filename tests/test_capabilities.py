@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedenc
-from fusedenc import _native
+from fusedenc import core
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def test_capability_table_shape():
 
 def test_capabilities_of_the_built_core():
     """What each vendor's library fuses natively (DESIGN.md), as the core reports it."""
-    module = _native.native_module()
+    module = core.native_module()
     if module is None:
         caps = fusedenc.capabilities()
         assert all(e["fusion"] == "reference" for e in caps["activations"]["float16"].values())
@@ -61,7 +61,7 @@ def test_native_core_was_built_when_required():
     required = os.environ.get("FUSEDENC_REQUIRE_NATIVE")
     if not required:
         pytest.skip("FUSEDENC_REQUIRE_NATIVE not set")
-    module = _native.native_module()
+    module = core.native_module()
     assert module is not None, f"native core missing: {fusedenc.backend()}"
     assert module.VENDOR == required
     assert module.library_version() > 0

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import fusedenc.encoder as encoder_module
+import fusedenc.executors as executors_module
 from encoder_helpers import (
     block_config,
     block_formula,
@@ -167,8 +168,9 @@ def test_native_path_does_not_call_the_public_ops(gen, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the eager GPU path went through the public ops")
 
-    monkeypatch.setattr(encoder_module, "linear", refuse)
-    monkeypatch.setattr(encoder_module, "layer_norm", refuse)
+    monkeypatch.setattr(executors_module, "linear", refuse)
+    monkeypatch.setattr(executors_module, "layer_norm", refuse)
+    monkeypatch.setattr(executors_module, "attention", refuse)
     with torch.inference_mode():
         _check_block(block, x)
 

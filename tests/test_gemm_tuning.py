@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import fusedenc
-from fusedenc import _native, gemm_routes, tune
+from fusedenc import core, gemm_routes, gemm_tuning, table_files, tune
+from fusedenc.tune import gemm as tune_gemm
+from fusedenc.tune import presets
 
 ARCH = "sm90"
 HERE = {
@@ -41,7 +43,7 @@ def _key(**over):
 
 def _file(choices=None, **over) -> dict:
     obj = {
-        "schema": _native.GEMM_TUNING_SCHEMA,
+        "schema": gemm_tuning.GEMM_TUNING_SCHEMA,
         "arch": ARCH,
         "source": "test",
         "measured_with": dict(HERE),
@@ -59,8 +61,8 @@ def _file(choices=None, **over) -> dict:
 @pytest.fixture(autouse=True)
 def _fresh_loader_state(monkeypatch):
     """Each test starts with no report and no files warned about."""
-    monkeypatch.setattr(_native, "_tuning_report", [])
-    monkeypatch.setattr(_native, "_warned_tuning", set())
+    monkeypatch.setattr(core, "_tuning_report", [])
+    monkeypatch.setattr(gemm_tuning, "_warned", set())
     monkeypatch.setattr(gemm_routes, "_ROUTES", {})
 
 
@@ -91,11 +93,11 @@ def fake_device(monkeypatch):
     """Pretend device 0 is an H100 (sm90) with HERE's metadata."""
     meta = dict(HERE)
 
-    def metadata(module, index):
-        return dict(meta, library_version=module.library_version())
+    def metadata(library, index):
+        return dict(meta, library_version=library["library_version"])
 
-    monkeypatch.setattr(_native, "_device_arch", lambda index: ARCH)
-    monkeypatch.setattr(_native, "gemm_device_metadata", metadata)
+    monkeypatch.setattr(core, "device_arch", lambda device: ARCH)
+    monkeypatch.setattr(gemm_tuning, "device_metadata", metadata)
     return meta
 
 
@@ -106,36 +108,36 @@ def _write(tmp_path, obj) -> str:
 
 
 def test_valid_file_installs_its_non_default_choices(tmp_path, monkeypatch, fake_device):
-    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
     path = _write(tmp_path, _file())
-    core = FakeCore()
+    fake = FakeCore()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        report = _native.load_gemm_tuning(core, devices=[0])
+        report = core.load_gemm_tuning(fake, devices=[0])
     assert report == [{"device": 0, "path": path, "status": "installed", "choices": 1, "triton_routes": 0}]
-    assert core.cleared == 1
-    assert len(core.choices) == 1  # index 0 is what runs anyway: not installed
-    c = core.choices[0]
+    assert fake.cleared == 1
+    assert len(fake.choices) == 1  # index 0 is what runs anyway: not installed
+    c = fake.choices[0]
     assert c["index"] == 3 and c["candidates"] == 8 and c["algo"] == "algo=21 tile=20"
     assert c["device"] == 0 and c["dtype"] == 0 and c["activation"] == fusedenc.ACTIVATIONS.index("swish")
     assert c["m"] == 16384 and c["n"] == 2304 and c["k"] == 768 and c["has_bias"] is True
-    assert _native.gemm_tuning_report() == report
+    assert core.gemm_tuning_report() == report
 
 
 _TRITON = {"kernel": "triton", "triton_config": [128, 128, 64, 8, 8, 3]}
 
 
 def test_a_triton_choice_becomes_a_route_instead_of_a_library_choice(tmp_path, monkeypatch, fake_device):
-    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
     obj = _file()
     obj["choices"][0].update(_TRITON)  # the swish FFN1 problem, library pick index 3
     path = _write(tmp_path, obj)
-    core = FakeCore()
+    fake = FakeCore()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        report = _native.load_gemm_tuning(core, devices=[0])
+        report = core.load_gemm_tuning(fake, devices=[0])
     assert report == [{"device": 0, "path": path, "status": "installed", "choices": 0, "triton_routes": 1}]
-    assert core.choices == []  # a routed problem never reaches the library
+    assert fake.choices == []  # a routed problem never reaches the library
     key = gemm_routes.RouteKey(0, 16384, 2304, 768, 0, "swish", True)
     assert gemm_routes.routes() == {key: gemm_routes.GemmConfig(128, 128, 64, 8, 8, 3)}
     [listed] = fusedenc.capabilities()["triton_gemm_routes"]
@@ -149,36 +151,36 @@ def test_a_triton_choice_becomes_a_route_instead_of_a_library_choice(tmp_path, m
 
     # Reloading a file without Triton choices removes the routes.
     _write(tmp_path, _file())
-    _native.load_gemm_tuning(core, devices=[0])
-    assert gemm_routes.routes() == {} and len(core.choices) == 1
+    core.load_gemm_tuning(fake, devices=[0])
+    assert gemm_routes.routes() == {} and len(fake.choices) == 1
 
 
 def test_triton_choices_without_triton_fall_back_to_the_library_pick_with_one_warning(
     tmp_path, monkeypatch, fake_device
 ):
-    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(gemm_routes, "triton_available", lambda: False)
     obj = _file()
     obj["choices"][0].update(_TRITON)
     path = _write(tmp_path, obj)
-    core = FakeCore()
+    fake = FakeCore()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = _native.load_gemm_tuning(core, devices=[0])
-        _native.load_gemm_tuning(core, devices=[0])
-    ours = [w for w in caught if issubclass(w.category, _native.GemmTuningWarning)]
+        report = core.load_gemm_tuning(fake, devices=[0])
+        core.load_gemm_tuning(fake, devices=[0])
+    ours = [w for w in caught if issubclass(w.category, gemm_tuning.GemmTuningWarning)]
     assert len(ours) == 1 and path in str(ours[0].message) and "triton" in str(ours[0].message)
     assert report[0]["status"] == "installed" and report[0]["triton_routes"] == 0
-    assert [c["index"] for c in core.choices] == [3] and gemm_routes.routes() == {}
+    assert [c["index"] for c in fake.choices] == [3] and gemm_routes.routes() == {}
 
 
 def test_missing_file_is_silent(tmp_path, monkeypatch, fake_device):
-    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
-    core = FakeCore()
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
+    fake = FakeCore()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        report = _native.load_gemm_tuning(core, devices=[0])
-    assert report[0]["status"] == "absent" and core.choices == []
+        report = core.load_gemm_tuning(fake, devices=[0])
+    assert report[0]["status"] == "absent" and fake.choices == []
 
 
 @pytest.mark.parametrize(
@@ -222,88 +224,88 @@ def test_missing_file_is_silent(tmp_path, monkeypatch, fake_device):
     ],
 )
 def test_mismatched_or_malformed_file_is_ignored_with_one_warning(tmp_path, monkeypatch, fake_device, mutate, reason):
-    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
     obj = _file()
     mutate(obj)
     path = _write(tmp_path, obj)
-    core = FakeCore()
+    fake = FakeCore()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = _native.load_gemm_tuning(core, devices=[0])
-        _native.load_gemm_tuning(core, devices=[0])  # a second load warns no more
-    ours = [w for w in caught if issubclass(w.category, _native.GemmTuningWarning)]
+        report = core.load_gemm_tuning(fake, devices=[0])
+        core.load_gemm_tuning(fake, devices=[0])  # a second load warns no more
+    ours = [w for w in caught if issubclass(w.category, gemm_tuning.GemmTuningWarning)]
     assert len(ours) == 1, [str(w.message) for w in caught]
     assert path in str(ours[0].message) and reason in str(ours[0].message), str(ours[0].message)
     assert report[0]["status"].startswith("ignored:") and reason in report[0]["status"]
-    assert core.choices == []  # nothing installed
+    assert fake.choices == []  # nothing installed
 
 
 @pytest.mark.parametrize("text", ["{", "[]", "null", '{"schema": 1}', ""])
 def test_corrupt_json_is_ignored_with_one_warning(tmp_path, monkeypatch, fake_device, text):
-    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
     path = _write(tmp_path, text)
-    core = FakeCore()
-    with pytest.warns(_native.GemmTuningWarning, match="ignoring GEMM tuning file") as record:
-        _native.load_gemm_tuning(core, devices=[0])
+    fake = FakeCore()
+    with pytest.warns(gemm_tuning.GemmTuningWarning, match="ignoring GEMM tuning file") as record:
+        core.load_gemm_tuning(fake, devices=[0])
     assert len(record) == 1 and path in str(record[0].message)
-    assert core.choices == []
+    assert fake.choices == []
 
 
 def test_other_library_version_of_the_core_is_a_mismatch(tmp_path, monkeypatch, fake_device):
     """The metadata compared is the core's library version, not only the file's claim."""
-    monkeypatch.setenv(_native.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
     _write(tmp_path, _file())
-    core = FakeCore(version=130200)
-    with pytest.warns(_native.GemmTuningWarning, match="library_version"):
-        report = _native.load_gemm_tuning(core, devices=[0])
-    assert report[0]["status"].startswith("ignored") and core.choices == []
+    fake = FakeCore(version=130200)
+    with pytest.warns(gemm_tuning.GemmTuningWarning, match="library_version"):
+        report = core.load_gemm_tuning(fake, devices=[0])
+    assert report[0]["status"].startswith("ignored") and fake.choices == []
 
 
 def test_explicit_path_and_two_devices_share_one_parse(tmp_path, monkeypatch, fake_device):
     path = _write(tmp_path, _file())
-    core = FakeCore()
-    report = _native.load_gemm_tuning(core, devices=[0, 1], path=path)
+    fake = FakeCore()
+    report = core.load_gemm_tuning(fake, devices=[0, 1], path=path)
     assert [r["status"] for r in report] == ["installed", "installed"]
-    assert sorted(c["device"] for c in core.choices) == [0, 1]
+    assert sorted(c["device"] for c in fake.choices) == [0, 1]
 
 
 def test_key_round_trip():
     core_key = dict(_key(), dtype=1, activation=fusedenc.ACTIVATIONS.index("mish"), device=3)
-    file_key = _native.key_from_core(core_key)
+    file_key = gemm_tuning.key_from_core(core_key)
     assert file_key["dtype"] == "bfloat16" and file_key["activation"] == "mish" and "device" not in file_key
-    assert list(file_key) == list(_native.GEMM_KEY_FIELDS)
-    back = _native.key_to_core(file_key, 3)
+    assert list(file_key) == list(gemm_tuning.GEMM_KEY_FIELDS)
+    back = gemm_tuning.key_to_core(file_key, 3)
     assert back == core_key
 
 
 def test_start_up_loading_is_skipped_without_a_gpu_or_when_disabled(monkeypatch):
     calls = []
-    monkeypatch.setattr(_native, "load_gemm_tuning", lambda module: calls.append(module))
-    core = FakeCore()
+    monkeypatch.setattr(core, "load_gemm_tuning", lambda module: calls.append(module))
+    fake = FakeCore()
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _native._load_gemm_tuning_at_start(core)
+    core.load_gemm_tuning_at_start(fake)
     assert calls == []  # no GPU: no device queries, no file
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setenv(_native.GEMM_TUNING_ENV, "off")
-    _native._load_gemm_tuning_at_start(core)
+    monkeypatch.setenv(core.GEMM_TUNING_ENV, "off")
+    core.load_gemm_tuning_at_start(fake)
     assert calls == []
-    monkeypatch.delenv(_native.GEMM_TUNING_ENV)
-    _native._load_gemm_tuning_at_start(core)
-    assert calls == [core]
+    monkeypatch.delenv(core.GEMM_TUNING_ENV)
+    core.load_gemm_tuning_at_start(fake)
+    assert calls == [fake]
 
 
 def test_start_up_loading_never_raises(monkeypatch):
     def boom(module):
         raise RuntimeError("device query failed")
 
-    monkeypatch.setattr(_native, "load_gemm_tuning", boom)
+    monkeypatch.setattr(core, "load_gemm_tuning", boom)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.warns(_native.GemmTuningWarning, match="device query failed"):
-        _native._load_gemm_tuning_at_start(FakeCore())
+    with pytest.warns(gemm_tuning.GemmTuningWarning, match="device query failed"):
+        core.load_gemm_tuning_at_start(FakeCore())
 
 
 def test_reports_without_a_gpu():
@@ -318,8 +320,8 @@ def test_reports_without_a_gpu():
 
 
 def test_block_gemms_follow_the_encoder_data_path():
-    t82 = tune.GEMM_PRESETS["t82"]
-    post = tune.block_gemms(t82, 16)
+    t82 = presets.PRESETS["t82"]
+    post = presets.block_gemms(t82, 16)
     assert [(p.name, p.m, p.n, p.k, p.bias, p.activation, p.residual) for p in post] == [
         ("qkv", 1024, 2304, 768, True, "none", False),
         ("out_proj", 1024, 768, 768, True, "none", False),
@@ -327,31 +329,18 @@ def test_block_gemms_follow_the_encoder_data_path():
         ("ffn2", 1024, 768, 2304, True, "none", False),
     ]
     assert all(p.alpha == 1.0 for p in post)
-    pre = tune.block_gemms(t82, 16, norm_first=True)
+    pre = presets.block_gemms(t82, 16, norm_first=True)
     assert not pre[1].bias and pre[3].residual and pre[3].alpha == pytest.approx(30**-0.25)
-    bt4, bert = tune.GEMM_PRESETS["bt4"], tune.GEMM_PRESETS["bert-base"]
-    assert (bt4.d_model, bt4.d_ff, bt4.activation, bt4.seq_len) == (1024, 1536, "mish", 64)
-    assert (bert.d_model, bert.d_ff, bert.activation, bert.seq_len) == (768, 3072, "gelu", 128)
-    assert tune.block_gemms(bert, 2)[0].m == 256
-
-
-def test_gemm_presets_match_the_benchmarks():
-    bench = os.path.join(os.path.dirname(__file__), "..", "bench")
-    sys.path.insert(0, bench)
-    try:
-        import presets
-    finally:
-        sys.path.remove(bench)
-    for name, p in tune.GEMM_PRESETS.items():
-        b = presets.PRESETS[name]
-        assert (p.d_model, p.d_ff, p.activation, p.seq_len, p.alpha) == (
-            b.d_model, b.d_ff, b.activation, b.seq_lens[0], pytest.approx(b.alpha)
-        )  # fmt: skip
+    bt4, bert = presets.PRESETS["bt4"], presets.PRESETS["bert-base"]
+    assert (bt4.d_model, bt4.d_ff, bt4.activation, bt4.seq_lens[0]) == (1024, 1536, "mish", 64)
+    assert (bert.d_model, bert.d_ff, bert.activation, bert.seq_lens[0]) == (768, 3072, "gelu", 128)
+    assert presets.block_gemms(bert, 2)[0].m == 256
+    assert presets.block_gemms(bert, 2, seq_len=512)[0].m == 1024
 
 
 def _parse(argv):
     parser = __import__("argparse").ArgumentParser()
-    tune._gemm_args(parser)
+    tune_gemm.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -381,11 +370,11 @@ def test_tune_gemm_keeps_old_choices_only_from_a_valid_file_of_this_setup(old_fi
     elif old_file == "other-arch":
         path.write_text(json.dumps(_file([kept, replaced], arch="sm80")))
     new = [{"key": _key(), "index": 2, "candidates": 8, "algo": "new"}]
-    merged = tune._merge_gemm_file(_native, str(path), ARCH, dict(HERE), new, replace=old_file == "replace")
+    merged = tune_gemm.merge_gemm_file(str(path), ARCH, dict(HERE), new, replace=old_file == "replace")
     assert merged["measured_with"] == HERE and merged["arch"] == ARCH
     assert merged["choices"] == (new + [kept] if old_file == "same-setup" else new)
     # what the tuner writes is what the loader accepts
-    assert _native.parse_gemm_tuning(json.dumps(merged), ARCH) == (HERE, merged["choices"])
+    assert gemm_tuning.parse_gemm_tuning(json.dumps(merged), ARCH) == (HERE, merged["choices"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")

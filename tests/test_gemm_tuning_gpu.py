@@ -20,8 +20,9 @@ import torch
 
 import fusedenc
 import fusedenc.encoder as encoder_module
-from fusedenc import _native, gemm_routes, tune
-from fusedenc.activations import activation_id
+from fusedenc import core, gemm_routes, gemm_tuning
+from fusedenc.device import device_arch
+from fusedenc.tune.presets import PRESETS, GemmProblem, block_gemms
 from helpers import assert_close_rule, linear_formula, poisoned, randn, same_dtype_torch
 
 pytestmark = pytest.mark.gpu
@@ -34,18 +35,15 @@ COUNT = 8
 @pytest.fixture(autouse=True)
 def _no_choices(monkeypatch):
     """Every test starts and ends with no choice installed (a tuning file may exist on the machine)."""
-    core = _native.native_module()
-    monkeypatch.setattr(_native, "_warned_tuning", set())
-    if core is not None:
-        core.clear_gemm_choices()
+    monkeypatch.setattr(gemm_tuning, "_warned", set())
+    core.clear_gemm_choices()
     gemm_routes.install({})
     yield
-    if core is not None:
-        core.clear_gemm_choices()
+    core.clear_gemm_choices()
     gemm_routes.install({})
 
 
-def _operands(problem: tune.GemmProblem, gen):
+def _operands(problem: GemmProblem, gen):
     x = randn((problem.m, problem.k), DTYPE, DEVICE, gen)
     w = randn((problem.n, problem.k), DTYPE, DEVICE, gen, scale=problem.k**-0.5)
     b = randn((problem.n,), DTYPE, DEVICE, gen) if problem.bias else None
@@ -53,29 +51,27 @@ def _operands(problem: tune.GemmProblem, gen):
     return x, w, b, r
 
 
-def _core_args(problem, x, w, b, r, out):
-    """The arguments fusedenc.linear passes to _C.gemm for these tensors, on the current stream."""
+def _gemm(problem, x, w, b, r, out) -> dict:
+    """``core.gemm``'s keyword arguments for these tensors (what fusedenc.linear passes), on the current stream."""
     stream = torch.cuda.current_stream(DEVICE).cuda_stream
-    ws = _native.workspace(DEVICE, stream)
-    return (
-        DEVICE.index, stream, problem.m, problem.n, problem.k, x.data_ptr(), problem.k, w.data_ptr(), problem.k,
-        0 if b is None else b.data_ptr(), 0 if r is None else r.data_ptr(), problem.n, out.data_ptr(), problem.n,
-        _native.dtype_code(DTYPE), activation_id(problem.activation), problem.alpha, 1.0, ws.data_ptr(), ws.numel(),
+    return dict(
+        a=x, lda=problem.k, w=w, ldw=problem.k, out=out, ldo=problem.n, m=problem.m, n=problem.n, k=problem.k,
+        bias=b, residual=r, ldr=problem.n, activation=problem.activation, alpha=problem.alpha, stream=stream,
+        workspace=core.workspace(DEVICE, stream),
     )  # fmt: skip
 
 
-T82 = tune.block_gemms(tune.GEMM_PRESETS["t82"], 16)
+T82 = block_gemms(PRESETS["t82"], 16)
 T82_IDS = [p.name for p in T82]
 
 
 @pytest.mark.parametrize("problem", T82, ids=T82_IDS)
 def test_t82_problems_have_candidates_and_leave_the_plan_cache_alone(problem, gen):
-    core = _native.native_module()
     x, w, b, r = _operands(problem, gen)
     out = torch.empty((problem.m, problem.n), dtype=DTYPE, device=DEVICE)
     before = fusedenc.plan_cache_info()
-    found = core.gemm_candidates(*_core_args(problem, x, w, b, r, out), COUNT)
-    core.gemm_with_candidate(*_core_args(problem, x, w, b, r, out), COUNT, 0)
+    found = core.gemm_candidates(count=COUNT, **_gemm(problem, x, w, b, r, out))
+    core.gemm_with_candidate(count=COUNT, index=0, **_gemm(problem, x, w, b, r, out))
     torch.cuda.synchronize()
     assert fusedenc.plan_cache_info() == before  # candidates live apart from the plan cache
     assert 1 <= len(found["candidates"]) <= COUNT
@@ -86,56 +82,54 @@ def test_t82_problems_have_candidates_and_leave_the_plan_cache_alone(problem, ge
         problem.m, problem.n, problem.k, problem.k, problem.k, problem.n
     )  # fmt: skip
     assert key["align_a"] == key["align_w"] == key["align_d"] == 16
-    assert key["workspace_bytes"] == _native.WORKSPACE_BYTES
+    assert key["workspace_bytes"] == core.WORKSPACE_BYTES
     with pytest.raises(ValueError, match="out of range"):
-        core.gemm_with_candidate(*_core_args(problem, x, w, b, r, out), COUNT, len(found["candidates"]))
+        core.gemm_with_candidate(count=COUNT, index=len(found["candidates"]), **_gemm(problem, x, w, b, r, out))
     with pytest.raises(ValueError, match="candidate count"):
-        core.gemm_candidates(*_core_args(problem, x, w, b, r, out), 0)
+        core.gemm_candidates(count=0, **_gemm(problem, x, w, b, r, out))
 
 
 @pytest.mark.parametrize("problem", T82, ids=T82_IDS)
 def test_every_candidate_is_within_the_rule(problem, gen):
-    core = _native.native_module()
     x, w, b, r = _operands(problem, gen)
     ref = linear_formula(x, w, b, problem.activation, r, alpha=problem.alpha, dtype=torch.float32)
     out = poisoned((problem.m, problem.n), DTYPE, DEVICE)
-    found = core.gemm_candidates(*_core_args(problem, x, w, b, r, out), COUNT)
-    core.gemm_with_candidate(*_core_args(problem, x, w, b, r, out), COUNT, 0)
+    found = core.gemm_candidates(count=COUNT, **_gemm(problem, x, w, b, r, out))
+    core.gemm_with_candidate(count=COUNT, index=0, **_gemm(problem, x, w, b, r, out))
     cand0 = out.clone()
     assert_close_rule(cand0, ref, same_dtype_torch(x, w, b, problem.activation, r, alpha=problem.alpha), DTYPE,
                       f"{problem.name} candidate 0 (seed {gen.seed_value})")  # fmt: skip
     # Candidate 0 is the algorithm the default plan runs.
     default = poisoned((problem.m, problem.n), DTYPE, DEVICE)
-    core.gemm(*_core_args(problem, x, w, b, r, default))
+    core.gemm(**_gemm(problem, x, w, b, r, default))
     assert torch.equal(default, cand0), f"{problem.name}: candidate 0 differs from the default plan"
     for i in range(1, len(found["candidates"])):
         out.fill_(float("nan"))
-        core.gemm_with_candidate(*_core_args(problem, x, w, b, r, out), COUNT, i)
+        core.gemm_with_candidate(count=COUNT, index=i, **_gemm(problem, x, w, b, r, out))
         assert_close_rule(out, ref, cand0, DTYPE,
                           f"{problem.name} candidate {i} [{found['candidates'][i]['algo']}] (seed {gen.seed_value})")  # fmt: skip
 
 
 def _problem_with_choices(gen):
     """A t82 problem with at least two candidates, its operands and candidates (skip if none has two)."""
-    core = _native.native_module()
     for problem in T82:
         x, w, b, r = _operands(problem, gen)
         out = torch.empty((problem.m, problem.n), dtype=DTYPE, device=DEVICE)
-        found = core.gemm_candidates(*_core_args(problem, x, w, b, r, out), COUNT)
+        found = core.gemm_candidates(count=COUNT, **_gemm(problem, x, w, b, r, out))
         if len(found["candidates"]) >= 2:
             return problem, (x, w, b, r), found
     pytest.skip("the heuristic offers one candidate for every t82 problem at batch 16")
 
 
 def test_a_choice_changes_which_candidate_runs(gen):
-    core = _native.native_module()
+    native = core.native_module()
     problem, (x, w, b, r), found = _problem_with_choices(gen)
     pick = len(found["candidates"]) - 1
     algo = found["candidates"][pick]["algo"]
     expected = poisoned((problem.m, problem.n), DTYPE, DEVICE)
-    core.gemm_with_candidate(*_core_args(problem, x, w, b, r, expected), COUNT, pick)
+    core.gemm_with_candidate(count=COUNT, index=pick, **_gemm(problem, x, w, b, r, expected))
 
-    core.set_gemm_choice(**found["key"], index=pick, candidates=COUNT, algo=algo)
+    native.set_gemm_choice(**found["key"], index=pick, candidates=COUNT, algo=algo)
     assert fusedenc.plan_cache_info()["size"] == 0  # setting a choice re-plans everything
     [choice] = fusedenc.gemm_choices()
     assert choice["status"] == "not used yet" and choice["plans"] == 0
@@ -160,32 +154,32 @@ def test_a_choice_changes_which_candidate_runs(gen):
     assert fusedenc.gemm_choices() == []
     default = fusedenc.linear(x, w, b, problem.activation, r, alpha=problem.alpha)
     cand0 = poisoned((problem.m, problem.n), DTYPE, DEVICE)
-    core.gemm_with_candidate(*_core_args(problem, x, w, b, r, cand0), COUNT, 0)
+    core.gemm_with_candidate(count=COUNT, index=0, **_gemm(problem, x, w, b, r, cand0))
     assert torch.equal(default, cand0)
 
 
 def test_a_choice_that_no_longer_fits_falls_back_to_candidate_0_and_says_why(gen):
-    core = _native.native_module()
+    native = core.native_module()
     problem, (x, w, b, r), found = _problem_with_choices(gen)
     cand0 = poisoned((problem.m, problem.n), DTYPE, DEVICE)
-    core.gemm_with_candidate(*_core_args(problem, x, w, b, r, cand0), COUNT, 0)
+    core.gemm_with_candidate(count=COUNT, index=0, **_gemm(problem, x, w, b, r, cand0))
 
-    core.set_gemm_choice(**found["key"], index=1, candidates=COUNT, algo="not the measured algorithm")
+    native.set_gemm_choice(**found["key"], index=1, candidates=COUNT, algo="not the measured algorithm")
     out = fusedenc.linear(x, w, b, problem.activation, r, alpha=problem.alpha)
     [choice] = fusedenc.gemm_choices()
     assert choice["status"].startswith("ignored: candidate 1 is now"), choice
     assert torch.equal(out, cand0)
 
     n = len(found["candidates"])
-    big = core.MAX_GEMM_CANDIDATES
+    big = core.max_gemm_candidates()
     if n < COUNT:  # the heuristic had fewer than COUNT: an index past them is out of range
-        core.set_gemm_choice(**found["key"], index=COUNT - 1, candidates=COUNT, algo="")
+        native.set_gemm_choice(**found["key"], index=COUNT - 1, candidates=COUNT, algo="")
         out = fusedenc.linear(x, w, b, problem.activation, r, alpha=problem.alpha)
         [choice] = fusedenc.gemm_choices()
         assert choice["status"].startswith(f"ignored: candidate {COUNT - 1} of {COUNT}"), choice
         assert torch.equal(out, cand0)
     with pytest.raises(ValueError):
-        core.set_gemm_choice(**found["key"], index=big, candidates=big, algo="")
+        native.set_gemm_choice(**found["key"], index=big, candidates=big, algo="")
 
 
 def test_tune_gemm_writes_a_file_that_loads_without_warnings(tmp_path):
@@ -199,9 +193,8 @@ def test_tune_gemm_writes_a_file_that_loads_without_warnings(tmp_path):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "winner" in r.stdout and "ERROR" not in r.stdout, r.stdout[-4000:]
     obj = json.loads(out.read_text())
-    core = _native.native_module()
-    assert obj["schema"] == _native.GEMM_TUNING_SCHEMA
-    assert obj["measured_with"] == _native.gemm_device_metadata(core, torch.cuda.current_device())
+    assert obj["schema"] == gemm_tuning.GEMM_TUNING_SCHEMA
+    assert obj["measured_with"] == gemm_tuning.device_metadata(core.library_info(), torch.cuda.current_device())
     assert len(obj["choices"]) == 4  # qkv, out_proj, ffn1, ffn2: four distinct problems
     assert all(0 <= c["index"] < c["candidates"] == 4 for c in obj["choices"])
     assert all(m["candidate_0_is_default"] for m in obj["measurements"]), obj["measurements"]
@@ -215,8 +208,8 @@ def test_tune_gemm_writes_a_file_that_loads_without_warnings(tmp_path):
     assert all(c["key"]["activation"] == "swish" and len(c["triton_config"]) == 6 for c in routed), routed
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error", _native.GemmTuningWarning)
-        report = _native.load_gemm_tuning(core, devices=[torch.cuda.current_device()], path=str(out))
+        warnings.simplefilter("error", gemm_tuning.GemmTuningWarning)
+        report = core.load_gemm_tuning(devices=[torch.cuda.current_device()], path=str(out))
     wins = [c for c in obj["choices"] if c["index"] != 0 and c not in routed]
     assert report[0]["status"] == "installed" and report[0]["choices"] == len(wins), report
     assert report[0]["triton_routes"] == len(routed) and len(gemm_routes.routes()) == len(routed)
@@ -235,36 +228,34 @@ def test_tune_gemm_writes_a_file_that_loads_without_warnings(tmp_path):
 
 
 def test_a_file_from_another_device_is_ignored_with_one_warning(tmp_path):
-    core = _native.native_module()
     index = torch.cuda.current_device()
-    meta = dict(_native.gemm_device_metadata(core, index), device_name="Some Other GPU")
-    key = {f: v for f, v in zip(_native.GEMM_KEY_FIELDS, (
-        1024, 2304, 768, 768, 768, 0, 2304, "float16", "swish", True, False, 16, 16, 16, 16, _native.WORKSPACE_BYTES,
+    meta = dict(gemm_tuning.device_metadata(core.library_info(), index), device_name="Some Other GPU")
+    key = {f: v for f, v in zip(gemm_tuning.GEMM_KEY_FIELDS, (
+        1024, 2304, 768, 768, 768, 0, 2304, "float16", "swish", True, False, 16, 16, 16, 16, core.WORKSPACE_BYTES,
     ))}  # fmt: skip
     path = tmp_path / "gemm.json"
     path.write_text(json.dumps({
-        "schema": _native.GEMM_TUNING_SCHEMA, "arch": _native._device_arch(index), "measured_with": meta,
+        "schema": gemm_tuning.GEMM_TUNING_SCHEMA, "arch": device_arch(torch.device("cuda", index)), "measured_with": meta,
         "choices": [{"key": key, "index": 1, "candidates": 4, "algo": ""}],
     }))  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = _native.load_gemm_tuning(core, devices=[index], path=str(path))
-        _native.load_gemm_tuning(core, devices=[index], path=str(path))
-    ours = [w for w in caught if issubclass(w.category, _native.GemmTuningWarning)]
+        report = core.load_gemm_tuning(devices=[index], path=str(path))
+        core.load_gemm_tuning(devices=[index], path=str(path))
+    ours = [w for w in caught if issubclass(w.category, gemm_tuning.GemmTuningWarning)]
     assert len(ours) == 1 and "device_name" in str(ours[0].message) and str(path) in str(ours[0].message)
     assert report[0]["status"].startswith("ignored") and fusedenc.gemm_choices() == []
 
 
 def _triton_route_file(tmp_path, problem, x, w, b, config) -> str:
     """A tuning file routing ``problem`` (with these operands' key) to the Triton kernel."""
-    core = _native.native_module()
     out = torch.empty((problem.m, problem.n), dtype=DTYPE, device=DEVICE)
-    found = core.gemm_candidates(*_core_args(problem, x, w, b, None, out), COUNT)
+    found = core.gemm_candidates(count=COUNT, **_gemm(problem, x, w, b, None, out))
     path = tmp_path / "gemm.json"
     path.write_text(json.dumps({
-        "schema": _native.GEMM_TUNING_SCHEMA, "arch": _native._device_arch(DEVICE.index),
-        "measured_with": _native.gemm_device_metadata(core, DEVICE.index),
-        "choices": [{"key": _native.key_from_core(found["key"]), "index": 0, "candidates": COUNT, "algo": "",
+        "schema": gemm_tuning.GEMM_TUNING_SCHEMA, "arch": device_arch(DEVICE),
+        "measured_with": gemm_tuning.device_metadata(core.library_info(), DEVICE.index),
+        "choices": [{"key": gemm_tuning.key_from_core(found["key"]), "index": 0, "candidates": COUNT, "algo": "",
                      "kernel": "triton", "triton_config": list(config)}],
     }))  # fmt: skip
     return str(path)
@@ -280,8 +271,8 @@ def test_a_triton_route_serves_linear_and_the_block_identically(tmp_path, gen, m
     config = gemm_routes.GemmConfig(64, 128, 64, 8, 4, 4)  # not the table's default: the file's config is used
     path = _triton_route_file(tmp_path, problem, x, w, b, config)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", _native.GemmTuningWarning)
-        report = _native.load_gemm_tuning(_native.native_module(), devices=[DEVICE.index], path=path)
+        warnings.simplefilter("error", gemm_tuning.GemmTuningWarning)
+        report = core.load_gemm_tuning(devices=[DEVICE.index], path=path)
     assert report[0]["triton_routes"] == 1 and report[0]["choices"] == 0, report
     launches = []
     real_launch = triton_gemm.launch

@@ -26,7 +26,7 @@ on the CPU and copied over, so no GPU kernel runs but ours, except:
 
 The kernels and what is swept:
 
-1. ``fusedenc.triton_attention`` (``_short_attention_kernel``): every entry of
+1. ``fusedenc.attention.triton_short`` (``_short_attention_kernel``): every entry of
    ``_CONFIGS`` (key block x head dim) through the table lookup, in float16
    with bias + key padding mask (one sequence all padding) and in bfloat16
    with neither; heads per program reduced (H = 3, 6); float32 inputs and a
@@ -59,7 +59,7 @@ import torch
 import fusedenc
 import fusedenc.testing
 from attention_helpers import packed_inputs
-from fusedenc import _checks
+from fusedenc import checks
 from fusedenc.activations import ACTIVATIONS
 from fusedenc.norm import layer_norm
 from fusedenc.ops import split_qkv
@@ -67,7 +67,7 @@ from helpers import assert_close_rule, attention_formula, linear_formula, poison
 from layer_norm_helpers import ln_formula, ln_same_dtype
 
 try:  # the Triton sections need the triton package; the native kernels' sections do not
-    import fusedenc.triton_attention as tri
+    import fusedenc.attention.triton_short as tri
     import fusedenc.triton_gemm as tg
 except ImportError:
     tri = tg = None
@@ -283,10 +283,10 @@ def _ln_launch(vecs: int) -> tuple[int, int]:
 def _ln_cases():
     cases = []
     for dtype in (FP16, BF16, FP32):
-        per_vec = _checks.align_elems(dtype)
+        per_vec = checks.align_elems(dtype)
         for vecs in _LN_VECS:
             d = vecs * per_vec
-            if d > _checks.LAYER_NORM_MAX_DIM:
+            if d > checks.LAYER_NORM_MAX_DIM:
                 continue
             threads, chunks = _ln_launch(vecs)
             cases.append(pytest.param(dtype, d, id=f"{_NAMES[dtype]}-D{d}-threads_per_row{threads}-chunks{chunks}"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fusedenc.norm  # registers torch.ops.fusedenc.layer_norm / layer_norm_out
-from fusedenc import _native
+from fusedenc import core
 from fusedenc.norm import layer_norm
 from helpers import assert_close_rule, poisoned, randn, ref_dtype
 from layer_norm_helpers import assert_rounded_once, ln_formula, ln_same_dtype
@@ -61,7 +61,7 @@ def _check(out, sum_out, ops, eps, alpha, dtype, what):
 
 
 def test_native_backend_is_active():
-    assert _native.backend().name != "reference", str(_native.backend())
+    assert core.backend().name != "reference", str(core.backend())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -273,7 +273,7 @@ def test_runs_on_the_current_stream(gen):
 
 def test_native_checks_are_a_second_line_of_defence(gen):
     """The core itself rejects what the Python checks would (std::invalid_argument -> ValueError)."""
-    module = _native.native_module()
+    module = core.native_module()
     x = randn((4, 32), torch.float16, DEV, gen=gen)
     out = torch.empty_like(x)
     stream = torch.cuda.current_stream().cuda_stream

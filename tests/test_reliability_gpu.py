@@ -29,6 +29,8 @@ import torch
 
 import fusedenc
 import fusedenc.attention as A
+from fusedenc import table_files
+from fusedenc.device import device_arch
 from encoder_helpers import block_config, block_formula, block_params, padding_mask, randomize
 from fusedenc import EncoderBlock, EncoderStack
 from helpers import assert_close_rule, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
@@ -42,7 +44,7 @@ H, BF = torch.float16, torch.bfloat16
 @pytest.fixture
 def isolated_tables(tmp_path, monkeypatch):
     """No user attention table (an empty config dir), no forced backend, fresh decisions."""
-    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path / "tables"))
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path / "tables"))
     monkeypatch.delenv(A.BACKEND_ENV, raising=False)
     A.clear_cache()
     yield tmp_path / "tables"
@@ -311,7 +313,7 @@ def test_concurrent_first_use_of_plan_cache_and_attention_tables(gen, isolated_t
     tables (the user table is corrupt): every result is right and equals a serial rerun, the
     cache holds each plan once, and the corrupt table is reported exactly once."""
     isolated_tables.mkdir(parents=True, exist_ok=True)
-    (isolated_tables / f"attention_{A.device_arch(DEV)}.json").write_text("{ not json")
+    (isolated_tables / f"attention_{device_arch(DEV)}.json").write_text("{ not json")
     fusedenc.clear_plan_cache()
     A.clear_cache()
     x_shared = _r((777, 128), H, gen)
@@ -422,7 +424,7 @@ def test_determinism_across_processes(tmp_path, isolated_tables):
     script = tmp_path / "run.py"
     script.write_text(_DETERMINISM_SCRIPT)
     env = dict(os.environ)
-    env[A.CONFIG_DIR_ENV] = str(isolated_tables)
+    env[table_files.CONFIG_DIR_ENV] = str(isolated_tables)
     env.pop(A.BACKEND_ENV, None)
     procs = [
         subprocess.Popen([sys.executable, str(script), str(tmp_path / f"out{i}.pt")], env=env,

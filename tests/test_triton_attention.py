@@ -1,4 +1,4 @@
-"""fusedenc.triton_attention on CPU through Triton's interpreter: the short-sequence kernel
+"""fusedenc.attention.triton_short on CPU through Triton's interpreter: the short-sequence kernel
 against the fp32/fp64 formula, with bias (per batch, broadcast, float32, strided), padding
 masks, fully masked rows, NaN, every launch-config path and the [B*S, H*Dh] row layout.
 
@@ -164,7 +164,7 @@ def main(seed: int) -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run by the tests with TRITON_INTERPRET=1"
     from helpers import assert_close_rule, attention_formula
 
-    from fusedenc.triton_attention import LaunchConfig, short_attention
+    from fusedenc.attention.triton_short import LaunchConfig, short_attention
 
     torch.set_num_threads(1)  # the interpreter's per-program numpy work gains nothing from threads
     failed = 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fusedenc.attention as A
+from fusedenc import table_files
 from fusedenc.attention import attention, explain
 from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs, replays_match_eager
 from helpers import assert_close_rule, attention_formula
@@ -125,7 +126,7 @@ def test_nan_propagates_like_the_formula(where, gen):
 )  # fmt: skip
 def test_alternative_launch_configs(seq, head_dim, config, gen):
     """Configs the table does not use today but a tuning run may: each must be right too."""
-    from fusedenc.triton_attention import LaunchConfig, short_attention
+    from fusedenc.attention.triton_short import LaunchConfig, short_attention
 
     qkv, q, k, v, bias, mask = packed_inputs(2, seq, 8, head_dim, torch.float16, gen, "bias+mask")
     out = short_attention(q, k, v, bias, mask, head_dim**-0.5, config=LaunchConfig(*config))
@@ -190,7 +191,7 @@ def test_chosen_only_by_a_table_rule_or_when_forced(gen, monkeypatch, tmp_path):
         rule = ex.user_rule if chosen.source == "user table" else ex.shipped_rule
         assert NAME in rule["backends"], str(ex)
 
-    monkeypatch.setenv(A.CONFIG_DIR_ENV, str(tmp_path))  # no user table
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))  # no user table
     monkeypatch.setattr(A, "_load_shipped", lambda arch: None)  # and no shipped one
     A.clear_cache()
     assert explain(q, k, v, bias, mask).backend != NAME
@@ -208,7 +209,7 @@ def test_chosen_only_by_a_table_rule_or_when_forced(gen, monkeypatch, tmp_path):
 )
 def test_refuses_what_it_cannot_serve(seq, head_dim, reason, gen):
     qkv, q, k, v, bias, mask = packed_inputs(1, seq, 2, head_dim, torch.float16, gen)
-    ok, why = A.BACKENDS[NAME].supports(A._describe(q, k, v, None, None))
+    ok, why = A.BACKENDS[NAME].supports(A.describe_call(q, k, v, None, None))
     assert not ok and reason in why
     with pytest.raises(ValueError, match=NAME):
         attention(q, k, v, backend=NAME)
@@ -217,5 +218,5 @@ def test_refuses_what_it_cannot_serve(seq, head_dim, reason, gen):
 def test_refuses_unaligned_views(gen):
     qkv = torch.randn((2, 16, 3 * 64 + 1), generator=gen).to(DEV, torch.float16)
     q, k, v = qkv[..., 1:].view(2, 16, 3, 2, 32).unbind(2)  # odd element offsets: not 16-byte aligned
-    ok, why = A.BACKENDS[NAME].supports(A._describe(q, k, v, None, None))
+    ok, why = A.BACKENDS[NAME].supports(A.describe_call(q, k, v, None, None))
     assert not ok and "aligned" in why

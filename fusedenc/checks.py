@@ -13,9 +13,10 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-#: Dtypes the ops accept (fp16/bf16 are the fast path; fp32 accumulates in fp32
-#: without TF32, like torch's default).
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from . import dtypes
+
+#: Dtypes the ops accept (``dtypes.SUPPORTED``).
+SUPPORTED_DTYPES = dtypes.SUPPORTED
 
 #: Rows and row strides of every GEMM operand must span whole 16-byte vectors:
 #: the vectorized epilogue kernel and the fast library kernels both need it.
@@ -39,13 +40,15 @@ class LinearProblem(NamedTuple):
     out_shape: tuple[int, ...]
 
 
-def _tensor(t: object, name: str) -> torch.Tensor:
+def tensor_arg(t: object, name: str) -> torch.Tensor:
+    """``t`` if it is a tensor; TypeError naming argument ``name`` otherwise."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return t
 
 
-def _same_kind(t: torch.Tensor, name: str, x: torch.Tensor) -> None:
+def same_kind(t: torch.Tensor, name: str, x: torch.Tensor) -> None:
+    """TypeError if ``t``'s dtype differs from ``x``'s, ValueError if its device does."""
     if t.dtype != x.dtype:
         raise TypeError(f"{name}.dtype={t.dtype} does not match x.dtype={x.dtype}")
     if t.device != x.device:
@@ -119,13 +122,13 @@ def check_linear(
     beta: float,
     out: object,
 ) -> LinearProblem:
-    x = _tensor(x, "x")
-    weight = _tensor(weight, "weight")
+    x = tensor_arg(x, "x")
+    weight = tensor_arg(weight, "weight")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x.dtype={x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension [..., K], got a scalar")
-    _same_kind(weight, "weight", x)
+    same_kind(weight, "weight", x)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     n, k = weight.shape
@@ -146,8 +149,8 @@ def check_linear(
     _check_aligned(weight, "weight", ldw, align)
 
     if bias is not None:
-        bias = _tensor(bias, "bias")
-        _same_kind(bias, "bias", x)
+        bias = tensor_arg(bias, "bias")
+        same_kind(bias, "bias", x)
         if bias.shape != (n,):
             raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
         if bias.stride(0) != 1:
@@ -161,8 +164,8 @@ def check_linear(
         )
     residual2d, ldr = None, 0
     if residual is not None:
-        residual = _tensor(residual, "residual")
-        _same_kind(residual, "residual", x)
+        residual = tensor_arg(residual, "residual")
+        same_kind(residual, "residual", x)
         if tuple(residual.shape) != out_shape:
             raise ValueError(f"residual must have shape {out_shape}, got {tuple(residual.shape)}")
         residual2d, ldr = _rows(residual, "residual")
@@ -172,8 +175,8 @@ def check_linear(
 
     ldo = n
     if out is not None:
-        out = _tensor(out, "out")
-        _same_kind(out, "out", x)
+        out = tensor_arg(out, "out")
+        same_kind(out, "out", x)
         if tuple(out.shape) != out_shape:
             raise ValueError(f"out must have shape {out_shape}, got {tuple(out.shape)}")
         _, ldo = _rows(out, "out")
@@ -215,8 +218,8 @@ def _check_vector(t: object, name: str, x: torch.Tensor, d: int, align: int) -> 
     """A per-column ``[D]`` parameter (weight, bias, x_bias): contiguous and aligned, or None."""
     if t is None:
         return None
-    t = _tensor(t, name)
-    _same_kind(t, name, x)
+    t = tensor_arg(t, name)
+    same_kind(t, name, x)
     if tuple(t.shape) != (d,):
         raise ValueError(f"{name} must have shape ({d},), got {tuple(t.shape)}")
     if t.stride(0) != 1:
@@ -227,8 +230,8 @@ def _check_vector(t: object, name: str, x: torch.Tensor, d: int, align: int) -> 
 
 def _check_like_x(t: object, name: str, x: torch.Tensor, align: int) -> tuple[torch.Tensor, int]:
     """A ``[..., D]`` operand with x's shape, dtype and device; returns it and its row stride."""
-    t = _tensor(t, name)
-    _same_kind(t, name, x)
+    t = tensor_arg(t, name)
+    same_kind(t, name, x)
     if tuple(t.shape) != tuple(x.shape):
         raise ValueError(f"{name} must have shape {tuple(x.shape)} like x, got {tuple(t.shape)}")
     _, ld = _rows(t, name)
@@ -248,7 +251,7 @@ def check_layer_norm(
     sum_out: object,
 ) -> LayerNormProblem:
     """Validate ``layer_norm``'s arguments (eps and alpha already through ``check_scalar``)."""
-    x = _tensor(x, "x")
+    x = tensor_arg(x, "x")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x.dtype={x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     if x.dim() < 1:

@@ -1,0 +1,101 @@
+"""The two ways an EncoderBlock's data path runs: through the public ops, or straight to the core.
+
+The data path is written once (``EncoderBlock._run``) against these two small
+executors; each step returns a new tensor.
+
+* ``OpsExecutor`` calls the public ops (``fusedenc.linear``, ``layer_norm``,
+  ``attention``): it serves CPU tensors (the PyTorch references), a build
+  without a native core, and ``torch.compile`` (the ops are custom ops).
+* ``NativeExecutor``, for eager calls on the GPU, calls ``core.gemm`` and
+  ``core.layer_norm`` with dense ``[T, D]`` rows and the attention plan the
+  block made for its call signature: the block validated the signature once,
+  so no per-call argument checks run.  ``core.gemm`` is also what
+  ``fusedenc.linear`` calls, so both executors run the same plan for the same
+  problem and give bit-identical results on the GPU (tested).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import core
+from .attention import attention
+from .device import current_stream
+from .norm import layer_norm
+from .ops import linear
+
+__all__ = ["NativeExecutor", "OpsExecutor"]
+
+
+class OpsExecutor:
+    """Runs each step through the public ops: references on CPU, custom ops under torch.compile."""
+
+    def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
+        return linear(x, w, b, activation, residual, alpha=alpha)
+
+    def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
+        return layer_norm(x, w, b, eps, residual=residual, alpha=alpha, x_bias=x_bias)
+
+    def layer_norm_sum(self, x, w, b, eps, residual, alpha, x_bias):
+        """(h, LN(h)) with h = alpha * (x + x_bias) + residual."""
+        h = torch.empty_like(x)
+        out = layer_norm(x, w, b, eps, residual=residual, alpha=alpha, x_bias=x_bias, sum_out=h)
+        return h, out
+
+    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
+        q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
+        return attention(q, k, v, attn_bias, key_padding_mask)
+
+
+class NativeExecutor:
+    """Calls the native core directly on dense rows: no per-call argument checks (done once per signature).
+
+    One executor serves every block of a stack's forward (same device, stream and dtype).
+    """
+
+    __slots__ = ("device", "stream", "workspace", "dtype")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device = device
+        self.stream = current_stream(device)
+        # Hold the tensor, not just its address: during CUDA-graph capture the
+        # workspace is a fresh allocation from the graph's pool, and if it were
+        # freed here the block's own GEMM outputs could be carved from the same
+        # memory while the library still uses it as scratch (seen: a hang in
+        # replay at bt4 shapes).  Freed when the forward returns, after every
+        # GEMM that uses it is queued: later reuse is stream-ordered.
+        self.workspace = core.workspace(device, self.stream)
+        self.dtype = dtype
+
+    def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
+        m, k = x.shape
+        n = w.shape[0]
+        out = torch.empty((m, n), dtype=self.dtype, device=self.device)
+        core.gemm(
+            a=x, lda=k, w=w, ldw=k, out=out, ldo=n, m=m, n=n, k=k, bias=b, residual=residual, ldr=n,
+            activation=activation, alpha=alpha, stream=self.stream, workspace=self.workspace,
+        )  # fmt: skip
+        return out
+
+    def _layer_norm(self, x, w, b, eps, residual, alpha, x_bias, sum_out):
+        rows, cols = x.shape
+        out = torch.empty((rows, cols), dtype=self.dtype, device=self.device)
+        core.layer_norm(
+            x=x, ldx=cols, rows=rows, cols=cols, out=out, ldo=cols, weight=w, bias=b, residual=residual, ldr=cols,
+            x_bias=x_bias, sum_out=sum_out, lds=cols, eps=eps, alpha=alpha, stream=self.stream,
+        )  # fmt: skip
+        return out
+
+    def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
+        return self._layer_norm(x, w, b, eps, residual, alpha, x_bias, None)
+
+    def layer_norm_sum(self, x, w, b, eps, residual, alpha, x_bias):
+        h = torch.empty_like(x)
+        return h, self._layer_norm(x, w, b, eps, residual, alpha, x_bias, h)
+
+    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
+        q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
+        out = plan.run(q, k, v, attn_bias, key_padding_mask)
+        # The next GEMM is told these are dense rows (lda = D): guarantee it
+        # whatever layout a backend returns (a no-op for every backend today).
+        return out if out.is_contiguous() else out.contiguous()

@@ -1,0 +1,158 @@
+"""CUDA graphs of a whole EncoderStack, one per batch-size bucket (``GraphRunner``).
+
+Inference engines with fixed batch sizes spend most of their time at small
+batches on kernel launches; a graph replays all of a stack's launches in one
+call.  ``EncoderStack.graph_runner(...)`` makes one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["GraphRunner"]
+
+
+class _Captured:
+    __slots__ = ("graph", "x", "bias", "mask", "out")
+
+    def __init__(self, graph, x, bias, mask, out):
+        self.graph, self.x, self.bias, self.mask, self.out = graph, x, bias, mask, out
+
+
+class GraphRunner:
+    """Replays one CUDA graph of the whole stack per batch-size bucket.
+
+    Inference engines with fixed batch sizes spend most of their time at small
+    batches on kernel launches; a graph replays all of a stack's launches in
+    one call.  A call with B sequences runs the graph of the smallest bucket
+    ``>= B``, with B copied into the bucket's static input (rows past B are
+    padding: sequences are independent, so they do not affect the real ones);
+    a batch larger than every bucket runs in chunks of the largest.  Graphs are
+    captured on first use of a bucket (``capture_all()`` does it up front) and
+    share one memory pool.
+
+    The result is a view into the bucket's static output, valid until the
+    next call (``.clone()`` it to keep it); a chunked call returns a new tensor.
+    ``attn_bias`` / ``key_padding_mask`` say whether calls pass them
+    (``[B or 1, H, S, S]`` and bool ``[B, S]``).  Input ``[B, S, D]`` in the
+    stack's dtype on its GPU (batch first).  Not thread-safe: one runner per thread.
+    """
+
+    def __init__(self, stack: nn.Module, seq_len: int, batch_sizes: Sequence[int], *, attn_bias: bool, key_padding_mask: bool):
+        # Any module with EncoderStack's interface runs (``blocks`` with d_model, n_heads and
+        # qkv_weight; ``batch_first``; ``forward(x, attn_bias, key_padding_mask)``): checking the
+        # interface instead of the class keeps this module free of an import of encoder.py.
+        blocks = getattr(stack, "blocks", None) if isinstance(stack, nn.Module) else None
+        if not blocks or not all(hasattr(blocks[0], a) for a in ("d_model", "n_heads", "qkv_weight")):
+            raise TypeError(f"stack must be an EncoderStack, got {type(stack).__name__}")
+        p = stack.blocks[0].qkv_weight
+        if p.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the stack on a GPU; its parameters are on {p.device}")
+        if not stack.batch_first:
+            raise ValueError("the graph runner takes batch-first input; build the stack with batch_first=True")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        sizes = sorted(set(batch_sizes))
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
+            raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
+        self.stack = stack
+        self.seq_len = seq_len
+        self.batch_sizes = tuple(sizes)
+        self.with_bias = bool(attn_bias)
+        self.with_mask = bool(key_padding_mask)
+        self.dtype, self.device = p.dtype, p.device
+        self._d = stack.blocks[0].d_model
+        self._h = stack.blocks[0].n_heads
+        self._graphs: dict[int, _Captured] = {}
+        self._pool = None
+        self.capture_seconds = 0.0
+
+    def capture_all(self) -> float:
+        """Capture every bucket's graph now (largest first); returns the seconds spent."""
+        start = time.perf_counter()
+        for b in reversed(self.batch_sizes):
+            if b not in self._graphs:
+                self._capture(b)
+        return time.perf_counter() - start
+
+    def _capture(self, bucket: int) -> _Captured:
+        start = time.perf_counter()
+        s, d, h = self.seq_len, self._d, self._h
+        kw = {"dtype": self.dtype, "device": self.device}
+        x = torch.zeros((bucket, s, d), **kw)
+        bias = torch.zeros((bucket, h, s, s), **kw) if self.with_bias else None
+        mask = torch.zeros((bucket, s), dtype=torch.bool, device=self.device) if self.with_mask else None
+        # Warm up on a side stream first: GEMM plans, the attention decision and
+        # lazily made constants must exist before capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.stack(x, bias, mask)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.stack(x, bias, mask)
+        captured = _Captured(graph, x, bias, mask, out)
+        self._graphs[bucket] = captured
+        self.capture_seconds += time.perf_counter() - start
+        return captured
+
+    def _check(self, x, attn_bias, key_padding_mask):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[1] != self.seq_len or x.shape[2] != self._d:
+            raise ValueError(f"x must have shape [B, {self.seq_len}, {self._d}], got {tuple(x.shape)}")
+        if x.dtype != self.dtype or x.device != self.device:
+            raise TypeError(f"x is {x.dtype} on {x.device}; the runner takes {self.dtype} on {self.device}")
+        if (attn_bias is not None) != self.with_bias:
+            raise ValueError(f"this runner was made with attn_bias={self.with_bias}; pass an attn_bias exactly then")
+        if (key_padding_mask is not None) != self.with_mask:
+            raise ValueError(
+                f"this runner was made with key_padding_mask={self.with_mask}; pass a key_padding_mask exactly then"
+            )
+        b, s, h = x.shape[0], self.seq_len, self._h
+        if attn_bias is not None:
+            if attn_bias.dim() != 4 or attn_bias.shape[0] not in (1, b) or tuple(attn_bias.shape[1:]) != (h, s, s):
+                raise ValueError(f"attn_bias must have shape ({b} or 1, {h}, {s}, {s}), got {tuple(attn_bias.shape)}")
+            if attn_bias.device != self.device:
+                raise ValueError(f"attn_bias is on {attn_bias.device}, the runner on {self.device}")
+        if key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (b, s) or key_padding_mask.dtype != torch.bool:
+                raise ValueError(f"key_padding_mask must be bool of shape ({b}, {s}), got "
+                                 f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")  # fmt: skip
+            if key_padding_mask.device != self.device:
+                raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, the runner on {self.device}")
+
+    def __call__(self, x, attn_bias=None, key_padding_mask=None):
+        self._check(x, attn_bias, key_padding_mask)
+        b = x.shape[0]
+        if b == 0:
+            return torch.empty_like(x)
+        largest = self.batch_sizes[-1]
+        if b > largest:
+            parts = []
+            for i in range(0, b, largest):
+                sl = slice(i, min(b, i + largest))
+                bias = None if attn_bias is None else (attn_bias if attn_bias.shape[0] == 1 else attn_bias[sl])
+                mask = None if key_padding_mask is None else key_padding_mask[sl]
+                parts.append(self._replay(x[sl], bias, mask).clone())
+            return torch.cat(parts)
+        return self._replay(x, attn_bias, key_padding_mask)
+
+    def _replay(self, x, attn_bias, key_padding_mask):
+        b = x.shape[0]
+        bucket = next(s for s in self.batch_sizes if s >= b)
+        g = self._graphs.get(bucket) or self._capture(bucket)
+        g.x[:b].copy_(x)
+        if attn_bias is not None:
+            g.bias[:b].copy_(attn_bias)
+        if key_padding_mask is not None:
+            g.mask[:b].copy_(key_padding_mask)
+        g.graph.replay()
+        return g.out[:b]

@@ -1,0 +1,71 @@
+"""What the installed core can do: ``capabilities()``; the plan-cache and fallback reports live in ``core``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import core, dtypes, gemm_routes
+from .activations import ACTIVATIONS
+from .core import clear_plan_cache, fallback_events, gemm_choices, plan_cache_info, set_plan_cache_limit
+
+__all__ = [
+    "capabilities",
+    "clear_plan_cache",
+    "fallback_events",
+    "gemm_choices",
+    "plan_cache_info",
+    "set_plan_cache_limit",
+]
+
+_DTYPES = tuple(dtypes.name(d) for d in dtypes.SUPPORTED)
+
+
+def capabilities() -> dict[str, Any]:
+    """Which fusions are native library epilogues and which are fallback kernels.
+
+    ``activations[dtype][activation]`` is a dict with ``fusion`` ("native": the
+    library epilogue applies bias and activation; "fallback": the BIAS epilogue
+    plus fusedenc's activation kernel; "reference": PyTorch ops), ``epilogue``
+    (the library epilogue used with a bias) and ``kernel`` (what runs after it).
+    The table describes the built core even when no GPU is present;
+    ``active`` says whether GPU tensors use it now (see ``backend()``).
+    A heuristic can still refuse a fused epilogue for one shape at run time:
+    ``fallback_events()`` lists those cases.  ``triton_gemm_routes`` lists the
+    problems where ``tune gemm`` measured the Triton kernel (activation on the
+    accumulator) faster than the library's epilogue plus the activation kernel.
+    """
+    b = core.backend()
+    info = core.library_info()
+    report: dict[str, Any] = {
+        "backend": b.name,
+        "reason": b.reason,
+        "active": b.name != "reference",
+        "vendor": info["vendor"] if info else None,
+        "library": b.library,
+        "dtypes": list(_DTYPES),
+        "activations": {},
+        "residual": {},
+        # Per device: the GEMM tuning file read at the core's first use and what became of it.
+        "gemm_tuning": core.gemm_tuning_report(),
+        # Problems a tuning file routes to the Triton FFN1 kernel (it measured faster there).
+        "triton_gemm_routes": [
+            dict(key._asdict(), config=config._asdict()) for key, config in sorted(gemm_routes.routes().items())
+        ],
+    }
+    epilogues = core.native_epilogues()
+    for dtype in _DTYPES:
+        per_act = {}
+        for act in ACTIVATIONS:
+            if epilogues is None:
+                per_act[act] = {"fusion": "reference", "epilogue": None, "kernel": "torch"}
+            elif epilogues[act]["bias"] is not None:
+                per_act[act] = {"fusion": "native", "epilogue": epilogues[act]["bias"], "kernel": None}
+            else:
+                per_act[act] = {"fusion": "fallback", "epilogue": "BIAS", "kernel": "bias_activation"}
+        report["activations"][dtype] = per_act
+        report["residual"][dtype] = (
+            {"fusion": "native", "epilogue": "BIAS with beta*C, C != D", "kernel": None}
+            if info
+            else {"fusion": "reference", "epilogue": None, "kernel": "torch"}
+        )
+    return report

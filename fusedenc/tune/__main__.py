@@ -1,0 +1,7 @@
+"""``python -m fusedenc.tune``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
