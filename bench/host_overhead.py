@@ -6,14 +6,16 @@ call is the host's cost of issuing it.  Reports microseconds per call for:
 
   fusedenc.linear          the public eager path (validation + native call)
   torch.ops.fusedenc.linear  the same through the torch dispatcher (custom op)
-  _C.gemm only             the raw binding with precomputed arguments
+  core.gemm                the seam every fusedenc GEMM goes through, without the op's checks
+                           (what EncoderBlock's native path pays per GEMM)
   F.linear                 torch's own bias GEMM (cuBLASLt), for scale
   F.linear + F.gelu        what the fused op replaces
 
 and for one whole encoder layer (B=1, S=8, D=64, F=128, post-LN):
 
   EncoderBlock             the eager GPU path (signature checked once, direct core calls)
-  EncoderBlock via ops     the same block through the public ops (per-op checks)
+  EncoderBlock via ops     the same block's seven steps through the public ops (per-op
+                           checks), as executors.OpsExecutor runs them
   nn.TransformerEncoderLayer  torch's layer in eval mode (its fused fast path)
 
 Usage: python bench/host_overhead.py [--calls N] [--json PATH]
@@ -31,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import fusedenc
-from fusedenc import _native
+from fusedenc import core
+from fusedenc.executors import OpsExecutor
 
 
 def per_call_us(fn, calls: int, repeats: int = 7) -> float:
@@ -48,12 +51,26 @@ def per_call_us(fn, calls: int, repeats: int = 7) -> float:
     return statistics.median(samples)
 
 
-def _through_ops(block, x):
-    """The block's data path through the public ops (what torch.compile and CPU tensors use)."""
-    from fusedenc import encoder
+def through_ops(block: fusedenc.EncoderBlock):
+    """A function running ``block`` (post-LN, no bias or mask) on ``[B, S, D]`` through the public
+    ops, step by step as the block does on CPU and under torch.compile (``OpsExecutor``); returns
+    the ``[B*S, D]`` rows."""
+    assert not block.norm_first and block.batch_first
+    ex, p = OpsExecutor(), dict(block.named_parameters())
+    alpha, eps, act, heads = block.residual_alpha, block.layer_norm_eps, block.activation, block.n_heads
 
-    rows, b, s = block._as_rows(x, None)
-    return block._run(encoder._OpsExecutor(), None, rows, b, s, None, None)
+    def run(x):
+        batch, seq, d = x.shape
+        x2 = x.contiguous().view(batch * seq, d)
+        qkv = ex.linear(x2, p["qkv_weight"], p["qkv_bias"])
+        a = ex.attention(None, qkv, batch, seq, heads, None, None)
+        y = ex.linear(a, p["out_weight"], p["out_bias"])
+        h = ex.layer_norm(y, p["norm1_weight"], p["norm1_bias"], eps, residual=x2, alpha=alpha)
+        f = ex.linear(h, p["ffn1_weight"], p["ffn1_bias"], act)
+        g = ex.linear(f, p["ffn2_weight"], p["ffn2_bias"])
+        return ex.layer_norm(g, p["norm2_weight"], p["norm2_bias"], eps, residual=h, alpha=alpha)
+
+    return run
 
 
 def main() -> None:
@@ -69,17 +86,15 @@ def main() -> None:
     w = torch.randn(64, 64, device=dev, dtype=torch.float16)
     b = torch.randn(64, device=dev, dtype=torch.float16)
     out = torch.empty(8, 64, device=dev, dtype=torch.float16)
-    module = _native.native_module()
     stream = torch.cuda.current_stream().cuda_stream
-    ws = _native.workspace(dev, stream)
-    raw = (0, stream, 8, 64, 64, x.data_ptr(), 64, w.data_ptr(), 64, b.data_ptr(), 0, 0,
-           out.data_ptr(), 64, 0, 2, 1.0, 0.0, ws.data_ptr(), ws.numel())  # fmt: skip
+    problem = dict(a=x, lda=64, w=w, ldw=64, out=out, ldo=64, m=8, n=64, k=64, bias=b, activation="gelu_tanh",
+                   stream=stream, workspace=core.workspace(dev, stream))  # fmt: skip
 
     cases = {
         "fusedenc.linear (gelu_tanh epilogue)": lambda: fusedenc.linear(x, w, b, "gelu_tanh"),
         "fusedenc.linear (out=, preallocated)": lambda: fusedenc.linear(x, w, b, "gelu_tanh", out=out),
         "torch.ops.fusedenc.linear (dispatcher)": lambda: torch.ops.fusedenc.linear(x, w, b, "gelu_tanh", None, 1.0, 1.0),
-        "_C.gemm only (precomputed args)": lambda: module.gemm(*raw),
+        "core.gemm (the seam, no checks)": lambda: core.gemm(**problem),
         "F.linear": lambda: F.linear(x, w, b),
         "F.linear + F.gelu(tanh)": lambda: F.gelu(F.linear(x, w, b), approximate="tanh"),
     }
@@ -88,7 +103,8 @@ def main() -> None:
                                              dtype=torch.float16).eval()  # fmt: skip
     xb = torch.randn(1, 8, 64, device=dev, dtype=torch.float16)
     cases["EncoderBlock (one layer)"] = lambda: block(xb)
-    cases["EncoderBlock via the public ops"] = lambda: _through_ops(block, xb)
+    block_via_ops = through_ops(block)
+    cases["EncoderBlock via the public ops"] = lambda: block_via_ops(xb)
     cases["nn.TransformerEncoderLayer (eval)"] = lambda: layer(xb)
     with torch.inference_mode():
         results = {name: per_call_us(fn, args.calls) for name, fn in cases.items()}

@@ -1,9 +1,9 @@
 """Fused residual + LayerNorm against copy bandwidth and against PyTorch's unfused ops.
 
-For each shape, times (CUDA graphs of back-to-back calls, so launch cost does
-not hide the kernel; device events; median of several replays; the calls
-cycle through enough copies of the buffers that the 50 MB L2 cannot serve a
-call from the previous one's data):
+For each shape, times (``fusedenc.tune.timing.time_graph``: CUDA graphs of
+back-to-back calls, so launch cost does not hide the kernel; device events;
+median of 20 replays; the calls cycle through enough copies of the buffers
+that the 50 MB L2 cannot serve a call from the previous one's data):
 
   copy               out.copy_(x): the bandwidth floor for 2 passes of T*D
   fused              fusedenc layer_norm(x, w, b, residual=r, alpha=a): reads 2, writes 1
@@ -21,39 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 import fusedenc
+from fusedenc import dtypes
 from fusedenc.norm import layer_norm
-
-
-def graph_time_us(fns, calls: int = 24, replays: int = 15) -> float:
-    """Median device time of one call, from graphs of `calls` back-to-back calls cycling through `fns`."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    for _ in range(3):
-        g.replay()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
+from fusedenc.tune.timing import MIN_REPS, time_graph
 
 
 def host_us(fn, calls: int = 2000) -> float:
@@ -71,11 +47,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default="16384x768,16384x1024,4096x4096,1024x16384,16384x64")
-    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--dtype", default="float16", choices=list(dtypes.BY_NAME))
     args = ap.parse_args()
     if not torch.cuda.is_available() or fusedenc.backend().name == "reference":
         raise SystemExit(f"needs a GPU with the native core: {fusedenc.backend()}")
-    dtype = getattr(torch, args.dtype)
+    dtype = dtypes.BY_NAME[args.dtype]
     dev = torch.device("cuda")
     rows = []
     for spec in args.shapes.split(","):
@@ -103,16 +79,15 @@ def main() -> None:
         }
         copy_gbs = None
         for name, (fn, nbytes) in cases.items():
-            us = graph_time_us([lambda k=k, fn=fn: fn(k) for k in sets])
+            us = time_graph(fn, sets, reps=MIN_REPS, device=dev).ms * 1e3
             gbs = nbytes / us / 1e3
             if name == "copy":
                 copy_gbs = gbs
             rows.append(dict(shape=spec, dtype=args.dtype, case=name, us=us, gbs=gbs, of_copy=gbs / copy_gbs))
-        k = sets[0]
         rows.append(dict(shape=spec, dtype=args.dtype, case="host cost, eager fused call",
-                         us=host_us(lambda: layer_norm(k["x"], w, b, residual=k["r"], alpha=a, out=k["out"])),
+                         us=host_us(lambda k=sets[0]: layer_norm(k["x"], w, b, residual=k["r"], alpha=a, out=k["out"])),
                          gbs=None, of_copy=None))  # fmt: skip
-        del sets, k
+        del sets
 
     name = torch.cuda.get_device_name()
     print(f"{name}, torch {torch.__version__}, {fusedenc.backend()}")

@@ -53,16 +53,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: import the sibling modules
 
-import _timing as T  # noqa: E402
-from presets import DTYPES, PRESETS, Run, select_runs, torch_activation  # noqa: E402
+import common  # noqa: E402
 
 import fusedenc  # noqa: E402
 from fusedenc import attention as fattn  # noqa: E402
-from fusedenc.activations import apply_activation  # noqa: E402
+from fusedenc import dtypes, gemm_routes  # noqa: E402
+from fusedenc.activations import apply_activation, canonical_activation, torch_function  # noqa: E402
 from fusedenc.norm import layer_norm  # noqa: E402
+from fusedenc.tune.presets import Run, select_runs  # noqa: E402
+from fusedenc.tune.timing import rotation_sets, time_graph  # noqa: E402
 
 OPS = ("qkv", "ffn1", "out_proj", "ffn2", "attention", "layernorm")
-ATOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}
 SCHEMA = "fusedenc.bench.ops/1"
 
 
@@ -87,12 +88,7 @@ class Op:
 
 def _routed_to_triton(device, m: int, n: int, k: int, dtype, activation: str) -> bool:
     """Whether a loaded GEMM tuning file sends fusedenc.linear at this problem to the Triton kernel."""
-    from fusedenc import _native, gemm_routes
-    from fusedenc.activations import canonical_activation
-
-    key = gemm_routes.RouteKey(
-        device.index or 0, m, n, k, _native.dtype_code(dtype), canonical_activation(activation), True
-    )
+    key = gemm_routes.RouteKey(device.index or 0, m, n, k, dtypes.code(dtype), canonical_activation(activation), True)
     return key in gemm_routes.routes()
 
 
@@ -116,7 +112,7 @@ def build_ops(run: Run, batch: int, device: torch.device, wanted: list[str]) -> 
     dt = run.dtype
     elt = torch.empty((), dtype=dt).element_size()
     alpha, eps = p.alpha, p.eps
-    act = torch_activation(p.activation)
+    act = torch_function(p.activation)
 
     def rnd(g, *shape, scale=1.0):
         return (torch.randn(shape, generator=g, device=device) * scale).to(dt)
@@ -231,7 +227,7 @@ def build_ops(run: Run, batch: int, device: torch.device, wanted: list[str]) -> 
 
         probe = torch.empty(batch, s, 3, h, dh, device=device, dtype=dt)
         q, k_, v = probe.unbind(2)
-        call = fattn._describe(q, k_, v, None, None)
+        call = fattn.describe_call(q, k_, v, None, None)
         default = fattn.explain(q, k_, v).backend
         cases = [Case("F.scaled_dot_product_attention (torch's choice)", torch_sdpa, baseline=True)]
         for bname, backend in fattn.BACKENDS.items():
@@ -280,12 +276,12 @@ def _max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return math.inf if math.isnan(e) else e
 
 
-def run_op(op: Op, run: Run, device: torch.device, args, ceilings: dict, progress: T.Progress) -> dict[str, Any]:
+def run_op(op: Op, run: Run, device: torch.device, args, ceilings: dict, progress: common.Progress) -> dict[str, Any]:
     rd = torch.float64 if run.dtype == torch.float32 else torch.float32
-    atol = ATOL[run.dtype]
+    atol = dtypes.ATOL[run.dtype]
     g = torch.Generator(device=device).manual_seed(args.seed)
     first = op.make_set(g)
-    n_sets = T.rotation_sets(_set_bytes(first), device)
+    n_sets = rotation_sets(_set_bytes(first), device)
     sets = [first] + [op.make_set(g) for _ in range(n_sets - 1)]
     ref = op.reference(first, rd)
     baseline = next(c for c in op.cases if c.baseline)
@@ -305,7 +301,7 @@ def run_op(op: Op, run: Run, device: torch.device, args, ceilings: dict, progres
                 progress.write(f"!! CHECK FAILED {run.name}: {op.name}: {case.name}: max|out-ref| = {err:.3g} > "
                                f"{bound:.3g}; NOT TIMED")  # fmt: skip
             else:
-                timing = T.time_graph(case.fn, sets, reps=args.reps, device=device)
+                timing = time_graph(case.fn, sets, reps=args.reps, device=device)
                 us = timing.ms * 1e3
                 row.update(us=us, method=timing.method, samples=len(timing.samples_ms))
                 if op.flops:
@@ -360,12 +356,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         prog="bench/ops.py", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    T.add_preset_arg(ap, PRESETS)
+    common.add_preset_arg(ap)
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per call; batch = tokens // seq_len (16384)")
-    ap.add_argument("--ops", type=T.comma_list, default=list(OPS), help=f"comma list of {', '.join(OPS)} (default all)")
-    T.add_common_args(ap, DTYPES, "timed replays")
+    ap.add_argument("--ops", type=common.comma_list, default=list(OPS),
+                    help=f"comma list of {', '.join(OPS)} (default all)")  # fmt: skip
+    common.add_common_args(ap, "timed replays")
     args = ap.parse_args(argv)
-    T.check_common_args(ap, args)
+    common.check_common_args(ap, args)
     if args.tokens <= 0:
         ap.error("--tokens must be positive")
     bad = [o for o in args.ops if o not in OPS]
@@ -376,7 +373,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    device, args.reps = T.start(args.device, args.reps)
+    device, args.reps = common.start(args.device, args.reps)
     on_gpu = device.type == "cuda"
     try:
         runs = select_runs(args.preset, args.dtype, on_gpu)
@@ -390,19 +387,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     if on_gpu and fusedenc.backend().name == "reference":
         notes.append(f"WARNING: no active native core ({fusedenc.backend()}): fusedenc cases time the reference")
 
-    env = T.environment(device)
+    env = common.environment(device)
     plans = []
     for run in runs:
         batch = max(1, args.tokens // run.seq_len)
         plans.append((run, batch, build_ops(run, batch, device, args.ops)))
     total = 2 + sum(len(op.cases) for _, _, ops in plans for op in ops)
-    progress = T.Progress(total, "ops", enabled=not args.no_progress, step_timeout=args.step_timeout)
+    progress = common.Progress(total, "ops", enabled=not args.no_progress, step_timeout=args.step_timeout)
     records = []
     with torch.inference_mode():
         progress.step("ceilings: GEMM rate")
-        ceilings = {"gemm": T.gemm_rate(device, runs[0].dtype, reps=args.reps)}
+        ceilings = {"gemm": common.gemm_rate(device, runs[0].dtype, reps=args.reps)}
         progress.step("ceilings: copy bandwidth")
-        ceilings["copy"] = T.copy_bandwidth(device, reps=args.reps)
+        ceilings["copy"] = common.copy_bandwidth(device, reps=args.reps)
         head = [
             f"fusedenc per-op benchmark on {env['device_name']} (driver {env.get('driver')}), torch {env['torch']}, "
             f"CUDA {env['cuda']}, HIP {env['hip']}, cuDNN {env['cudnn']}, {env['blaslt'] or 'no BLASLt'}; "
@@ -435,8 +432,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if summary:
         print("\n".join(summary))
 
-    base_path = T.result_base_path(args, runs, env, "ops")
-    T.write_json(base_path + ".json", {
+    base_path = common.result_base_path(args, runs, env, "ops")
+    common.write_json(base_path + ".json", {
         "schema": SCHEMA,
         "command": ["bench/ops.py"] + (argv if argv is not None else sys.argv[1:]),
         "env": env, "ceilings": ceilings, "notes": notes,

@@ -38,9 +38,14 @@ except ImportError:  # pragma: no cover - only without an install
     _build_info = None
 
 __all__ = [
+    "GEMM_TUNING_ENV",
+    "PLAN_CACHE_LIMIT_ENV",
+    "WORKSPACE_BYTES",
     "Backend",
     "FallbackWarning",
+    "active_on",
     "backend",
+    "clear_gemm_choices",
     "clear_plan_cache",
     "fallback_events",
     "force_epilogue_fallback",
@@ -52,6 +57,8 @@ __all__ = [
     "layer_norm",
     "library_info",
     "load_gemm_tuning",
+    "load_gemm_tuning_at_start",
+    "max_gemm_candidates",
     "native_epilogues",
     "native_module",
     "plan_cache_info",

@@ -1,6 +1,6 @@
 """Test helpers: random inputs, poisoned outputs and the tolerance rule.
 
-The rule (DESIGN.md, from flash-attention's tests): with ``ref`` computed in
+The rule (docs/ARCHITECTURE.md, from flash-attention's tests): with ``ref`` computed in
 higher precision (fp32 for fp16/bf16, fp64 for fp32) and ``same`` the plain
 PyTorch computation in the op's own dtype,
 
@@ -16,8 +16,7 @@ import math
 import torch
 
 from fusedenc.activations import apply_activation
-
-ATOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}
+from fusedenc.dtypes import ATOL  # noqa: F401 - the rule's atol, re-exported for the tests
 
 
 def ref_dtype(dtype: torch.dtype) -> torch.dtype:

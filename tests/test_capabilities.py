@@ -37,7 +37,7 @@ def test_capability_table_shape():
 
 
 def test_capabilities_of_the_built_core():
-    """What each vendor's library fuses natively (DESIGN.md), as the core reports it."""
+    """What each vendor's library fuses natively (docs/ARCHITECTURE.md), as the core reports it."""
     module = core.native_module()
     if module is None:
         caps = fusedenc.capabilities()

@@ -10,7 +10,7 @@ and computes every reference on the CPU, so that
 
     bash tools/sanitize.sh --tools racecheck tests/test_kernel_sweep_gpu.py
 
-covers our kernels in minutes.  It checks results (the DESIGN.md tolerance
+covers our kernels in minutes.  It checks results (the docs/ARCHITECTURE.md tolerance
 rule, poisoned outputs) but is no API test: the per-op test files cover the
 API, argument checks, NaN handling, graphs and compile.
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-import fusedenc.norm  # registers torch.ops.fusedenc.layer_norm / layer_norm_out
+import fusedenc.norm  # noqa: F401 - registers torch.ops.fusedenc.layer_norm / layer_norm_out
 from fusedenc.norm import layer_norm, reference_layer_norm
 from helpers import assert_close_rule, poisoned, randn, ref_dtype
 from layer_norm_helpers import assert_rounded_once, ln_formula, ln_same_dtype

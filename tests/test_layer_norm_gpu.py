@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-import fusedenc.norm  # registers torch.ops.fusedenc.layer_norm / layer_norm_out
+import fusedenc.norm  # noqa: F401 - registers torch.ops.fusedenc.layer_norm / layer_norm_out
 from fusedenc import core
 from fusedenc.norm import layer_norm
 from helpers import assert_close_rule, poisoned, randn, ref_dtype

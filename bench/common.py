@@ -1,6 +1,9 @@
-"""Timing, ceilings, environment and progress, shared by bench/nps.py and bench/ops.py.
+"""What bench/nps.py and bench/ops.py share besides timing: the command line, the device,
+the ceilings, the environment record, the output files and the progress display.
 
-Methodology (DESIGN.md's benchmark conventions):
+Timing itself (``time_calls``, ``time_graph``, ``capture_graph``, input rotation)
+is ``fusedenc.tune.timing``, the one copy ``python -m fusedenc.tune`` measures
+with too.  Methodology (DESIGN.md's benchmark conventions):
 
 - GPU work is timed with device events; CPU work (the CPU smoke run) with
   ``time.perf_counter``.  Every measurement is the median of at least
@@ -18,64 +21,43 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import dataclasses
 import datetime
 import json
 import os
 import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
+import fusedenc
+from fusedenc import core, dtypes, table_files
+from fusedenc.tune.presets import GPU_PRESETS, PRESETS
+from fusedenc.tune.timing import MIN_REPS, is_cuda, l2_bytes, time_graph
+
 __all__ = [
-    "MIN_REPS",
     "Progress",
-    "Timing",
-    "capture_graph",
+    "add_common_args",
+    "add_preset_arg",
+    "check_common_args",
     "comma_list",
     "copy_bandwidth",
     "environment",
     "gemm_rate",
-    "l2_bytes",
     "resolve_device",
-    "start",
-    "rotation_sets",
+    "result_base_path",
     "slug",
-    "sync",
-    "time_calls",
-    "time_graph",
+    "start",
     "write_json",
 ]
 
-MIN_REPS = 20
 
-
-@dataclasses.dataclass
-class Timing:
-    """Median milliseconds per call, and how it was measured."""
-
-    ms: float
-    samples_ms: list[float]
-    method: str  # "events" (eager calls, device events), "graph" (CUDA-graph replays), "wall" (CPU)
-    sets: int = 1  # input sets rotated through
-
-    def summary(self) -> dict[str, Any]:
-        s = sorted(self.samples_ms)
-        return {
-            "ms": self.ms,
-            "min_ms": s[0],
-            "max_ms": s[-1],
-            "reps": len(s),
-            "method": self.method,
-            "input_sets": self.sets,
-        }
+# ------------------------------------------------------------ command line ----
 
 
 def resolve_device(name: Optional[str]) -> torch.device:
@@ -95,15 +77,15 @@ def start(device_name: Optional[str], reps: Optional[int]) -> tuple[torch.device
     return device, reps or (30 if device.type == "cuda" else MIN_REPS)
 
 
-def add_preset_arg(ap: argparse.ArgumentParser, preset_names) -> None:
+def add_preset_arg(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--preset", action="append", default=None,
-                    help=f"repeatable or comma list of {', '.join(preset_names)} (or NAME-sLEN); "
-                         "default t82,bt4,bert-base with a GPU, tiny without")  # fmt: skip
+                    help=f"repeatable or comma list of {', '.join(PRESETS)} (or NAME-sLEN); "
+                         f"default {','.join(GPU_PRESETS)} with a GPU, tiny without")  # fmt: skip
 
 
-def add_common_args(ap: argparse.ArgumentParser, dtype_names, reps_help: str) -> None:
+def add_common_args(ap: argparse.ArgumentParser, reps_help: str) -> None:
     """The options nps.py and ops.py share besides ``--preset`` (see ``check_common_args``)."""
-    ap.add_argument("--dtype", choices=sorted(dtype_names), default=None,
+    ap.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), default=None,
                     help="override the presets' float16 (default float32 on CPU)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=None,
                     help=f"{reps_help}, median taken (>= {MIN_REPS}; default 30, {MIN_REPS} on CPU)")
@@ -140,146 +122,6 @@ def comma_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def is_cuda(device: torch.device) -> bool:
-    return torch.device(device).type == "cuda"
-
-
-def sync(device: torch.device) -> None:
-    if is_cuda(device):
-        torch.cuda.synchronize(device)
-
-
-# ------------------------------------------------------------ rotation ----
-
-
-def l2_bytes(device: torch.device) -> int:
-    """L2 size of the GPU (50 MB on an H100); a nominal 8 MiB on CPU."""
-    if not is_cuda(device):
-        return 8 << 20
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "L2_cache_size", 0) or (50 << 20))
-
-
-def rotation_sets(set_bytes: int, device: torch.device, *, factor: int = 4, max_sets: int = 16) -> int:
-    """How many input sets to rotate among so that together they span ``factor`` x L2.
-
-    Capped at ``max_sets``: the smallest inputs (one position is 100 KB) would
-    otherwise need thousands; what then stays cache-resident is a few hundred KB,
-    negligible beside the weights, which the timed calls read from memory anyway.
-    """
-    if set_bytes <= 0:
-        return 1
-    need = -(-factor * l2_bytes(device) // set_bytes)
-    return int(max(1, min(max_sets, need)))
-
-
-# ------------------------------------------------------------ timing ----
-
-
-def time_calls(
-    fn: Callable[[Any], Any],
-    inputs: Sequence[Any],
-    *,
-    reps: int,
-    warmup: int = 3,
-    device: torch.device,
-) -> Timing:
-    """Median time of one ``fn(inputs[i % n])`` call, eager (launches included).
-
-    On a GPU each call is bracketed by its own pair of events and calls are
-    issued back to back without synchronizing: when the host is ahead, the
-    interval is the device time of the call; when the host is the bottleneck
-    (small batches), the device waits for launches and the interval shows it.
-    That is the throughput a caller issuing calls in a loop sees.
-    """
-    reps = max(reps, MIN_REPS)
-    n = len(inputs)
-    for i in range(warmup):
-        fn(inputs[i % n])
-    sync(device)
-    if is_cuda(device):
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for i, (start, end) in enumerate(events):
-            start.record()
-            fn(inputs[i % n])
-            end.record()
-        torch.cuda.synchronize(device)
-        samples = [start.elapsed_time(end) for start, end in events]
-        method = "events"
-    else:
-        samples = []
-        for i in range(reps):
-            t0 = time.perf_counter()
-            fn(inputs[i % n])
-            samples.append((time.perf_counter() - t0) * 1e3)
-        method = "wall"
-    return Timing(statistics.median(samples), samples, method, n)
-
-
-def capture_graph(fn: Callable[[], Any], device: torch.device) -> "torch.cuda.CUDAGraph":
-    """Capture ``fn()`` into a CUDA graph (after one warm-up call on the capture stream)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()  # lazy initialisation (plans, workspaces, cuBLAS handles) must not happen during capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def time_graph(
-    fn: Callable[[Any], Any],
-    inputs: Sequence[Any],
-    *,
-    reps: int,
-    device: torch.device,
-    target_us: float = 200.0,
-    max_calls: int = 64,
-    warmup: int = 3,
-) -> Timing:
-    """Device time of one ``fn(input)`` call without launch overhead.
-
-    Captures a CUDA graph of back-to-back calls cycling through ``inputs``
-    (enough calls for about ``target_us`` per replay, at least one per input
-    set), and reports the median over ``reps`` event-timed replays divided by
-    the calls per replay.  Falls back to eager ``time_calls`` when capture
-    fails (method "events"), and on CPU (method "wall").
-    """
-    reps = max(reps, MIN_REPS)
-    if not is_cuda(device):
-        return time_calls(fn, inputs, reps=reps, warmup=warmup, device=device)
-    n = len(inputs)
-    for i in range(warmup):
-        fn(inputs[i % n])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(inputs[0])
-    end.record()
-    end.synchronize()
-    one_us = max(start.elapsed_time(end) * 1e3, 1.0)
-    calls = max(n, min(max_calls, round(target_us / one_us)))
-    calls = -(-calls // n) * n  # whole rotations: every input set used equally
-    try:
-        graph = capture_graph(lambda: [fn(inputs[i % n]) for i in range(calls)], device)
-    except Exception:  # noqa: BLE001 - some ops cannot be captured; time them eagerly instead
-        torch.cuda.synchronize(device)
-        return time_calls(fn, inputs, reps=reps, warmup=warmup, device=device)
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize(device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in events:
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize(device)
-    samples = [s.elapsed_time(e) / calls for s, e in events]
-    del graph
-    return Timing(statistics.median(samples), samples, "graph", n)
-
-
 # ------------------------------------------------------------ ceilings ----
 
 
@@ -299,7 +141,9 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, reps: int = MIN_REPS) ->
         a = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
         b = torch.randn(n, k, generator=gen).to(device=device, dtype=dtype).t()
         out = torch.empty(m, n, device=device, dtype=dtype)
-        t = time_graph(lambda _: torch.mm(a, b, out=out), [None], reps=reps, device=device, target_us=2000)
+        # The operands go in as the one input set, not captured by the lambda: deleted before the next shape.
+        operands = [(a, b, out)]
+        t = time_graph(lambda o: torch.mm(o[0], o[1], out=o[2]), operands, reps=reps, device=device, target_us=2000)
         tflops = 2 * m * n * k / (t.ms * 1e-3) / 1e12
         if best is None or tflops > best["tflops"]:
             best = {"tflops": tflops, "shape_mnk": [m, n, k], "ms": t.ms, "how": f"torch.mm, {t.method}"}
@@ -314,7 +158,7 @@ def copy_bandwidth(device: torch.device, reps: int = MIN_REPS) -> dict[str, Any]
     nbytes = (512 << 20) if is_cuda(device) else (64 << 20)
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t = time_graph(lambda _: dst.copy_(src), [None], reps=reps, device=device, target_us=2000)
+    t = time_graph(lambda sd: sd[1].copy_(sd[0]), [(src, dst)], reps=reps, device=device, target_us=2000)
     gbs = 2 * nbytes / (t.ms * 1e-3) / 1e9
     del src, dst
     return {"gbs": gbs, "bytes_copied": nbytes, "ms": t.ms, "how": f"Tensor.copy_, {t.method}"}
@@ -377,20 +221,16 @@ def _git_commit() -> Optional[str]:
 
 def _tuning_files() -> dict[str, Any]:
     """Which user tuning tables (attention, GEMM) the run could load: they change the results."""
-    from fusedenc import _native
-
-    where = _native.config_dir()
+    where = table_files.config_dir()
     try:
         names = sorted(n for n in os.listdir(where) if n.endswith(".json"))
     except OSError:
         names = []
-    return {"config_dir": where, "files": names, "gemm_tuning_env": os.environ.get(_native.GEMM_TUNING_ENV)}
+    return {"config_dir": where, "files": names, "gemm_tuning_env": os.environ.get(core.GEMM_TUNING_ENV)}
 
 
 def environment(device: torch.device) -> dict[str, Any]:
     """Device, driver and library versions, for the JSON (and the table's header)."""
-    import fusedenc
-
     b = fusedenc.backend()
     env: dict[str, Any] = {
         "device": str(device),
