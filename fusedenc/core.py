@@ -78,6 +78,9 @@ PLAN_CACHE_LIMIT_ENV = "FUSEDENC_PLAN_CACHE_LIMIT"
 GEMM_TUNING_ENV = "FUSEDENC_GEMM_TUNING"
 
 _ACTIVATION_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
+_DTYPE_CODES = {dtype: dtypes.code(dtype) for dtype in dtypes.SUPPORTED}
+#: The loaded core once ``_load`` succeeded: the launches read it without a call.
+_module: Optional[ModuleType] = None
 
 
 class FallbackWarning(RuntimeWarning):
@@ -139,6 +142,8 @@ def _load() -> tuple[ModuleType | None, str]:
     if limit is not None:
         _C.set_plan_cache_limit(limit)
     load_gemm_tuning_at_start(_C)
+    global _module
+    _module = _C
     return _C, ""
 
 
@@ -252,15 +257,12 @@ def workspace(device: torch.device, stream: int) -> torch.Tensor:
 # alignment, and take a canonical activation name.
 
 
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
 def _gemm_args(a, lda, w, ldw, out, ldo, m, n, k, bias, residual, ldr, activation, alpha, beta, stream, workspace):
     """The positional arguments of ``_C.gemm`` (and its tuning variants), spelled once."""
     return (
-        a.device.index, stream, m, n, k, a.data_ptr(), lda, w.data_ptr(), ldw, _ptr(bias), _ptr(residual), ldr,
-        out.data_ptr(), ldo, dtypes.code(a.dtype), _ACTIVATION_IDS[activation], alpha, beta,
+        a.device.index, stream, m, n, k, a.data_ptr(), lda, w.data_ptr(), ldw,
+        0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(), ldr,
+        out.data_ptr(), ldo, _DTYPE_CODES[a.dtype], _ACTIVATION_IDS[activation], alpha, beta,
         workspace.data_ptr(), workspace.numel(),
     )  # fmt: skip
 
@@ -293,18 +295,17 @@ def gemm(
     tuning file routed to the Triton FFN1 kernel runs that kernel; every other
     problem runs one BLASLt call.  A fused epilogue the library refuses falls
     back to BIAS + fusedenc's activation kernel with one ``FallbackWarning``
-    per new plan.
+    per new plan.  The hot path of every GEMM: kept to a few attribute reads.
     """
-    if residual is None and alpha == 1.0 and lda == k and ldw == k and ldo == n:
-        route = gemm_routes.lookup(a, a.device.index, m, n, k, dtypes.code(a.dtype), activation, bias is not None)
+    if residual is None and alpha == 1.0 and lda == k and ldw == k and ldo == n and gemm_routes.installed():
+        route = gemm_routes.lookup(a, a.device.index, m, n, k, _DTYPE_CODES[a.dtype], activation, bias is not None)
         if route is not None:  # measured faster than the library here (tune gemm)
             from . import triton_gemm  # imports Triton: only once a route exists
 
             triton_gemm.launch(a, w, bias, out, activation, route)
             return
-    module = native_module()
-    args = _gemm_args(a, lda, w, ldw, out, ldo, m, n, k, bias, residual, ldr, activation, alpha, beta, stream, workspace)
-    if module.gemm(*args):
+    module = _module or native_module()
+    if module.gemm(*_gemm_args(a, lda, w, ldw, out, ldo, m, n, k, bias, residual, ldr, activation, alpha, beta, stream, workspace)):
         _warn_fallback(module)
 
 
@@ -344,6 +345,10 @@ def max_gemm_candidates() -> int:
     return native_module().MAX_GEMM_CANDIDATES
 
 
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def layer_norm(
     *,
     x: torch.Tensor,
@@ -365,9 +370,9 @@ def layer_norm(
 ) -> None:
     """``out = LayerNorm(alpha * (x + x_bias) + residual) * weight + bias`` over ``rows`` rows of
     ``cols``; ``sum_out`` (optional) gets the pre-norm sum.  One kernel on ``stream``."""
-    native_module().layer_norm(
+    (_module or native_module()).layer_norm(
         x.device.index, stream, rows, cols, x.data_ptr(), ldx, _ptr(residual), ldr, _ptr(x_bias),
-        _ptr(weight), _ptr(bias), out.data_ptr(), ldo, _ptr(sum_out), lds, dtypes.code(x.dtype), eps, alpha,
+        _ptr(weight), _ptr(bias), out.data_ptr(), ldo, _ptr(sum_out), lds, _DTYPE_CODES[x.dtype], eps, alpha,
     )  # fmt: skip
 
 

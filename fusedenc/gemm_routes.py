@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["GemmConfig", "RouteKey", "install", "lookup", "routes", "triton_available"]
+__all__ = ["GemmConfig", "RouteKey", "install", "installed", "lookup", "routes", "triton_available"]
 
 
 class GemmConfig(NamedTuple):
@@ -65,6 +65,11 @@ def install(new: dict[RouteKey, GemmConfig]) -> None:
     _ROUTES.update(new)
 
 
+def installed() -> bool:
+    """Whether any route is installed (the common case, none, costs one check per GEMM)."""
+    return bool(_ROUTES)
+
+
 def routes() -> dict[RouteKey, GemmConfig]:
     """A copy of the installed routes."""
     return dict(_ROUTES)
@@ -76,8 +81,8 @@ def lookup(
     """The route of a dense, residual-free, alpha = 1 problem, or None (``x`` for its alignment)."""
     if not _ROUTES:
         return None
-    config = _ROUTES.get(RouteKey(device, m, n, k, dtype, activation, has_bias))
+    # A plain tuple hashes and compares like the RouteKey it stands for, and costs less to build.
+    config = _ROUTES.get((device, m, n, k, dtype, activation, has_bias))
     if config is None or x.data_ptr() % 16:
         return None
     return config
-

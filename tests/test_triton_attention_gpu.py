@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fusedenc.attention as A
+import fusedenc.attention.tables as attention_tables
 from fusedenc import table_files
 from fusedenc.attention import attention, explain
 from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs, replays_match_eager
@@ -192,7 +193,7 @@ def test_chosen_only_by_a_table_rule_or_when_forced(gen, monkeypatch, tmp_path):
         assert NAME in rule["backends"], str(ex)
 
     monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))  # no user table
-    monkeypatch.setattr(A, "_load_shipped", lambda arch: None)  # and no shipped one
+    monkeypatch.setattr(attention_tables, "load_shipped", lambda arch: None)  # and no shipped one
     A.clear_cache()
     assert explain(q, k, v, bias, mask).backend != NAME
 

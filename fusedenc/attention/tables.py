@@ -30,6 +30,8 @@ __all__ = [
     "Table",
     "TableError",
     "clear_tables",
+    "load_shipped",
+    "load_user",
     "parse_table",
     "tables_for",
     "user_table_path",
@@ -125,7 +127,8 @@ def _warn_ignored(path: str, why: str) -> None:
     )  # fmt: skip
 
 
-def _load_shipped(arch: str) -> Optional[Table]:
+def load_shipped(arch: str) -> Optional[Table]:
+    """The shipped table of ``arch`` (``configs/attention_<arch>.json``, else the default one)."""
     root = importlib.resources.files("fusedenc.configs")
     for name in (f"attention_{arch}.json", "attention_default.json"):
         res = root / name
@@ -136,7 +139,9 @@ def _load_shipped(arch: str) -> Optional[Table]:
     return None
 
 
-def _load_user(arch: str, device: torch.device) -> Optional[Table]:
+def load_user(arch: str, device: torch.device) -> Optional[Table]:
+    """The user table of ``arch`` when it exists, parses and was measured on this setup; else None
+    (with one ``AttentionTableWarning`` per file and process, unless it is simply absent)."""
     path = _user_table_file(arch)
     try:
         with open(path, encoding="utf-8") as f:
@@ -171,7 +176,7 @@ def tables_for(call: AttentionCall) -> tuple[Optional[Table], Optional[Table]]:
             found = _tables.get(key)
             if found is None:
                 dev = torch.device(call.device_type, call.device_index)
-                found = (_load_user(call.arch, dev), _load_shipped(call.arch))
+                found = (load_user(call.arch, dev), load_shipped(call.arch))
                 _tables[key] = found
     return found
 

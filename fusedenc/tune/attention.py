@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     if args.quick:
-        dtypes = args.dtype or ["float16"]
+        dtype_names = args.dtype or ["float16"]
         head_dims = args.head_dims or [64]
         seq_lens = args.seq_lens or [64, 128, 256]
         # 4096 too: at inference batch sizes the winner changes (on an H100 the
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         batch_heads = args.batch_heads or [256, 4096]
         variants = args.variants or ["none", "bias+mask"]
     else:
-        dtypes = args.dtype or ["float16", "bfloat16"]
+        dtype_names = args.dtype or ["float16", "bfloat16"]
         head_dims = args.head_dims or [32, 64, 128]
         seq_lens = args.seq_lens or [64, 128, 256, 512, 1024, 2048]
         batch_heads = args.batch_heads or [64, 512, 4096]
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(0)
     measurements = []
     rules: dict[tuple, dict] = {}
-    for dtype_name in dtypes:
+    for dtype_name in dtype_names:
         dtype = dtypes.BY_NAME[dtype_name]
         for d in head_dims:
             for bh in batch_heads:
