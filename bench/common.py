@@ -3,7 +3,7 @@ the ceilings, the environment record, the output files and the progress display.
 
 Timing itself (``time_calls``, ``time_graph``, ``capture_graph``, input rotation)
 is ``fusedenc.tune.timing``, the one copy ``python -m fusedenc.tune`` measures
-with too.  Methodology (DESIGN.md's benchmark conventions):
+with too.  Methodology (docs/ARCHITECTURE.md, "Benchmarks"):
 
 - GPU work is timed with device events; CPU work (the CPU smoke run) with
   ``time.perf_counter``.  Every measurement is the median of at least

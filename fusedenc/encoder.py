@@ -38,9 +38,10 @@ from . import activations, core
 from .attention import plan_for
 from .checks import ALIGN_BYTES, LAYER_NORM_MAX_DIM
 from .executors import NativeExecutor, OpsExecutor
+from .graphs import GraphRunner
 from .norm import layer_norm
 
-__all__ = ["EncoderBlock", "EncoderStack"]
+__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]  # GraphRunner lives in graphs.py
 
 _QKV_KEYS = ("q_weight", "k_weight", "v_weight")
 _QKV_BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
@@ -498,8 +499,6 @@ class EncoderStack(nn.Module):
         *,
         attn_bias: bool = False,
         key_padding_mask: bool = False,
-    ):
+    ) -> GraphRunner:
         """A CUDA-graph runner over this stack for inputs ``[B, seq_len, D]`` (``fusedenc.GraphRunner``)."""
-        from .graphs import GraphRunner  # graphs.py runs any stack-like module; it does not import this one
-
         return GraphRunner(self, seq_len, batch_sizes, attn_bias=attn_bias, key_padding_mask=key_padding_mask)

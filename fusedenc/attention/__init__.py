@@ -78,6 +78,8 @@ plan of a call signature), ``op`` (the public functions and the custom op),
 Inference only: no autograd.
 """
 
+from ..device import device_arch, device_metadata  # re-exported: public here before device.py existed
+from ..table_files import CONFIG_DIR_ENV  # re-exported likewise
 from .backends import BACKENDS, FALLBACK_ORDER, AttentionBackend
 from .call import (
     BATCH_HEADS_BUCKETS,
@@ -97,6 +99,7 @@ __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
     "BATCH_HEADS_BUCKETS",
+    "CONFIG_DIR_ENV",
     "EXTRAS",
     "FALLBACK_ORDER",
     "METADATA_KEYS",
@@ -112,6 +115,8 @@ __all__ = [
     "cache_info",
     "clear_cache",
     "describe_call",
+    "device_arch",
+    "device_metadata",
     "explain",
     "parse_table",
     "plan_for",
