@@ -217,7 +217,7 @@ def _measure_case(names, b, s, h, d, dtype, variant, device, gen, args) -> dict:
                 row["results"][n] = {"status": "WRONG", "err": err, "bound": bound}
                 continue
             tensors = (q, k, v, bias, mask)
-            us, method = _time_us(lambda: A.attention(*tensors, backend=n), args.reps, args.warmup, device)
+            us, method = _time_us(lambda t=tensors, n=n: A.attention(*t, backend=n), args.reps, args.warmup, device)
             row["results"][n] = {"us": us, "method": method, "err": err, "bound": bound}
         except Exception as exc:  # noqa: BLE001 - a failing backend loses, it does not stop the run
             row["results"][n] = {"status": "ERROR", "reason": f"{type(exc).__name__}: {exc}"[:300]}
