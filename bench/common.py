@@ -83,6 +83,12 @@ def add_preset_arg(ap: argparse.ArgumentParser) -> None:
                          f"default {','.join(GPU_PRESETS)} with a GPU, tiny without")  # fmt: skip
 
 
+#: Local results go under the current directory (ignored by git in a checkout), never into
+#: bench/results/, which holds the committed results of the reference GPU.
+DEFAULT_RESULTS_DIR = "fusedenc-results"
+RESULTS_DIR_ENV = "FUSEDENC_RESULTS_DIR"
+
+
 def add_common_args(ap: argparse.ArgumentParser, reps_help: str) -> None:
     """The options nps.py and ops.py share besides ``--preset`` (see ``check_common_args``)."""
     ap.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), default=None,
@@ -90,7 +96,10 @@ def add_common_args(ap: argparse.ArgumentParser, reps_help: str) -> None:
     ap.add_argument("--reps", type=int, default=None,
                     help=f"{reps_help}, median taken (>= {MIN_REPS}; default 30, {MIN_REPS} on CPU)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out-dir", default=os.environ.get(RESULTS_DIR_ENV) or DEFAULT_RESULTS_DIR,
+                    help=f"where the JSON, table and plot go (default ${RESULTS_DIR_ENV}, else ./{DEFAULT_RESULTS_DIR} "
+                         "under the current directory; the committed results in bench/results/ are written "
+                         "only when named here)")  # fmt: skip
     ap.add_argument("--tag", default=None, help="output file name part (default: presets, dtype and device)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
@@ -267,6 +276,18 @@ def environment(device: torch.device) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - not installed, or broken: just not reported
         env["triton"] = None
     return env
+
+
+def describe_environment(env: dict[str, Any]) -> str:
+    """The first line of a result table and the plot's title: the device and the versions that
+    are present (a CPU run has no driver, CUDA or BLASLt to name)."""
+    device = env["device_name"] + (f" (driver {env['driver']})" if env.get("driver") else "")
+    parts = [device, f"torch {env['torch']}"]
+    for key, label in (("cuda", "CUDA"), ("hip", "HIP"), ("cudnn", "cuDNN"), ("triton", "Triton")):
+        if env.get(key):
+            parts.append(f"{label} {env[key]}")
+    parts.append(env["blaslt"] or "no BLASLt")
+    return ", ".join(parts)
 
 
 # ------------------------------------------------------------ output ----

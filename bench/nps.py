@@ -363,8 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         progress.step("ceilings: GEMM rate")
         ceilings = {"gemm": common.gemm_rate(device, runs[0].dtype)}
         head = [
-            f"fusedenc nps benchmark on {env['device_name']} (driver {env.get('driver')}), torch {env['torch']}, "
-            f"CUDA {env['cuda']}, HIP {env['hip']}, cuDNN {env['cudnn']}, {env['blaslt'] or 'no BLASLt'}; "
+            f"fusedenc nps benchmark on {common.describe_environment(env)}; "
             f"fusedenc backend: {env['fusedenc_backend']}",
             f"GEMM rate (roofline ceiling): {ceilings['gemm']['tflops']:.4g} TFLOP/s "
             f"({ceilings['gemm']['dtype']}, {ceilings['gemm']['how']}, m,n,k={ceilings['gemm']['shape_mnk']}); "

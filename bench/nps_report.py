@@ -134,8 +134,7 @@ def plot(records: list[dict[str, Any]], runs: list[Run], path: str, env: dict[st
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
-    fig.suptitle(f"fusedenc nps benchmark: {env.get('device_name')}, torch {env.get('torch')}, {env.get('blaslt')}",
-                 fontsize=10)  # fmt: skip
+    fig.suptitle(f"fusedenc nps benchmark: {common.describe_environment(env)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

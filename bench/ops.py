@@ -401,8 +401,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         progress.step("ceilings: copy bandwidth")
         ceilings["copy"] = common.copy_bandwidth(device, reps=args.reps)
         head = [
-            f"fusedenc per-op benchmark on {env['device_name']} (driver {env.get('driver')}), torch {env['torch']}, "
-            f"CUDA {env['cuda']}, HIP {env['hip']}, cuDNN {env['cudnn']}, {env['blaslt'] or 'no BLASLt'}; "
+            f"fusedenc per-op benchmark on {common.describe_environment(env)}; "
             f"fusedenc backend: {env['fusedenc_backend']}",
             f"ceilings: GEMM {ceilings['gemm']['tflops']:.4g} TFLOP/s ({ceilings['gemm']['dtype']}, "
             f"m,n,k={ceilings['gemm']['shape_mnk']}), copy {ceilings['copy']['gbs']:.0f} GB/s (read + write); "

@@ -456,6 +456,14 @@ def patch_hf(model: nn.Module, *, inplace: bool = True) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    # What the model is comes before what state it is in: a module with no encoder is
+    # told so, whatever its mode.
+    encoders = _find_encoders(model)
+    if not encoders:
+        raise TypeError(
+            f"found no BERT-style encoder in {type(model).__name__}: expected a module named *Encoder "
+            f"with a `layer` ModuleList of *Layer modules (as BertModel.encoder)"
+        )
     if model.training:
         raise ValueError(
             "model is in training mode: patched layers are inference-only (no dropout, no autograd); "
@@ -463,12 +471,7 @@ def patch_hf(model: nn.Module, *, inplace: bool = True) -> nn.Module:
         )
     if not inplace:
         model = copy.deepcopy(model)
-    encoders = _find_encoders(model)
-    if not encoders:
-        raise TypeError(
-            f"found no BERT-style encoder in {type(model).__name__}: expected a module named *Encoder "
-            f"with a `layer` ModuleList of *Layer modules (as BertModel.encoder)"
-        )
+        encoders = _find_encoders(model)
 
     # Check everything first: a refusal must leave the model as it was.
     plans = []

@@ -37,7 +37,26 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(
             f"FUSEDENC_REQUIRE_GPU=1, but the {len(gpu_items)} selected GPU tests cannot run: {reason}")
     for item in gpu_items:
-        item.add_marker(pytest.mark.skip(reason=f"needs a GPU: {reason}"))
+        item.add_marker(pytest.mark.skip(reason=f"{_GPU_SKIP}: {reason}"))
+
+
+_GPU_SKIP = "needs a GPU"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_terminal_summary(terminalreporter):
+    """One line for the GPU tests skipped on a machine without one, instead of one ``-ra`` line
+    per test location: they move to their own count ("N skipped (no GPU)") and out of the list."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    gpu = [r for r in skipped if isinstance(r.longrepr, tuple) and str(r.longrepr[2]).startswith(f"Skipped: {_GPU_SKIP}")]
+    if not gpu:
+        return
+    terminalreporter.stats["skipped"] = [r for r in skipped if r not in gpu]
+    terminalreporter.stats["skipped (no GPU)"] = gpu
+    reason = str(gpu[0].longrepr[2]).split(": ", 2)[-1]
+    terminalreporter.write_line(
+        f"{len(gpu)} GPU tests skipped: {reason} (FUSEDENC_REQUIRE_GPU=1 makes that an error)"
+    )
 
 
 @pytest.fixture(autouse=True)

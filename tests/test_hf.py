@@ -294,6 +294,8 @@ def test_other_refusals(gen):
     _assert_unchanged(model, snap)
     with pytest.raises(TypeError, match="no BERT-style encoder"):
         patch_hf(torch.nn.Sequential(torch.nn.Linear(4, 4)).eval())
+    with pytest.raises(TypeError, match="no BERT-style encoder"):  # what it is, before its mode
+        patch_hf(torch.nn.Linear(3, 3))
     with pytest.raises(TypeError, match="nn.Module"):
         patch_hf("bert")
 

@@ -1,0 +1,40 @@
+"""``python -m fusedenc``: what this installation runs on, in a few lines.
+
+The README's set-up ends with it, so a build without the native core says why
+(and what to install) at set-up time, not at the first slow run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from . import __version__, core
+
+
+def report() -> list[str]:
+    """The lines ``python -m fusedenc`` prints."""
+    b = core.backend()
+    info = core.library_info()
+    built = f"{info['vendor']} core with {info['library']}" if info else "no native core"
+    lines = [f"fusedenc {__version__}: {built}; torch {torch.__version__}"]
+    if b.build:
+        lines.append(f"  build: {b.build}")
+    if b.name != "reference":
+        lines.append(f"  active: GPU tensors run the native core ({b.reason})")
+    else:
+        lines.append(f"  not active: {b.reason}; every op runs its PyTorch reference")
+        if info is None:
+            lines.append("  to build it: install a CUDA build of torch (it brings cuBLASLt) or nvidia-cublas, "
+                         "with nvcc on the PATH (ROCm: its clang and hipBLASLt), then run the set-up again")
+    return lines
+
+
+def main() -> int:
+    print("\n".join(report()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
