@@ -90,3 +90,21 @@ def test_fallback_events_and_plan_cache_without_gpu():
     assert isinstance(fusedenc.fallback_events(), list)
     info = fusedenc.plan_cache_info()
     assert set(info) == {"size", "limit", "hits", "misses", "evictions"}
+
+
+def test_python_m_fusedenc_says_what_was_built_and_whether_it_runs():
+    """The README's set-up ends with `python3 -m fusedenc`: it must name the build and say why
+    the core is not active where it is not (here: no GPU, or no core)."""
+    proc = subprocess.run([sys.executable, "-m", "fusedenc"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"fusedenc {fusedenc.__version__}: ") and f"torch {torch.__version__}" in lines[0]
+    b = fusedenc.backend()
+    if b.name == "reference":
+        assert any(line.startswith("  not active: ") and b.reason in line for line in lines), proc.stdout
+    else:
+        assert any(line.startswith("  active: ") for line in lines), proc.stdout
+    if core.native_module() is None:
+        assert "no native core" in lines[0] and any("to build it:" in line for line in lines), proc.stdout
+    else:
+        assert core.library_info()["library"] in lines[0], proc.stdout
