@@ -1,0 +1,1 @@
+"""Running Leela Chess Zero (lc0) networks with fusedenc."""
