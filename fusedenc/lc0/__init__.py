@@ -1,1 +1,48 @@
-"""Running Leela Chess Zero (lc0) networks with fusedenc."""
+"""Running Leela Chess Zero (lc0) networks with fusedenc.
+
+The file layer: ``read_net`` reads an lc0 network file (a gzip'd ``pblczero.Net``
+protobuf, ``.pb.gz``) with fusedenc's own wire-format reader, checks it and decodes
+every weight to float32; ``check_supported`` says whether fusedenc can run it.
+
+* ``protobuf`` - the protobuf wire format (decode / encode against a schema);
+* ``schema``   - lc0's messages, field numbers and enums, as one table;
+* ``weights``  - weight layers (LINEAR16, FLOAT16, BFLOAT16, FLOAT32) to tensors and back;
+* ``netfile``  - ``read_net``, ``NetFile``, ``check_supported``, ``expected_shapes``;
+* ``moves``    - the 1858-move policy order and the attention-policy gather, from lc0's rules;
+* ``reference`` - ``reference_forward``: the whole net (planes in, heads out) in plain
+  PyTorch from the semantics of lc0's ONNX converter, the oracle of the fast path.
+
+The fast network (``load_network`` -> ``Lc0Network`` on an ``EncoderStack``) is issue 19's
+next step.
+"""
+
+from .errors import Lc0FileError, Lc0FormatError
+from .netfile import NetFile, check_supported, expected_shapes, read_net
+from .schema import (
+    ActivationFunction,
+    DefaultActivation,
+    InputEmbeddingFormat,
+    LayerEncoding,
+    NetworkStructure,
+    PolicyFormat,
+    ValueFormat,
+)
+from .weights import decode_layer, expect_shape
+
+__all__ = [
+    "ActivationFunction",
+    "DefaultActivation",
+    "InputEmbeddingFormat",
+    "LayerEncoding",
+    "Lc0FileError",
+    "Lc0FormatError",
+    "NetFile",
+    "NetworkStructure",
+    "PolicyFormat",
+    "ValueFormat",
+    "check_supported",
+    "decode_layer",
+    "expect_shape",
+    "expected_shapes",
+    "read_net",
+]

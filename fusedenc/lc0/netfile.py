@@ -1,0 +1,760 @@
+"""Reading an Lc0 network file: ``read_net`` -> ``NetFile``, and ``check_supported``.
+
+``read_net`` gunzips, decodes the ``pblczero.Net`` message (``protobuf`` + ``schema``),
+checks the magic and decodes every weight layer once (``weights``).  It then reads the
+net's format the way lc0's loader does, including its upgrades of older files (a
+``NETWORK_SE_WITH_HEADFORMAT`` file with encoder layers is an attention body; 134 is
+read as 7; an attention body with ``policy_heads`` and ``value_heads`` is the
+multi-head format with PE_DENSE embedding; one without an embedding field is PE_MAP).
+``NetFile.format_notes`` lists every upgrade applied.
+
+``check_supported`` says whether fusedenc can run the net: an attention body (formats
+6, 7, 134) with PE_DENSE embedding, no relative position encodings, and every weight
+the body and heads need, at the size the rest of the file implies.  It raises
+``Lc0FormatError`` listing every problem.
+
+Weight paths are spelled from the ``Weights`` message down, as in error messages:
+``weights.encoder[3].mha.q_w``, ``weights.policy_heads.vanilla.ip2_pol_w``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from ..activations import LC0_ACTIVATIONS
+from .errors import Lc0FileError, Lc0FormatError
+from .protobuf import UNKNOWN_FIELDS, decode
+from .schema import (
+    ATTENTION_BODIES,
+    DEFAULT_ACTIVATION_FUNCTION,
+    LC0_MAGIC,
+    SCHEMA,
+    ActivationFunction,
+    DefaultActivation,
+    InputEmbeddingFormat,
+    InputFormat,
+    MovesLeftFormat,
+    NetworkStructure,
+    OutputFormat,
+    PolicyFormat,
+    ValueFormat,
+)
+from .weights import decode_weight_tree
+
+__all__ = [
+    "NetFile",
+    "check_supported",
+    "enum_name",
+    "expected_shapes",
+    "lookup",
+    "read_net",
+]
+
+GZIP_MAGIC = b"\x1f\x8b"
+#: An uncompressed Net begins with field 1 (key 0x0d: fixed32) holding the magic; lc0's
+#: reader goes through zlib, which passes such a file through, so lc0 reads these too.
+RAW_NET_PREFIX = b"\x0d" + LC0_MAGIC.to_bytes(4, "little")
+
+#: NetworkFormat field -> its enum, from the schema.
+FORMAT_ENUMS: dict[str, type] = {f.name: f.enum for f in SCHEMA["NetworkFormat"].values()}
+
+#: Policy heads of the multi-head format: lc0's name -> the PolicyHeads field holding it.
+MULTIHEAD_POLICY_HEADS = {"vanilla": "vanilla", "optimistic": "optimistic_st", "soft": "soft", "opponent": "opponent"}
+#: Value heads of the multi-head format (name = field).
+MULTIHEAD_VALUE_HEADS = ("winner", "q", "st")
+POLICY_HEAD_FIELDS = tuple(f.name for f in SCHEMA["Weights.PolicyHead"].values())
+VALUE_HEAD_FIELDS = tuple(f.name for f in SCHEMA["Weights.ValueHead"].values())
+#: The single-head format's value fields in Weights (no err/cat layers there).
+LEGACY_VALUE_FIELDS = ("value", "ip_val_w", "ip_val_b", "ip1_val_w", "ip1_val_b", "ip2_val_w", "ip2_val_b")
+
+Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
+
+
+def enum_name(enum_cls: type, value: int) -> str:
+    """``value``'s name in ``enum_cls``, or ``"<value> (not in net.proto)"``."""
+    try:
+        return enum_cls(value).name
+    except ValueError:
+        return f"{value} (not in net.proto)"
+
+
+def _enum_label(enum_cls: type, value: int) -> str:
+    """``NAME (value)`` for messages; an unknown value as ``enum_name`` spells it."""
+    try:
+        return f"{enum_cls(value).name} ({int(value)})"
+    except ValueError:
+        return enum_name(enum_cls, value)
+
+
+def _as_enum(enum_cls: type, value: int) -> int:
+    """The enum member for a known value, else the plain int (a newer file's value)."""
+    try:
+        return enum_cls(value)
+    except ValueError:
+        return value
+
+
+_PATH_PART = re.compile(r"^([A-Za-z_]\w*)((?:\[\d+\])*)$")
+
+
+def lookup(root: Mapping[str, Any], path: str) -> Any:
+    """The value at ``path`` (``a.b[2].c``) in nested dicts and lists, or None where absent."""
+    node: Any = root
+    for part in path.split("."):
+        m = _PATH_PART.match(part)
+        if m is None:
+            raise ValueError(f"bad path component {part!r} in {path!r}")
+        if not isinstance(node, Mapping) or m.group(1) not in node:
+            return None
+        node = node[m.group(1)]
+        for index in re.findall(r"\[(\d+)\]", m.group(2)):
+            if not isinstance(node, list) or int(index) >= len(node):
+                return None
+            node = node[int(index)]
+    return node
+
+
+def _present(value: Any) -> bool:
+    """A weight layer with values (an empty Layer message is as good as none, as in lc0)."""
+    return isinstance(value, torch.Tensor) and value.numel() > 0
+
+
+@dataclass
+class NetFile:
+    """A decoded Lc0 network file.
+
+    The format fields are the *effective* ones (after lc0's upgrades of older files:
+    ``format_notes`` says which; ``stored_format`` holds the file's own values), as enum
+    members where net.proto knows the value, else plain ints.  ``weights`` is the
+    ``Weights`` message as nested dicts with float32 tensors for every layer (1-D unless
+    the file gave dims; dense weights ``[out][in]``), plain ints for counts, lists for
+    repeated messages.
+    """
+
+    source: str
+    network: int
+    input_format: int
+    output_format: int
+    policy_format: int
+    value_format: int
+    moves_left_format: int
+    default_activation: int
+    ffn_activation: int
+    smolgen_activation: int
+    input_embedding: int
+    weights: dict[str, Any] = field(repr=False)
+    has_weights: bool = True
+    has_onnx_model: bool = False
+    min_version: Optional[tuple[int, int, int]] = None
+    license: Optional[str] = None
+    training_params: dict[str, Any] = field(default_factory=dict, repr=False)
+    stored_format: dict[str, int] = field(default_factory=dict)
+    format_notes: tuple[str, ...] = ()
+    layer_encodings: dict[str, int] = field(default_factory=dict)
+    unknown_fields: tuple[str, ...] = ()
+
+    # -- access -----------------------------------------------------------------------
+
+    def get(self, path: str) -> Any:
+        """The value at a weight path (``weights.encoder[0].mha.q_w``), or None."""
+        return lookup({"weights": self.weights}, path)
+
+    def policy_head_paths(self) -> dict[str, dict[str, str]]:
+        """Each policy head lc0 would build (``vanilla`` first; ``optimistic``, ``soft``,
+        ``opponent`` when the file has them) -> field -> the weight path it is read from.
+        A multi-head file's heads share ``policy_heads.ip_pol_w/b`` unless they carry their
+        own; a single-head file's one head is ``vanilla``, read from Weights' own fields."""
+        w = self.weights
+        if "policy_heads" not in w:
+            return {"vanilla": {f: f"weights.{f}" for f in POLICY_HEAD_FIELDS}}
+        ph = w["policy_heads"]
+        shared = {f: f"weights.policy_heads.{f}" if f in ph else f"weights.{f}" for f in ("ip_pol_w", "ip_pol_b")}
+        heads = {}
+        for name, key in MULTIHEAD_POLICY_HEADS.items():
+            if key not in ph and name != "vanilla":
+                continue
+            own = ph.get(key, {})
+            paths = {f: f"weights.policy_heads.{key}.{f}" for f in POLICY_HEAD_FIELDS}
+            for f in ("ip_pol_w", "ip_pol_b"):
+                if not _present(own.get(f)):
+                    paths[f] = shared[f]
+            heads[name] = paths
+        return heads
+
+    def value_head_paths(self) -> dict[str, dict[str, str]]:
+        """Each value head lc0 would build (``winner`` first; ``q``, ``st`` when present) ->
+        field -> weight path; a single-head file's one head is ``winner``."""
+        w = self.weights
+        if "value_heads" not in w:
+            return {"winner": {f: f"weights.{f}" for f in LEGACY_VALUE_FIELDS}}
+        vh = w["value_heads"]
+        return {
+            name: {f: f"weights.value_heads.{name}.{f}" for f in VALUE_HEAD_FIELDS}
+            for name in MULTIHEAD_VALUE_HEADS
+            if name == "winner" or name in vh
+        }
+
+    def policy_heads(self) -> dict[str, dict[str, Any]]:
+        """``policy_head_paths`` with the values: head name -> {field: tensor, list or int}."""
+        return _resolve(self, self.policy_head_paths())
+
+    def value_heads(self) -> dict[str, dict[str, Any]]:
+        """``value_head_paths`` with the values: head name -> {field: tensor}."""
+        return _resolve(self, self.value_head_paths())
+
+    def activation_names(self) -> dict[str, str]:
+        """fusedenc's names (``fusedenc.activations``) of the ``default``, ``ffn``,
+        ``smolgen`` and ``policy`` activations, DEFAULT resolved to the net's default as
+        lc0 does (the attention policy's embedding uses the default activation).  Raises
+        ``Lc0FormatError`` for one fusedenc has no elementwise form of."""
+        names = {}
+        for role, value in self._activation_ids().items():
+            if value not in LC0_ACTIVATIONS:
+                raise Lc0FormatError(f"{self.source}: {self._activation_problem(role, value)}")
+            names[role] = LC0_ACTIVATIONS[value]
+        return names
+
+    def parameter_count(self) -> int:
+        """Values over every weight layer of the file."""
+        return sum(t.numel() for t in _tensors(self.weights))
+
+    # -- description ------------------------------------------------------------------
+
+    def _activation_ids(self) -> dict[str, int]:
+        default = DEFAULT_ACTIVATION_FUNCTION.get(self.default_activation, -1)
+
+        def resolve(value: int) -> int:
+            return default if value == ActivationFunction.DEFAULT else value
+
+        return {
+            "default": default,
+            "ffn": resolve(self.ffn_activation),
+            "smolgen": resolve(self.smolgen_activation),
+            "policy": default,
+        }
+
+    def _activation_problem(self, role: str, value: int) -> str:
+        if role in ("default", "policy") and value == -1:
+            return (f"default_activation {enum_name(DefaultActivation, self.default_activation)}: "
+                    "fusedenc knows RELU (0) and MISH (1)")
+        field_name = f"{role}_activation"
+        return (
+            f"{field_name} {enum_name(ActivationFunction, value)} is not an elementwise activation "
+            f"fusedenc has (known: {', '.join(ActivationFunction(i).name for i in sorted(LC0_ACTIVATIONS))})"
+        )
+
+    def _numel(self, path: str) -> Optional[int]:
+        value = self.get(path)
+        return value.numel() if _present(value) else None
+
+    def describe(self) -> dict[str, Any]:
+        """What the net is, in plain values: format, body sizes, activations, smolgen,
+        heads, parameter count, layer encodings and whatever lc0 upgrades were applied.
+        Sizes that the file does not give are None.  Never raises on an unsupported net
+        (``check_supported`` does)."""
+        w = self.weights
+        sizes = _body_sizes(self)
+        activations = {}
+        for role, value in self._activation_ids().items():
+            activations[role] = LC0_ACTIVATIONS.get(value, f"unsupported: {enum_name(ActivationFunction, value)}")
+
+        policy_paths = self.policy_head_paths()
+        vanilla = policy_paths["vanilla"]
+        value_paths = self.value_head_paths()
+        winner = value_paths["winner"]
+        moves_left = None
+        if self.moves_left_format == MovesLeftFormat.V1:
+            moves_left = {
+                "format": enum_name(MovesLeftFormat, self.moves_left_format),
+                "channels": self._numel("weights.ip_mov_b"),
+                "hidden": self._numel("weights.ip1_mov_b"),
+            }
+        pol_encoder = self.get(vanilla["pol_encoder"]) or []
+        return {
+            "source": self.source,
+            "network": enum_name(NetworkStructure, self.network),
+            "stored_network": enum_name(NetworkStructure, self.stored_format.get("network", 0)),
+            "input_format": enum_name(InputFormat, self.input_format),
+            "embedding": enum_name(InputEmbeddingFormat, self.input_embedding),
+            "embedding_dense_size": sizes["embedding_dense_size"],
+            "layers": len(w.get("encoder", [])),
+            "residual_blocks": len(w.get("residual", [])),
+            "d_model": sizes["d_model"],
+            "heads": w.get("headcount"),
+            "d_ff": sizes["d_ff"],
+            "embedding_d_ff": sizes["embedding_d_ff"],
+            "input_gating": _present(w.get("ip_mult_gate")) or _present(w.get("ip_add_gate")),
+            "activations": activations,
+            "smolgen": sizes["smolgen"],
+            "policy": {
+                "format": enum_name(PolicyFormat, self.policy_format),
+                "heads": list(policy_paths),
+                "embedding_size": self._numel(vanilla["ip_pol_b"]),
+                "d_model": self._numel(vanilla["ip2_pol_b"]),
+                "encoder_layers": len(pol_encoder),
+            },
+            "value": {
+                "format": enum_name(ValueFormat, self.value_format),
+                "wdl": self.value_format == ValueFormat.WDL,
+                "heads": list(value_paths),
+                "channels": self._numel(winner["ip_val_b"]),
+                "hidden": self._numel(winner["ip1_val_b"]),
+            },
+            "moves_left": moves_left,
+            "output_format": enum_name(OutputFormat, self.output_format),
+            "parameters": self.parameter_count(),
+            "encodings": dict(self.layer_encodings),
+            "min_version": ".".join(map(str, self.min_version)) if self.min_version else None,
+            "notes": list(self.format_notes),
+            "unknown_fields": list(self.unknown_fields),
+        }
+
+
+def _resolve(net: NetFile, heads: dict[str, dict[str, str]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, paths in heads.items():
+        values = {f: net.get(p) for f, p in paths.items()}
+        out[name] = {f: v for f, v in values.items() if v is not None}
+    return out
+
+
+def _tensors(node: Any):
+    if isinstance(node, torch.Tensor):
+        yield node
+    elif isinstance(node, Mapping):
+        for value in node.values():
+            yield from _tensors(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _tensors(value)
+
+
+def _body_sizes(net: NetFile) -> dict[str, Any]:
+    """The body's sizes as lc0 derives them: from the lengths of bias vectors."""
+    d_model = net._numel("weights.ip_emb_b")
+    preproc = net._numel("weights.ip_emb_preproc_b")
+    heads = net.weights.get("headcount")
+    smolgen = None
+    if net.get("weights.encoder[0].mha.smolgen") is not None:
+        compress = net._numel("weights.encoder[0].mha.smolgen.compress")
+        gen_total = net._numel("weights.encoder[0].mha.smolgen.dense2_b")
+        smolgen = {
+            "hidden_channels": compress // d_model if compress and d_model else None,
+            "hidden_size": net._numel("weights.encoder[0].mha.smolgen.dense1_b"),
+            "gen_size": gen_total // heads if gen_total and heads else None,
+        }
+    return {
+        "d_model": d_model,
+        "embedding_dense_size": preproc // 64 if preproc else None,
+        "d_ff": net._numel("weights.encoder[0].ffn.dense1_b"),
+        "embedding_d_ff": net._numel("weights.ip_emb_ffn.dense1_b"),
+        "smolgen": smolgen,
+    }
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def _gunzip(data: Any, name: str) -> bytes:
+    """All gzip members of ``data``, through zlib (which checks each header and CRC)."""
+    parts = []
+    rest: Any = memoryview(data)
+    while True:
+        stream = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # 16+: gzip framing
+        try:
+            parts.append(stream.decompress(rest))
+        except zlib.error as exc:
+            raise Lc0FileError(f"{name}: corrupt gzip data ({exc})") from None
+        if not stream.eof:
+            raise Lc0FileError(
+                f"{name}: truncated gzip: the compressed data ends before its end marker (an incomplete download?)"
+            )
+        rest = stream.unused_data
+        # Another member follows, or the file ends; anything else after a complete stream is
+        # ignored, as zlib's gzread (lc0's reader) ignores it.
+        if rest[:2] != GZIP_MAGIC:
+            return b"".join(parts)
+
+
+def _decompress(data: Any, name: str) -> Any:
+    head = bytes(data[:5])
+    if head[:2] == GZIP_MAGIC:
+        return _gunzip(data, name)
+    if head == RAW_NET_PREFIX:
+        return data
+    raise Lc0FileError(
+        f"{name}: not a gzip file (it starts with {head[:4].hex(' ') or 'nothing'}; a .pb.gz starts with 1f 8b) "
+        "and not an uncompressed Lc0 network either"
+    )
+
+
+def _collect_unknown(node: Any, path: str, out: list[str]) -> None:
+    """``path#number`` of every unknown field outside the weights (``decode_weight_tree``
+    reports those)."""
+    if isinstance(node, Mapping):
+        for number in node.get(UNKNOWN_FIELDS, ()):
+            out.append(f"{path or 'Net'}#{number}")
+        for key, value in node.items():
+            if key == UNKNOWN_FIELDS or (not path and key == "weights"):
+                continue
+            _collect_unknown(value, f"{path}.{key}" if path else key, out)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _collect_unknown(value, f"{path}[{i}]", out)
+
+
+def _effective_format(fmt: Mapping[str, Any], weights: Mapping[str, Any]) -> tuple[dict[str, int], list[str]]:
+    """The NetworkFormat lc0 runs the file as, and a note for each upgrade it makes."""
+    stored = {k: v for k, v in fmt.get("network_format", {}).items() if k != UNKNOWN_FIELDS}
+    values = {name: stored.get(name, 0) for name in FORMAT_ENUMS}  # proto2: an absent enum reads as 0
+    has_embedding = "input_embedding" in stored
+    notes = []
+    network = values["network"]
+    if "network_format" not in fmt:
+        values.update(input=InputFormat.CLASSICAL_112_PLANE, output=OutputFormat.CLASSICAL,
+                      network=NetworkStructure.CLASSICAL_WITH_HEADFORMAT, value=ValueFormat.CLASSICAL,
+                      policy=PolicyFormat.CLASSICAL)
+        notes.append("no network_format: read, as lc0 does, as an old classical residual net")
+    elif network == NetworkStructure.CLASSICAL:
+        values.update(network=NetworkStructure.CLASSICAL_WITH_HEADFORMAT, value=ValueFormat.CLASSICAL,
+                      policy=PolicyFormat.CLASSICAL)
+        notes.append("network CLASSICAL read as CLASSICAL_WITH_HEADFORMAT with classical heads")
+    elif network == NetworkStructure.SE:
+        values.update(network=NetworkStructure.SE_WITH_HEADFORMAT, value=ValueFormat.CLASSICAL,
+                      policy=PolicyFormat.CLASSICAL)
+        notes.append("network SE read as SE_WITH_HEADFORMAT with classical heads")
+    elif network == NetworkStructure.SE_WITH_HEADFORMAT and weights.get("encoder"):
+        values["network"] = NetworkStructure.ATTENTIONBODY_WITH_HEADFORMAT
+        notes.append("network SE_WITH_HEADFORMAT with encoder layers read as ATTENTIONBODY_WITH_HEADFORMAT")
+        if "smolgen_w" in weights:  # such files predate the activation fields
+            values.update(ffn_activation=ActivationFunction.RELU_2, smolgen_activation=ActivationFunction.SWISH)
+            notes.append("smolgen in an old-format attention net: ffn activation RELU_2, smolgen SWISH")
+    elif network == NetworkStructure.AB_LEGACY_WITH_MULTIHEADFORMAT:
+        values["network"] = NetworkStructure.ATTENTIONBODY_WITH_MULTIHEADFORMAT
+        notes.append("network AB_LEGACY_WITH_MULTIHEADFORMAT (134) read as ATTENTIONBODY_WITH_MULTIHEADFORMAT")
+    if values["network"] == NetworkStructure.ATTENTIONBODY_WITH_HEADFORMAT:
+        if "policy_heads" in weights and "value_heads" in weights:
+            values.update(network=NetworkStructure.ATTENTIONBODY_WITH_MULTIHEADFORMAT,
+                          input_embedding=InputEmbeddingFormat.PE_DENSE)
+            has_embedding = True
+            notes.append("ATTENTIONBODY_WITH_HEADFORMAT with policy_heads and value_heads read as "
+                         "ATTENTIONBODY_WITH_MULTIHEADFORMAT with PE_DENSE embedding")
+        if not has_embedding:
+            values["input_embedding"] = InputEmbeddingFormat.PE_MAP
+            notes.append("attention net without input_embedding: PE_MAP, as lc0 reads it")
+    return {name: _as_enum(FORMAT_ENUMS[name], v) for name, v in values.items()}, notes
+
+
+def read_net(source: Source) -> NetFile:
+    """Read an Lc0 network: a path to a ``.pb.gz`` (or an uncompressed ``.pb``, which lc0
+    also reads), or the file's bytes.  Raises ``Lc0FileError`` for a file that is not a
+    well-formed Lc0 net (not gzip, truncated, broken protobuf, wrong magic, an undecodable
+    layer); whether fusedenc can *run* it is ``check_supported``'s question."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        name, data = "<bytes>", source
+    else:
+        name = os.fspath(source)
+        with open(name, "rb") as f:
+            data = f.read()
+    raw = _decompress(data, name)
+    if bytes(raw[:2]) in (b"1\n", b"2\n"):
+        raise Lc0FileError(f"{name}: an old text-format weights file (version {bytes(raw[:1]).decode()}), "
+                           "which lc0 itself no longer reads")
+    try:
+        msg = decode(raw, "Net", SCHEMA)
+    except Lc0FileError as exc:
+        if bytes(raw[:5]) != RAW_NET_PREFIX:
+            raise Lc0FileError(f"{name}: not an Lc0 network (it does not start with magic {LC0_MAGIC:#x}): {exc}") from None
+        raise Lc0FileError(f"{name}: {exc}") from None
+    magic = msg.get("magic")
+    if magic is None:
+        raise Lc0FileError(f"{name}: no magic (Net field 1): not an Lc0 network file")
+    if magic != LC0_MAGIC:
+        raise Lc0FileError(f"{name}: wrong magic: expected {LC0_MAGIC:#x}, found {magic:#x}")
+
+    encodings: Counter = Counter()
+    unknown: list[str] = []
+    _collect_unknown(msg, "", unknown)
+    try:
+        weights = decode_weight_tree(msg["weights"], encodings=encodings, unknown=unknown) if "weights" in msg else {}
+    except Lc0FileError as exc:
+        raise Lc0FileError(f"{name}: {exc}") from None
+    fmt = msg.get("format", {})
+    effective, notes = _effective_format(fmt, weights)
+    version = msg.get("min_version")
+    return NetFile(
+        source=name,
+        network=effective["network"],
+        input_format=effective["input"],
+        output_format=effective["output"],
+        policy_format=effective["policy"],
+        value_format=effective["value"],
+        moves_left_format=effective["moves_left"],
+        default_activation=effective["default_activation"],
+        ffn_activation=effective["ffn_activation"],
+        smolgen_activation=effective["smolgen_activation"],
+        input_embedding=effective["input_embedding"],
+        weights=weights,
+        has_weights="weights" in msg,
+        has_onnx_model="onnx_model" in msg,
+        min_version=(version.get("major", 0), version.get("minor", 0), version.get("patch", 0)) if version else None,
+        license=msg.get("license"),
+        training_params={k: v for k, v in msg.get("training_params", {}).items() if k != UNKNOWN_FIELDS},
+        stored_format={k: v for k, v in fmt.get("network_format", {}).items() if k != UNKNOWN_FIELDS},
+        format_notes=tuple(notes),
+        layer_encodings=dict(sorted(encodings.items())),
+        unknown_fields=tuple(unknown),
+    )
+
+
+# -- what the net must hold ---------------------------------------------------------------
+
+Shape = Optional[tuple[Optional[int], ...]]
+
+
+class _Specs:
+    """The weight layers a net must (or, when present, may) hold and their shapes, derived
+    from the file's own bias lengths as lc0 derives them; plus problems found on the way."""
+
+    def __init__(self, net: NetFile) -> None:
+        self.net = net
+        self.layers: list[tuple[str, Shape, bool]] = []
+        self.problems: list[str] = []
+
+    def numel(self, path: str) -> Optional[int]:
+        return self.net._numel(path)
+
+    def add(self, path: str, shape: tuple[Optional[int], ...], required: bool = True) -> None:
+        known = all(isinstance(s, int) for s in shape)
+        if required or self.net.get(path) is not None:
+            self.layers.append((path, shape if known else None, required))
+
+    def encoder_layer(self, p: str, width: Optional[int], heads: Optional[int]) -> tuple[bool, Optional[int]]:
+        """An encoder layer at ``p`` working on ``width``-wide rows; returns whether it has
+        smolgen and its gen size (None where unknown)."""
+        dm = self.numel(f"{p}.mha.q_b")
+        d_ff = self.numel(f"{p}.ffn.dense1_b")
+        for x in "qkv":
+            self.add(f"{p}.mha.{x}_w", (dm, width))
+            self.add(f"{p}.mha.{x}_b", (dm,))
+        self.add(f"{p}.mha.dense_w", (width, dm))
+        self.add(f"{p}.mha.dense_b", (width,))
+        if dm and heads and dm % heads:
+            self.problems.append(f"{p}.mha: attention width {dm} is not a multiple of {heads} heads")
+        for ln in ("ln1", "ln2"):
+            self.add(f"{p}.{ln}_gammas", (width,))
+            self.add(f"{p}.{ln}_betas", (width,))
+        self.ffn(f"{p}.ffn", width, d_ff)
+        for rpe in ("rpe_q", "rpe_k", "rpe_v"):
+            if self.net.get(f"{p}.mha.{rpe}") is not None:
+                self.problems.append(f"{p}.mha.{rpe}: relative position encodings are not supported (nor by lc0)")
+        if self.net.get(f"{p}.mha.smolgen") is None:
+            return False, None
+        s = f"{p}.mha.smolgen"
+        compress = self.numel(f"{s}.compress")
+        hidden_channels = compress // width if compress and width else None
+        hidden = self.numel(f"{s}.dense1_b")
+        gen_total = self.numel(f"{s}.dense2_b")
+        self.add(f"{s}.compress", (hidden_channels, width))
+        self.add(f"{s}.dense1_w", (hidden, 64 * hidden_channels if hidden_channels else None))
+        self.add(f"{s}.dense1_b", (hidden,))
+        self.add(f"{s}.ln1_gammas", (hidden,))
+        self.add(f"{s}.ln1_betas", (hidden,))
+        self.add(f"{s}.dense2_w", (gen_total, hidden))
+        self.add(f"{s}.dense2_b", (gen_total,))
+        self.add(f"{s}.ln2_gammas", (gen_total,))
+        self.add(f"{s}.ln2_betas", (gen_total,))
+        if gen_total and heads and gen_total % heads:
+            self.problems.append(f"{s}.dense2_b: {gen_total} values is not a multiple of {heads} heads")
+            return True, None
+        return True, gen_total // heads if gen_total and heads else None
+
+    def ffn(self, p: str, width: Optional[int], d_ff: Optional[int]) -> None:
+        self.add(f"{p}.dense1_w", (d_ff, width))
+        self.add(f"{p}.dense1_b", (d_ff,))
+        self.add(f"{p}.dense2_w", (width, d_ff))
+        self.add(f"{p}.dense2_b", (width,))
+
+
+def _specs(net: NetFile) -> _Specs:
+    """Every layer an attention-body net with PE_DENSE embedding needs (see the module doc)."""
+    specs = _Specs(net)
+    w = net.weights
+    d = specs.numel("weights.ip_emb_b")
+    heads = w.get("headcount")
+    if not heads:
+        specs.problems.append("weights.headcount: missing (the encoder layers' number of heads)")
+        heads = None
+
+    # Embedding.  PE_DENSE: a dense over the first 12 planes of all squares appends ``dense``
+    # values per square, then the dense to d_model, LN, gates, FFN, LN.  The others (refused,
+    # but their layers still listed) append lc0's 64-wide table (PE_MAP) or nothing.
+    if net.input_embedding == InputEmbeddingFormat.PE_DENSE:
+        preproc = specs.numel("weights.ip_emb_preproc_b")
+        dense = preproc // 64 if preproc else None
+        if preproc and preproc % 64:
+            specs.problems.append(f"weights.ip_emb_preproc_b: {preproc} values is not 64 squares x a dense size")
+        specs.add("weights.ip_emb_preproc_w", (64 * dense if dense else None, 64 * 12))
+        specs.add("weights.ip_emb_preproc_b", (64 * dense if dense else None,))
+        embedding_in = 112 + dense if dense else None
+    else:
+        embedding_in = 112 + (64 if net.input_embedding == InputEmbeddingFormat.PE_MAP else 0)
+    specs.add("weights.ip_emb_w", (d, embedding_in))
+    specs.add("weights.ip_emb_b", (d,))
+    if net.input_embedding == InputEmbeddingFormat.PE_DENSE:
+        specs.add("weights.ip_emb_ln_gammas", (d,))
+        specs.add("weights.ip_emb_ln_betas", (d,))
+    specs.add("weights.ip_mult_gate", (d, 64), required=False)
+    specs.add("weights.ip_add_gate", (d, 64), required=False)
+    if net.input_embedding == InputEmbeddingFormat.PE_DENSE:
+        specs.ffn("weights.ip_emb_ffn", d, specs.numel("weights.ip_emb_ffn.dense1_b"))
+        specs.add("weights.ip_emb_ffn_ln_gammas", (d,))
+        specs.add("weights.ip_emb_ffn_ln_betas", (d,))
+
+    any_smolgen = False
+    gen_sizes = set()
+    for i in range(len(w.get("encoder", []))):
+        has_smolgen, gen = specs.encoder_layer(f"weights.encoder[{i}]", d, heads)
+        any_smolgen |= has_smolgen
+        if gen is not None:
+            gen_sizes.add(gen)
+    if len(gen_sizes) > 1:
+        specs.problems.append(f"weights.encoder: smolgen gen sizes differ between layers ({sorted(gen_sizes)})")
+    if any_smolgen or "smolgen_w" in w:  # every layer's smolgen ends in the one global smolgen_w
+        gen = next(iter(gen_sizes)) if len(gen_sizes) == 1 else None
+        specs.add("weights.smolgen_w", (64 * 64, gen), required=any_smolgen)
+
+    # Policy: the attention policy of every head lc0 would build (vanilla is the one it runs).
+    for name, paths in net.policy_head_paths().items():
+        required = name == "vanilla"
+        if not required and not any(_present(net.get(p)) for p in paths.values()):
+            continue
+        embed = specs.numel(paths["ip_pol_b"])
+        pd = specs.numel(paths["ip2_pol_b"])
+        specs.add(paths["ip_pol_w"], (embed, d))
+        specs.add(paths["ip_pol_b"], (embed,))
+        specs.add(paths["ip2_pol_w"], (pd, embed))
+        specs.add(paths["ip2_pol_b"], (pd,))
+        specs.add(paths["ip3_pol_w"], (pd, embed))
+        specs.add(paths["ip3_pol_b"], (pd,))
+        specs.add(paths["ip4_pol_w"], (4, pd))
+        pol_encoder = net.get(paths["pol_encoder"]) or []
+        pol_heads = net.get(paths["pol_headcount"])
+        if pol_encoder and not pol_heads:
+            specs.problems.append(f"{paths['pol_headcount']}: missing (the policy encoder layers' number of heads)")
+        for i in range(len(pol_encoder)):
+            specs.encoder_layer(f"{paths['pol_encoder']}[{i}]", embed, pol_heads or None)
+
+    # Value: embedding per square, dense over 64 squares, dense to 3 (WDL) or 1 outputs.
+    outputs = 3 if net.value_format == ValueFormat.WDL else 1
+    for name, paths in net.value_head_paths().items():
+        if name != "winner" and not any(_present(net.get(p)) for p in paths.values()):
+            continue
+        channels = specs.numel(paths["ip_val_b"])
+        hidden = specs.numel(paths["ip1_val_b"])
+        specs.add(paths["ip_val_w"], (channels, d))
+        specs.add(paths["ip_val_b"], (channels,))
+        specs.add(paths["ip1_val_w"], (hidden, 64 * channels if channels else None))
+        specs.add(paths["ip1_val_b"], (hidden,))
+        specs.add(paths["ip2_val_w"], (outputs, hidden))
+        specs.add(paths["ip2_val_b"], (outputs,))
+
+    if net.moves_left_format == MovesLeftFormat.V1:
+        channels = specs.numel("weights.ip_mov_b")
+        hidden = specs.numel("weights.ip1_mov_b")
+        specs.add("weights.ip_mov_w", (channels, d))
+        specs.add("weights.ip_mov_b", (channels,))
+        specs.add("weights.ip1_mov_w", (hidden, 64 * channels if channels else None))
+        specs.add("weights.ip1_mov_b", (hidden,))
+        specs.add("weights.ip2_mov_w", (1, hidden))
+        specs.add("weights.ip2_mov_b", (1,))
+    return specs
+
+
+def expected_shapes(net: NetFile) -> dict[str, tuple[int, ...]]:
+    """Weight path -> the shape fusedenc reads it as (``[out, in]`` for dense weights), for
+    every layer of an attention-body PE_DENSE net that the file's sizes determine: the
+    required ones and the optional ones it holds (gates, smolgen, extra heads)."""
+    return {path: shape for path, shape, _ in _specs(net).layers if shape is not None}
+
+
+MAX_PROBLEMS_SHOWN = 25
+
+
+def _format_problems(net: NetFile) -> list[str]:
+    """Why fusedenc cannot run ``net``: the body and format first (when they rule the net out,
+    nothing else is checked), then every missing or mis-sized weight."""
+    if not net.has_weights:
+        detail = " (it carries an ONNX model, which fusedenc does not run)" if net.has_onnx_model else ""
+        return [f"no weights{detail}"]
+    network = net.network
+    if network not in ATTENTION_BODIES:
+        if network in (NetworkStructure.CLASSICAL, NetworkStructure.SE, NetworkStructure.CLASSICAL_WITH_HEADFORMAT,
+                       NetworkStructure.SE_WITH_HEADFORMAT):
+            why = "a residual (convolutional) body; fusedenc runs attention-body (transformer) nets only"
+        elif network == NetworkStructure.ONNX:
+            why = "an ONNX model, not weights fusedenc can run"
+        else:
+            why = "not a network format fusedenc knows; it runs attention bodies (6, 7, 134)"
+        return [f"network format {_enum_label(NetworkStructure, network)}: {why}"]
+
+    problems = []
+    w = net.weights
+    if not w.get("encoder"):
+        problems.append("weights.encoder: missing (an attention-body net has encoder layers)")
+    if w.get("residual"):
+        problems.append(f"weights.residual: {len(w['residual'])} residual blocks before the encoders are not supported")
+    embedding = net.input_embedding
+    if embedding == InputEmbeddingFormat.PE_MAP:
+        problems.append("input embedding PE_MAP: it needs lc0's fixed position-encoding table, which fusedenc does "
+                        "not ship (PE_DENSE nets carry their embedding in the file)")
+    elif embedding == InputEmbeddingFormat.NONE:
+        problems.append("input embedding NONE on an attention body: lc0 runs it as PE_MAP (CUDA) or refuses it "
+                        "(ONNX); fusedenc supports PE_DENSE")
+    elif embedding != InputEmbeddingFormat.PE_DENSE:
+        problems.append(f"input embedding {enum_name(InputEmbeddingFormat, embedding)}: fusedenc supports PE_DENSE")
+    for role, value in net._activation_ids().items():
+        if value not in LC0_ACTIVATIONS and role != "policy":
+            problems.append(net._activation_problem(role, value))
+    if net.policy_format != PolicyFormat.ATTENTION:
+        problems.append(f"policy format {enum_name(PolicyFormat, net.policy_format)}: an attention body needs the "
+                        "ATTENTION policy")
+    if net.value_format not in (ValueFormat.WDL, ValueFormat.CLASSICAL):
+        problems.append(f"value format {enum_name(ValueFormat, net.value_format)}: fusedenc supports WDL and CLASSICAL")
+    if net.moves_left_format not in (MovesLeftFormat.NONE, MovesLeftFormat.V1):
+        problems.append(f"moves-left format {enum_name(MovesLeftFormat, net.moves_left_format)} is not in net.proto")
+    if not isinstance(net.input_format, InputFormat):
+        problems.append(f"input format {net.input_format} is not in net.proto")
+
+    specs = _specs(net)
+    for path, shape, required in specs.layers:
+        value = net.get(path)
+        if not _present(value):
+            if required:
+                problems.append(f"{path}: missing")
+            continue
+        if shape is not None and value.numel() != math.prod(shape):
+            problems.append(f"{path}: has {value.numel()} values, expected shape {shape} = {math.prod(shape)} values")
+    problems.extend(specs.problems)
+    return problems
+
+
+def check_supported(net: NetFile) -> None:
+    """Raise ``Lc0FormatError`` naming every reason fusedenc cannot run ``net``: a body that
+    is not an attention body, an unsupported embedding (PE_MAP, NONE), relative position
+    encodings, an activation, policy or value format it lacks, and each missing or
+    mis-sized weight (sizes as lc0 derives them from the file's bias lengths)."""
+    problems = _format_problems(net)
+    if problems:
+        shown = problems[:MAX_PROBLEMS_SHOWN]
+        more = len(problems) - len(shown)
+        lines = "\n".join(f"  - {p}" for p in shown) + (f"\n  ... and {more} more" if more else "")
+        raise Lc0FormatError(f"{net.source}: fusedenc cannot run this net:\n{lines}")
