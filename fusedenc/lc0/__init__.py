@@ -12,12 +12,13 @@ every weight to float32; ``check_supported`` says whether fusedenc can run it.
 * ``reference`` - ``reference_forward``: the whole net (planes in, heads out) in plain
   PyTorch from the semantics of lc0's ONNX converter, the oracle of the fast path.
 
-The fast network (``load_network`` -> ``Lc0Network`` on an ``EncoderStack``) is issue 19's
-next step.
+* ``network``  - ``load_network(path) -> Lc0Network``: the fast network (EncoderBlocks for
+  the body, fused GEMMs for embedding, smolgen and heads), held to ``reference_forward``.
 """
 
 from .errors import Lc0FileError, Lc0FormatError
 from .netfile import NetFile, check_supported, expected_shapes, read_net
+from .network import Lc0Network, load_network
 from .schema import (
     ActivationFunction,
     DefaultActivation,
@@ -35,6 +36,7 @@ __all__ = [
     "InputEmbeddingFormat",
     "LayerEncoding",
     "Lc0FileError",
+    "Lc0Network",
     "Lc0FormatError",
     "NetFile",
     "NetworkStructure",
@@ -44,5 +46,6 @@ __all__ = [
     "decode_layer",
     "expect_shape",
     "expected_shapes",
+    "load_network",
     "read_net",
 ]

@@ -54,12 +54,12 @@ LC0_DEFAULT_EPS = {"PE_DENSE": 1e-3, "other": 1e-6}
 def _dense(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     out = b.numel() if b is not None else None
     weight = w.view(out, -1) if out is not None else w
-    y = x @ weight.to(x.dtype).t()
-    return y if b is None else y + b.to(x.dtype)
+    y = x @ weight.to(x).t()
+    return y if b is None else y + b.to(x)
 
 
 def _ln(x: torch.Tensor, gammas: torch.Tensor, betas: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.layer_norm(x, (x.shape[-1],), gammas.to(x.dtype), betas.to(x.dtype), eps)
+    return F.layer_norm(x, (x.shape[-1],), gammas.to(x), betas.to(x), eps)
 
 
 def _ffn(x: torch.Tensor, ffn: Mapping[str, Any], act: str, alpha: float) -> torch.Tensor:
@@ -72,13 +72,13 @@ def _smolgen(x: torch.Tensor, sg: Mapping[str, Any], smolgen_w: torch.Tensor, he
     b = x.shape[0]
     d = x.shape[-1]
     hidden_channels = sg["compress"].numel() // d
-    c = x @ sg["compress"].view(hidden_channels, d).to(x.dtype).t()  # [B, 64, hc], no bias
+    c = x @ sg["compress"].view(hidden_channels, d).to(x).t()  # [B, 64, hc], no bias
     h = _dense(c.reshape(b, 64 * hidden_channels), sg["dense1_w"], sg["dense1_b"])
     h = _ln(apply_activation(h, act), sg["ln1_gammas"], sg["ln1_betas"], 1e-3)
     h = _dense(h, sg["dense2_w"], sg["dense2_b"])
     h = _ln(apply_activation(h, act), sg["ln2_gammas"], sg["ln2_betas"], 1e-3)
     gen = h.view(b, heads, -1)  # [B, H, gen]
-    w = smolgen_w.view(64 * 64, gen.shape[-1]).to(x.dtype)  # stored [4096][gen]
+    w = smolgen_w.view(64 * 64, gen.shape[-1]).to(x)  # stored [4096][gen]
     return (gen @ w.t()).view(b, heads, 64, 64)
 
 
@@ -136,7 +136,7 @@ def _policy(
     logits = (q @ k.transpose(-1, -2)) / math.sqrt(pd)  # [B, 64 from, 64 to]
     # Promotions: the last rank's keys give 4 logits per file (q, r, b, n); the queen's is
     # added to the other three, which are then added to the from-rank-7 move logits.
-    prom = k[:, 56:64, :] @ head["ip4_pol_w"].view(4, pd).to(x.dtype).t()  # [B, 8, 4]
+    prom = k[:, 56:64, :] @ head["ip4_pol_w"].view(4, pd).to(x).t()  # [B, 8, 4]
     prom = (prom[:, :, :3] + prom[:, :, 3:4]).reshape(b, 1, 24)  # [B, 1, 8 files x 3 pieces]
     sl = logits[:, 48:56, 56:64].reshape(b, 64, 1).expand(b, 64, 3).reshape(b, 8, 24)
     prom = (sl + prom).reshape(b, 3, 64)
@@ -184,9 +184,9 @@ def reference_forward(net: NetFile, planes: torch.Tensor) -> dict[str, torch.Ten
     d = x.shape[-1]
     x = _ln(x, w["ip_emb_ln_gammas"], w["ip_emb_ln_betas"], 1e-3)
     if _present(w.get("ip_mult_gate")):
-        x = x * w["ip_mult_gate"].view(d, 64).t().to(x.dtype)  # stored [D][64]
+        x = x * w["ip_mult_gate"].view(d, 64).t().to(x)  # stored [D][64]
     if _present(w.get("ip_add_gate")):
-        x = x + w["ip_add_gate"].view(d, 64).t().to(x.dtype)
+        x = x + w["ip_add_gate"].view(d, 64).t().to(x)
     layers = w["encoder"]
     alpha = (2.0 * len(layers)) ** -0.25
     eps = LC0_DEFAULT_EPS["PE_DENSE"]

@@ -1,0 +1,266 @@
+"""``Lc0Network``: a whole Lc0 attention-body net on fusedenc, planes in, heads out.
+
+The body is a list of ``EncoderBlock``s (post-LN, ``alpha = (2 * layers) ** -0.25``),
+the same fast path as every other fusedenc encoder; each layer's smolgen bias
+``[B, H, 64, 64]`` is generated from that layer's input and passed to the block as
+its additive attention bias.  Embedding, smolgen and heads run on ``fusedenc.linear``
+(bias and activation fused in the GEMM epilogue) and ``fusedenc.layer_norm`` where the
+shapes allow (rows of whole 16-byte vectors), torch ops otherwise.  The math is
+``reference.reference_forward``'s, which the tests hold it to.
+
+First version: smolgen is a few GEMMs per layer and one ``[B*H, gen] x [gen, 4096]``
+GEMM straight into the ``[B, H, 64, 64]`` layout attention reads; fusing its
+generation into the attention kernel is issue 19's performance step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..activations import apply_activation
+from ..checks import align_elems
+from ..encoder import EncoderBlock
+from ..norm import layer_norm
+from ..ops import linear
+from . import moves
+from .errors import Lc0FormatError
+from .netfile import NetFile, check_supported, read_net
+from .schema import InputEmbeddingFormat, MovesLeftFormat, ValueFormat
+
+__all__ = ["Lc0Network", "load_network"]
+
+
+def _param(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(t.reshape(shape).to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+
+
+class _Dense(nn.Module):
+    """``act(x @ W^T + b)`` from a stored ``[out][in]`` weight: one fused GEMM where rows are
+    whole 16-byte vectors, ``F.linear`` + the activation otherwise."""
+
+    def __init__(self, w: torch.Tensor, b: Optional[torch.Tensor], out: int, activation: str, dtype, device):
+        super().__init__()
+        self.weight = _param(w, (out, w.numel() // out), dtype, device)
+        self.bias = None if b is None else _param(b, (out,), dtype, device)
+        self.activation = activation
+        align = align_elems(dtype)
+        self.fused = self.weight.shape[0] % align == 0 and self.weight.shape[1] % align == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_contiguous():
+            return linear(x, self.weight, self.bias, self.activation)
+        return apply_activation(F.linear(x, self.weight, self.bias), self.activation)
+
+
+class _Norm(nn.Module):
+    def __init__(self, gammas: torch.Tensor, betas: torch.Tensor, eps: float, dtype, device):
+        super().__init__()
+        n = gammas.numel()
+        self.weight, self.bias, self.eps = _param(gammas, (n,), dtype, device), _param(betas, (n,), dtype, device), eps
+        self.fused = n % align_elems(dtype) == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_contiguous():
+            return layer_norm(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class _Smolgen(nn.Module):
+    """One layer's smolgen: its input rows ``[B, 64, D]`` -> the attention bias ``[B, H, 64, 64]``."""
+
+    def __init__(self, sg: Mapping[str, Any], global_w: torch.Tensor, d: int, heads: int, act: str, dtype, device):
+        super().__init__()
+        self.hidden_channels = sg["compress"].numel() // d
+        self.heads = heads
+        self.compress = _Dense(sg["compress"], None, self.hidden_channels, "none", dtype, device)
+        self.dense1 = _Dense(sg["dense1_w"], sg["dense1_b"], sg["dense1_b"].numel(), act, dtype, device)
+        self.ln1 = _Norm(sg["ln1_gammas"], sg["ln1_betas"], 1e-3, dtype, device)
+        self.dense2 = _Dense(sg["dense2_w"], sg["dense2_b"], sg["dense2_b"].numel(), act, dtype, device)
+        self.ln2 = _Norm(sg["ln2_gammas"], sg["ln2_betas"], 1e-3, dtype, device)
+        self.global_w = global_w  # shared by every layer: [4096, gen]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        c = self.compress(x).reshape(b, 64 * self.hidden_channels)
+        h = self.ln2(self.dense2(self.ln1(self.dense1(c))))
+        gen = h.view(b * self.heads, -1)
+        # One GEMM straight into the [B, H, 64, 64] layout the attention call reads.
+        return torch.mm(gen, self.global_w.t()).view(b, self.heads, 64, 64)
+
+
+class _FFN(nn.Module):
+    def __init__(self, ffn: Mapping[str, Any], act: str, alpha: float, dtype, device):
+        super().__init__()
+        d_ff, d = ffn["dense1_b"].numel(), ffn["dense2_b"].numel()
+        self.dense1 = _Dense(ffn["dense1_w"], ffn["dense1_b"], d_ff, act, dtype, device)
+        self.dense2 = _Dense(ffn["dense2_w"], ffn["dense2_b"], d, "none", dtype, device)
+        self.alpha = alpha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.alpha * self.dense2(self.dense1(x))
+
+
+def _block(layer: Mapping[str, Any], heads: int, ffn_act: str, alpha: float, eps: float, dtype, device) -> EncoderBlock:
+    mha, ffn = layer["mha"], layer["ffn"]
+    d, d_ff = mha["q_b"].numel(), ffn["dense1_b"].numel()
+    block = EncoderBlock(d, heads, d_ff, ffn_act, residual_alpha=alpha, layer_norm_eps=eps, dtype=dtype, device=device)
+    sources = {
+        "qkv_weight": torch.cat([mha["q_w"], mha["k_w"], mha["v_w"]]).view(3 * d, d),
+        "qkv_bias": torch.cat([mha["q_b"], mha["k_b"], mha["v_b"]]),
+        "out_weight": mha["dense_w"].view(d, d), "out_bias": mha["dense_b"],
+        "norm1_weight": layer["ln1_gammas"], "norm1_bias": layer["ln1_betas"],
+        "ffn1_weight": ffn["dense1_w"].view(d_ff, d), "ffn1_bias": ffn["dense1_b"],
+        "ffn2_weight": ffn["dense2_w"].view(d, d_ff), "ffn2_bias": ffn["dense2_b"],
+        "norm2_weight": layer["ln2_gammas"], "norm2_bias": layer["ln2_betas"],
+    }  # fmt: skip
+    with torch.no_grad():
+        for name, src in sources.items():
+            getattr(block, name).copy_(src.view(getattr(block, name).shape))
+    return block.eval()
+
+
+class Lc0Network(nn.Module):
+    """A whole Lc0 attention-body network (``load_network`` builds one from a file).
+
+    ``forward(planes)``: input planes ``[B, 112, 8, 8]`` in the network's dtype on its
+    device (lc0's encoding of a position and its history); returns ``{"policy": [B, 1858]
+    logits in lc0's move order (``fusedenc.lc0.moves``), "wdl": [B, 3] probabilities}``
+    (``"value": [B, 1]`` for a net without a WDL head) and ``"moves_left": [B, 1]`` where
+    the net has that head.  Inference only.
+    """
+
+    def __init__(self, net: NetFile, *, dtype: torch.dtype = torch.float16, device: Union[str, torch.device] = "cuda"):
+        super().__init__()
+        check_supported(net)
+        if net.input_embedding != InputEmbeddingFormat.PE_DENSE:
+            raise Lc0FormatError(f"{net.source}: only PE_DENSE embeddings are supported")
+        w = net.weights
+        acts = net.activation_names()
+        self.activations = acts
+        self.source = net.source
+        self.description = net.describe()
+        d = w["ip_emb_b"].numel()
+        heads = w["headcount"]
+        layers = w["encoder"]
+        alpha = (2.0 * len(layers)) ** -0.25
+        eps = 1e-3  # PE_DENSE nets' LayerNorm eps
+        kw = {"dtype": dtype, "device": device}
+        self.d_model, self.heads, self.dtype = d, heads, dtype
+
+        # Embedding.
+        e64 = w["ip_emb_preproc_b"].numel()
+        self.preproc = _Dense(w["ip_emb_preproc_w"], w["ip_emb_preproc_b"], e64, "none", **kw)
+        self.ip_emb = _Dense(w["ip_emb_w"], w["ip_emb_b"], d, acts["default"], **kw)
+        self.ip_emb_ln = _Norm(w["ip_emb_ln_gammas"], w["ip_emb_ln_betas"], 1e-3, **kw)
+        gates = {}
+        for name in ("ip_mult_gate", "ip_add_gate"):
+            t = w.get(name)
+            gates[name] = None if t is None or t.numel() == 0 else _param(t.view(d, 64).t(), (64, d), **kw)
+        self.mult_gate, self.add_gate = gates["ip_mult_gate"], gates["ip_add_gate"]
+        self.emb_ffn = _FFN(w["ip_emb_ffn"], acts["ffn"], alpha, **kw)
+        self.emb_ffn_ln = _Norm(w["ip_emb_ffn_ln_gammas"], w["ip_emb_ffn_ln_betas"], 1e-3, **kw)
+
+        # Body: blocks and their smolgen.
+        global_w = w.get("smolgen_w")
+        self.smolgen_w = None
+        if global_w is not None and global_w.numel():
+            self.smolgen_w = _param(global_w, (64 * 64, global_w.numel() // 4096), **kw)
+        self.blocks = nn.ModuleList(_block(layer, heads, acts["ffn"], alpha, eps, **kw) for layer in layers)
+        self.smolgen = nn.ModuleList(
+            _Smolgen(layer["mha"]["smolgen"], self.smolgen_w, d, heads, acts["smolgen"], **kw)
+            if layer["mha"].get("smolgen") else nn.Identity()
+            for layer in layers
+        )  # fmt: skip
+
+        # Heads.
+        ph = net.policy_heads()["vanilla"]
+        if ph.get("pol_encoder"):
+            raise Lc0FormatError(f"{net.source}: policy-head encoder layers are not supported yet")
+        pe, pd = ph["ip_pol_b"].numel(), ph["ip2_pol_b"].numel()
+        self.pol_embed = _Dense(ph["ip_pol_w"], ph["ip_pol_b"], pe, acts["policy"], **kw)
+        self.pol_q = _Dense(ph["ip2_pol_w"], ph["ip2_pol_b"], pd, "none", **kw)
+        self.pol_k = _Dense(ph["ip3_pol_w"], ph["ip3_pol_b"], pd, "none", **kw)
+        self.pol_promotion = _param(ph["ip4_pol_w"], (4, pd), **kw)
+        self.pol_scale = 1.0 / math.sqrt(pd)
+        vh = net.value_heads()["winner"]
+        self.wdl = net.value_format == ValueFormat.WDL
+        vc = vh["ip_val_b"].numel()
+        self.val_embed = _Dense(vh["ip_val_w"], vh["ip_val_b"], vc, acts["default"], **kw)
+        self.val_dense1 = _Dense(vh["ip1_val_w"], vh["ip1_val_b"], vh["ip1_val_b"].numel(), acts["default"], **kw)
+        self.val_dense2 = _Dense(vh["ip2_val_w"], vh["ip2_val_b"], vh["ip2_val_b"].numel(), "none", **kw)
+        self.has_moves_left = net.moves_left_format == MovesLeftFormat.V1
+        if self.has_moves_left:
+            self.mov_embed = _Dense(w["ip_mov_w"], w["ip_mov_b"], w["ip_mov_b"].numel(), acts["default"], **kw)
+            self.mov_dense1 = _Dense(w["ip1_mov_w"], w["ip1_mov_b"], w["ip1_mov_b"].numel(), acts["default"], **kw)
+            self.mov_dense2 = _Dense(w["ip2_mov_w"], w["ip2_mov_b"], 1, "none", **kw)
+
+    def extra_repr(self) -> str:
+        a = self.activations
+        return (
+            f"source={self.source!r}, layers={len(self.blocks)}, d_model={self.d_model}, heads={self.heads}, "
+            f"activations=(default {a['default']}, ffn {a['ffn']}, smolgen {a['smolgen']}), "
+            f"smolgen={self.smolgen_w is not None}, wdl={self.wdl}, moves_left={self.has_moves_left}"
+        )
+
+    def _check(self, planes: torch.Tensor) -> None:
+        if not isinstance(planes, torch.Tensor):
+            raise TypeError(f"planes must be a torch.Tensor, got {type(planes).__name__}")
+        if planes.dim() != 4 or tuple(planes.shape[1:]) != (112, 8, 8):
+            raise ValueError(f"planes must be [B, 112, 8, 8], got shape {tuple(planes.shape)}")
+        p = self.preproc.weight
+        if planes.dtype != p.dtype or planes.device != p.device:
+            raise TypeError(f"planes are {planes.dtype} on {planes.device}; the network is {p.dtype} on {p.device}")
+
+    @torch.no_grad()
+    def forward(self, planes: torch.Tensor) -> dict[str, torch.Tensor]:
+        self._check(planes)
+        b = planes.shape[0]
+        if b == 0:  # an empty batch: empty heads, nothing launched
+            empty = {"policy": 1858, "wdl" if self.wdl else "value": 3 if self.wdl else 1}
+            if self.has_moves_left:
+                empty["moves_left"] = 1
+            return {name: planes.new_empty((0, n)) for name, n in empty.items()}
+        x = planes.permute(0, 2, 3, 1).reshape(b, 64, 112)
+        pos = self.preproc(x[:, :, :12].reshape(b, 64 * 12).contiguous()).view(b, 64, -1)
+        x = torch.cat([x, pos], dim=-1)
+        x = self.ip_emb_ln(self.ip_emb(x))
+        if self.mult_gate is not None:
+            x = x * self.mult_gate
+        if self.add_gate is not None:
+            x = x + self.add_gate
+        x = self.emb_ffn_ln(self.emb_ffn(x))
+        for block, smolgen in zip(self.blocks, self.smolgen):
+            bias = None if isinstance(smolgen, nn.Identity) else smolgen(x)
+            x = block(x, bias)
+        out = {"policy": self._policy(x)}
+        v = self.val_dense1(self.val_embed(x).reshape(b, -1))
+        v = self.val_dense2(v)
+        out["wdl" if self.wdl else "value"] = torch.softmax(v.float(), -1).to(v.dtype) if self.wdl else torch.tanh(v)
+        if self.has_moves_left:
+            m = self.mov_dense1(self.mov_embed(x).reshape(b, -1))
+            out["moves_left"] = F.relu(self.mov_dense2(m))
+        return out
+
+    def _policy(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.pol_embed(x)
+        q, k = self.pol_q(p), self.pol_k(p)
+        square = torch.bmm(q, k.transpose(1, 2)) * self.pol_scale
+        promotion_keys = k[:, 56:64, :] @ self.pol_promotion.t()
+        return moves.gather_policy(moves.attention_policy_logits(square, promotion_keys))
+
+
+def load_network(
+    path: Union[str, bytes], *, dtype: torch.dtype = torch.float16, device: Union[str, torch.device] = "cuda"
+) -> Lc0Network:
+    """Read an lc0 network file (``.pb.gz``) and build its ``Lc0Network`` in ``dtype`` on ``device``.
+
+    Everything about the file is checked before any tensor reaches the device: a file that
+    is not an lc0 net, a damaged one, or a net in a format fusedenc does not run raises
+    ``Lc0FileError`` / ``Lc0FormatError`` naming what is wrong.
+    """
+    return Lc0Network(read_net(path), dtype=dtype, device=device)
