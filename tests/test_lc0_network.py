@@ -77,3 +77,15 @@ def test_t82_shaped_net_fp16_on_the_gpu(tmp_path, gen):
     path = tmp_path / "t82.pb.gz"
     write_preset(path, "t82", seed=5)
     _check(path, torch.float16, "cuda", 16, gen)
+
+
+def test_the_command_line_describes_a_net_and_refuses_a_bad_file(tiny_path, tmp_path, capsys):
+    from fusedenc.lc0.__main__ import main
+
+    assert main([str(tiny_path), "--no-bench"]) == 0
+    out = capsys.readouterr().out
+    assert '"layers": 2' in out and '"d_model": 64' in out and '"smolgen"' in out
+    bad = tmp_path / "bad.pb.gz"
+    bad.write_bytes(b"\x1f\x8b not really gzip")
+    assert main([str(bad)]) == 2
+    assert "cannot read" in capsys.readouterr().err
