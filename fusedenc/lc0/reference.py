@@ -32,10 +32,12 @@ Dense weights are stored ``[out][in]`` in the file, so every linear layer here i
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ..activations import apply_activation
@@ -44,7 +46,7 @@ from .errors import Lc0FormatError
 from .netfile import NetFile, check_supported
 from .schema import ActivationFunction, InputEmbeddingFormat, MovesLeftFormat, ValueFormat
 
-__all__ = ["LC0_DEFAULT_EPS", "reference_forward"]
+__all__ = ["LC0_DEFAULT_EPS", "ReferenceNetwork", "placed", "reference_forward"]
 
 #: LayerNorm eps of the body: 1e-3 for PE_DENSE nets, 1e-6 otherwise (smolgen's and the
 #: embedding's LayerNorms always use 1e-3).
@@ -159,53 +161,90 @@ def _moves_left(x: torch.Tensor, w: Mapping[str, Any], act: str) -> torch.Tensor
     return F.relu(_dense(m, w["ip2_mov_w"], w["ip2_mov_b"]))
 
 
-def reference_forward(net: NetFile, planes: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The whole network of ``net`` (``read_net``'s result) on ``planes [B, 112, 8, 8]``,
-    computed in ``planes``'s dtype (use float32 or float64 for references).
+class ReferenceNetwork(nn.Module):
+    """The whole network of ``net`` in plain PyTorch, decided once: the format checks, the
+    activations and the heads are resolved here, ``forward`` is only the math, in the dtype
+    and on the device of its input (``placed`` puts the weights there first for speed).
 
-    Returns ``{"policy": [B, 1858], "wdl": [B, 3]}`` (``"value": [B, 1]`` for a net without a
-    WDL head) plus ``"moves_left": [B, 1]`` when the net has that head.  Raises
-    ``Lc0FormatError`` for what ``check_supported`` refuses.
+    ``forward(planes [B, 112, 8, 8])`` returns ``{"policy": [B, 1858], "wdl": [B, 3]}``
+    (``"value": [B, 1]`` for a net without a WDL head) plus ``"moves_left": [B, 1]`` when the
+    net has that head.
     """
-    check_supported(net)
-    if planes.dim() != 4 or tuple(planes.shape[1:]) != (112, 8, 8):
-        raise ValueError(f"planes must be [B, 112, 8, 8], got shape {tuple(planes.shape)}")
-    if net.input_embedding != InputEmbeddingFormat.PE_DENSE:
-        raise Lc0FormatError(f"{net.source}: only PE_DENSE embeddings are supported")
-    acts = net.activation_names()
-    default_act, ffn_act, smolgen_act = acts["default"], acts["ffn"], acts["smolgen"]
-    w = net.weights
-    b = planes.shape[0]
-    x = planes.permute(0, 2, 3, 1).reshape(b, 64, 112)
-    # PE_DENSE: the first 12 planes of every square, as one vector, give each square more inputs.
-    pos = _dense(x[:, :, :12].reshape(b, 64 * 12), w["ip_emb_preproc_w"], w["ip_emb_preproc_b"])
-    x = torch.cat([x, pos.view(b, 64, -1)], dim=-1)
-    x = apply_activation(_dense(x, w["ip_emb_w"], w["ip_emb_b"]), default_act)
-    d = x.shape[-1]
-    x = _ln(x, w["ip_emb_ln_gammas"], w["ip_emb_ln_betas"], 1e-3)
-    if _present(w.get("ip_mult_gate")):
-        x = x * w["ip_mult_gate"].view(d, 64).t().to(x)  # stored [D][64]
-    if _present(w.get("ip_add_gate")):
-        x = x + w["ip_add_gate"].view(d, 64).t().to(x)
-    layers = w["encoder"]
-    alpha = (2.0 * len(layers)) ** -0.25
-    eps = LC0_DEFAULT_EPS["PE_DENSE"]
-    x = _ffn(x, w["ip_emb_ffn"], ffn_act, alpha)
-    x = _ln(x, w["ip_emb_ffn_ln_gammas"], w["ip_emb_ffn_ln_betas"], 1e-3)
-    heads = w["headcount"]
-    smolgen_w = w.get("smolgen_w")
-    for layer in layers:
-        x = _encoder_layer(x, layer, heads, default_act, ffn_act, smolgen_act, smolgen_w, alpha, eps)
 
-    policy_head = net.policy_heads()["vanilla"]
-    # The policy head's encoder layers take the net's FFN activation when it names one, else the head's.
-    policy_ffn = ffn_act if net.ffn_activation != ActivationFunction.DEFAULT else acts["policy"]
-    out = {"policy": _policy(x, policy_head, acts["policy"], policy_ffn, smolgen_act, smolgen_w, eps)}
-    wdl = net.value_format == ValueFormat.WDL
-    out["wdl" if wdl else "value"] = _value(x, net.value_heads()["winner"], default_act, wdl)
-    if net.moves_left_format == MovesLeftFormat.V1:
-        out["moves_left"] = _moves_left(x, w, default_act)
-    return out
+    def __init__(self, net: NetFile):
+        super().__init__()
+        check_supported(net)
+        if net.input_embedding != InputEmbeddingFormat.PE_DENSE:
+            raise Lc0FormatError(f"{net.source}: only PE_DENSE embeddings are supported")
+        acts = net.activation_names()
+        self.default_act, self.ffn_act, self.smolgen_act = acts["default"], acts["ffn"], acts["smolgen"]
+        self.policy_act = acts["policy"]
+        # The policy head's encoder layers take the net's FFN activation when it names one, else the head's.
+        self.policy_ffn_act = self.ffn_act if net.ffn_activation != ActivationFunction.DEFAULT else self.policy_act
+        self.weights = net.weights
+        self.policy_head = net.policy_heads()["vanilla"]
+        self.value_head = net.value_heads()["winner"]
+        self.wdl = net.value_format == ValueFormat.WDL
+        self.moves_left = net.moves_left_format == MovesLeftFormat.V1
+
+    def forward(self, planes: torch.Tensor) -> dict[str, torch.Tensor]:
+        if planes.dim() != 4 or tuple(planes.shape[1:]) != (112, 8, 8):
+            raise ValueError(f"planes must be [B, 112, 8, 8], got shape {tuple(planes.shape)}")
+        w = self.weights
+        b = planes.shape[0]
+        x = planes.permute(0, 2, 3, 1).reshape(b, 64, 112)
+        # PE_DENSE: the first 12 planes of every square, as one vector, give each square more inputs.
+        pos = _dense(x[:, :, :12].reshape(b, 64 * 12), w["ip_emb_preproc_w"], w["ip_emb_preproc_b"])
+        x = torch.cat([x, pos.view(b, 64, -1)], dim=-1)
+        x = apply_activation(_dense(x, w["ip_emb_w"], w["ip_emb_b"]), self.default_act)
+        d = x.shape[-1]
+        x = _ln(x, w["ip_emb_ln_gammas"], w["ip_emb_ln_betas"], 1e-3)
+        if _present(w.get("ip_mult_gate")):
+            x = x * w["ip_mult_gate"].view(d, 64).t().to(x)  # stored [D][64]
+        if _present(w.get("ip_add_gate")):
+            x = x + w["ip_add_gate"].view(d, 64).t().to(x)
+        layers = w["encoder"]
+        alpha = (2.0 * len(layers)) ** -0.25
+        eps = LC0_DEFAULT_EPS["PE_DENSE"]
+        x = _ffn(x, w["ip_emb_ffn"], self.ffn_act, alpha)
+        x = _ln(x, w["ip_emb_ffn_ln_gammas"], w["ip_emb_ffn_ln_betas"], 1e-3)
+        heads = w["headcount"]
+        smolgen_w = w.get("smolgen_w")
+        for layer in layers:
+            x = _encoder_layer(x, layer, heads, self.default_act, self.ffn_act, self.smolgen_act, smolgen_w, alpha, eps)
+        out = {
+            "policy": _policy(
+                x, self.policy_head, self.policy_act, self.policy_ffn_act, self.smolgen_act, smolgen_w, eps
+            )
+        }
+        out["wdl" if self.wdl else "value"] = _value(x, self.value_head, self.default_act, self.wdl)
+        if self.moves_left:
+            out["moves_left"] = _moves_left(x, w, self.default_act)
+        return out
+
+
+def reference_forward(net: NetFile, planes: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``ReferenceNetwork(net)(planes)``: the whole network of ``net`` (``read_net``'s result)
+    on ``planes [B, 112, 8, 8]``, computed in ``planes``'s dtype (float32 or float64 for
+    references).  Raises ``Lc0FormatError`` for what ``check_supported`` refuses."""
+    return ReferenceNetwork(net)(planes)
+
+
+def placed(net: NetFile, device: Union[str, torch.device], dtype: torch.dtype) -> NetFile:
+    """A copy of ``net`` with every weight already in ``dtype`` on ``device``: the reference then
+    runs as an idiomatic PyTorch implementation would (no conversion per call), which is how the
+    benchmarks time it as the torch peer."""
+
+    def move(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return node.to(device=device, dtype=dtype) if node.is_floating_point() else node.to(device)
+        if isinstance(node, dict):
+            return {k: move(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [move(v) for v in node]
+        return node
+
+    return dataclasses.replace(net, weights=move(net.weights))
 
 
 def _present(t: Optional[torch.Tensor]) -> bool:

@@ -1,0 +1,191 @@
+"""Whole Lc0 network throughput: fusedenc against PyTorch on the same net, planes in, heads out.
+
+    python3 bench/lc0.py --net NET.pb.gz [--batch-sizes 64,256,1024]
+    python3 bench/lc0.py --synthetic t82,bt4       # synthetic nets of those shapes (tests/lc0_writer.py)
+
+Implementations (one process, the same file, the same input planes):
+
+  torch                 fusedenc.lc0.reference.ReferenceNetwork with every weight already in
+                        the run's dtype on the GPU: the whole net written plainly in PyTorch
+                        (the idiomatic implementation, and the tests' oracle)
+  torch-compile         torch.compile of it, default mode (``--compile-modes`` adds modes,
+                        e.g. reduce-overhead: CUDA graphs)
+  fusedenc              fusedenc.lc0.load_network's Lc0Network, eager
+  fusedenc-graph        the same, its whole forward captured as one CUDA graph per batch size
+
+Correctness before timing, at the smallest batch: every implementation's policy, WDL and
+moves-left against the reference in fp32 (TF32 off), with the project's rule
+``max|out - ref32| <= slack * 2 * max|torch - ref32| + atol`` (slack 1.5, ``--check-slack``).
+Timing: device events, warm-up, median of ``--reps`` (>= 20) calls; compile and capture
+time measured apart.  Writes ``<out-dir>/lc0_<tag>.json`` and ``.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from fusedenc import dtypes  # noqa: E402
+from fusedenc.lc0 import Lc0Network, read_net  # noqa: E402
+from fusedenc.lc0.reference import ReferenceNetwork, placed  # noqa: E402
+from fusedenc.tune.timing import MIN_REPS, time_calls  # noqa: E402
+
+SCHEMA = "fusedenc.bench.lc0/1"
+
+
+def _synthetic(name: str, out_dir: str) -> str:
+    """A synthetic net of preset ``name`` (random weights in lc0's shapes), written once."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from lc0_writer import write_preset  # the tests' writer: synthetic nets are test material
+
+    path = os.path.join(out_dir, f"synthetic-{name}.pb.gz")
+    if not os.path.exists(path):
+        write_preset(path, name, seed=1)
+    return path
+
+
+def _planes(batch: int, device: torch.device, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    planes = (torch.rand((batch, 112, 8, 8), generator=g) < 0.1).float()
+    planes[:, 108] = torch.rand((batch, 1, 1), generator=g)
+    planes[:, 111] = 1.0
+    return planes.to(device=device, dtype=dtype)
+
+
+def _graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()  # plans, workspaces and constants made before capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _max_err(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max((out[k].double() - ref[k].double()).abs().max().item() for k in ref)
+
+
+def run_net(path: str, args, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    file = read_net(path)
+    desc = file.describe()
+    ref_net = ReferenceNetwork(placed(file, device, torch.float32))
+    torch_net = ReferenceNetwork(placed(file, device, dtype))
+    fast = Lc0Network(file, dtype=dtype, device=device)
+    impls: dict[str, Callable[[torch.Tensor], Any]] = {"torch": torch_net, "fusedenc": fast}
+    for mode in ["default"] + args.compile_modes:
+        name = "torch-compile" if mode == "default" else f"torch-compile:{mode}"
+        impls[name] = torch.compile(torch_net, mode=None if mode == "default" else mode)
+    batches = args.batch_sizes
+    rec: dict[str, Any] = {"net": path, "description": desc, "rows": [], "check": {}}
+    # Correctness at the smallest batch, before any timing.
+    check_b = min(batches)
+    x = _planes(check_b, device, dtype, args.seed)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = ref_net(x.float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    base = _max_err(torch_net(x), ref)
+    bound = args.check_slack * 2 * base + dtypes.ATOL[dtype]
+    ok = {}
+    for name, fn in impls.items():
+        err = _max_err(fn(x), ref)
+        ok[name] = err <= bound
+        rec["check"][name] = {"err": err, "bound": bound, "ok": ok[name]}
+        print(f"   check {name:28s} err {err:.3g} <= {bound:.3g}  {'ok' if ok[name] else 'FAILED: not timed'}")
+    for b in batches:
+        x = _planes(b, device, dtype, args.seed + b)
+        for name, fn in impls.items():
+            if not ok[name]:
+                continue
+            t0 = time.perf_counter()
+            fn(x)  # first call: compile, plans
+            torch.cuda.synchronize(device)
+            first_s = time.perf_counter() - t0
+            t = time_calls(lambda inp, fn=fn: fn(inp), [x], reps=args.reps, device=device)
+            rec["rows"].append({"batch": b, "impl": name, "ms": t.ms, "nps": b / (t.ms * 1e-3), "first_call_s": first_s})
+        if ok["fusedenc"]:
+            replay = _graphed(lambda x=x: fast(x), device)
+            t = time_calls(lambda _: replay(), [None], reps=args.reps, device=device)
+            rec["rows"].append({"batch": b, "impl": "fusedenc-graph", "ms": t.ms, "nps": b / (t.ms * 1e-3)})
+    return rec
+
+
+def report(rec: dict[str, Any]) -> list[str]:
+    d = rec["description"]
+    lines = [
+        f"== {os.path.basename(rec['net'])}: {d.get('layers')} layers, d_model {d.get('d_model')}, {d.get('heads')} heads, "
+        f"FFN {d.get('d_ff')}, activations {d.get('activations')}, smolgen {d.get('smolgen')}, embedding {d.get('embedding')}",
+        f"   {'batch':>5}  {'implementation':28s} {'positions/s':>12} {'ms':>9} {'x torch':>8} {'x best torch':>12}",
+    ]
+    for b in sorted({r["batch"] for r in rec["rows"]}):
+        rows = [r for r in rec["rows"] if r["batch"] == b]
+        torch_nps = next((r["nps"] for r in rows if r["impl"] == "torch"), None)
+        best = max((r["nps"] for r in rows if r["impl"].startswith("torch")), default=None)
+        for r in rows:
+            ratio = f"{r['nps'] / torch_nps:.2f}x" if torch_nps else "-"
+            vs_best = f"{r['nps'] / best:.2f}x" if best else "-"
+            lines.append(f"   {b:>5}  {r['impl']:28s} {r['nps']:>12,.0f} {r['ms']:>9.3f} {ratio:>8} {vs_best:>12}")
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--net", action="append", help="an lc0 network file (.pb.gz); repeatable")
+    src.add_argument("--synthetic", type=common.comma_list, help="synthetic nets: tiny, t82, bt4 (comma list)")
+    ap.add_argument("--batch-sizes", type=lambda s: [int(v) for v in common.comma_list(s)], default=[64, 256, 1024])
+    ap.add_argument("--compile-modes", type=common.comma_list, default=[],
+                    help="torch.compile modes besides the default (e.g. reduce-overhead)")  # fmt: skip
+    ap.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), default="float16")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check-slack", type=float, default=1.5)
+    ap.add_argument("--out-dir", default=os.environ.get(common.RESULTS_DIR_ENV) or common.DEFAULT_RESULTS_DIR)
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    if args.reps < MIN_REPS:
+        ap.error(f"--reps must be at least {MIN_REPS}")
+    if not torch.cuda.is_available():
+        print("bench/lc0.py times the whole net on a GPU; none is visible (python -m fusedenc.lc0 NET "
+              "describes a net on any machine)", file=sys.stderr)  # fmt: skip
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    dtype = dtypes.BY_NAME[args.dtype]
+    os.makedirs(args.out_dir, exist_ok=True)
+    nets = args.net or [_synthetic(n, args.out_dir) for n in args.synthetic]
+    env = common.environment(device)
+    head = [f"fusedenc Lc0 whole-network benchmark on {common.describe_environment(env)}; "
+            f"fusedenc backend: {env['fusedenc_backend']}; {args.dtype}, median of {args.reps} calls"]  # fmt: skip
+    print(head[0])
+    tag = args.tag or "-".join(os.path.basename(p).split(".")[0] for p in nets) + f"_{args.dtype}_{common.slug(env['device_name'])}"
+    base = os.path.join(args.out_dir, f"lc0_{tag}")
+    records, lines = [], list(head)
+    with torch.inference_mode():
+        for path in nets:
+            rec = run_net(path, args, device, dtype)
+            records.append(rec)
+            lines += [""] + report(rec)
+            print("\n".join(report(rec)), flush=True)
+            # Written after each net, so a run cut off by a time limit keeps what finished.
+            common.write_json(base + ".json", {"schema": SCHEMA, "environment": env, "args": vars(args), "results": records})
+            with open(base + ".txt", "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+    print(f"wrote {base}.json, {base}.txt")
+    return 0 if all(all(c["ok"] for c in r["check"].values()) for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
