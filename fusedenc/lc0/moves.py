@@ -181,13 +181,29 @@ def attention_policy_map() -> torch.Tensor:
     return _attention_map().clone()
 
 
-@functools.cache
-def _gather_index(device: torch.device) -> torch.Tensor:
+def _build_gather_index() -> torch.Tensor:
     table = _attention_map()
     slots = torch.nonzero(table >= 0).flatten()
     index = torch.empty(NUM_POLICY_MOVES, dtype=torch.int64)
     index[table[slots]] = slots
-    return index.to(device)
+    return index
+
+
+#: The gather index on the CPU, built once at import, and its copies per device.  A plain
+#: dict rather than functools.cache: torch.compile traces through a cached function into
+#: ``nonzero`` (a data-dependent shape) and breaks the graph on every call, where a dict
+#: lookup of a ready tensor traces as a constant.
+_GATHER_INDEX_CPU = _build_gather_index()
+_GATHER_INDEX: dict[torch.device, torch.Tensor] = {torch.device("cpu"): _GATHER_INDEX_CPU}
+
+
+def _gather_index(device: torch.device) -> torch.Tensor:
+    index = _GATHER_INDEX.get(device)
+    if index is None:
+        index = _GATHER_INDEX_CPU.to(device)
+        if not torch.compiler.is_compiling():  # kept only when made eagerly (not in a trace)
+            _GATHER_INDEX[device] = index
+    return index
 
 
 def gather_policy(attn_logits: torch.Tensor) -> torch.Tensor:
