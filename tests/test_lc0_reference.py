@@ -112,3 +112,14 @@ def test_promotion_layout_matches_the_move_modules_construction(gen):
 def test_bad_planes_are_refused_before_any_work(tiny_net):
     with pytest.raises(ValueError, match=r"planes must be \[B, 112, 8, 8\]"):
         reference_forward(tiny_net, torch.zeros(2, 111, 8, 8))
+
+
+def test_the_reference_traces_as_one_graph(tiny_net):
+    """The torch peer of bench/lc0.py is torch.compile of the reference: a graph break (e.g. in
+    the policy gather) would make that peer slower than a user's compiled net, an unfair baseline."""
+    import torch._dynamo as dynamo
+
+    from fusedenc.lc0.reference import ReferenceNetwork
+
+    explanation = dynamo.explain(ReferenceNetwork(tiny_net))(torch.zeros(2, 112, 8, 8))
+    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
