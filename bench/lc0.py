@@ -36,7 +36,7 @@ import common  # noqa: E402
 from fusedenc import dtypes  # noqa: E402
 from fusedenc.lc0 import Lc0Network, read_net  # noqa: E402
 from fusedenc.lc0.reference import ReferenceNetwork, placed  # noqa: E402
-from fusedenc.tune.timing import MIN_REPS, time_calls  # noqa: E402
+from fusedenc.tune.timing import MIN_REPS, sync, time_calls  # noqa: E402
 
 SCHEMA = "fusedenc.bench.lc0/1"
 
@@ -76,16 +76,26 @@ def _max_err(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> floa
     return max((out[k].double() - ref[k].double()).abs().max().item() for k in ref)
 
 
-def run_net(path: str, args, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+#: What this benchmark can time; ``run_net``'s ``wanted`` picks among them (bench/nps.py --net).
+IMPLS = ("torch", "torch-compile", "fusedenc", "fusedenc-graph")
+
+
+def run_net(
+    path: str, args, device: torch.device, dtype: torch.dtype, wanted: tuple[str, ...] = IMPLS
+) -> dict[str, Any]:
+    """Check, then time, the implementations in ``wanted`` on the net at ``path`` (``args``:
+    batch_sizes, compile_modes, reps, seed, check_slack).  CUDA graphs only on a GPU."""
     file = read_net(path)
     desc = file.describe()
     ref_net = ReferenceNetwork(placed(file, device, torch.float32))
     torch_net = ReferenceNetwork(placed(file, device, dtype))
     fast = Lc0Network(file, dtype=dtype, device=device)
     impls: dict[str, Callable[[torch.Tensor], Any]] = {"torch": torch_net, "fusedenc": fast}
-    for mode in ["default"] + args.compile_modes:
-        name = "torch-compile" if mode == "default" else f"torch-compile:{mode}"
-        impls[name] = torch.compile(torch_net, mode=None if mode == "default" else mode)
+    if "torch-compile" in wanted:
+        for mode in ["default"] + args.compile_modes:
+            name = "torch-compile" if mode == "default" else f"torch-compile:{mode}"
+            impls[name] = torch.compile(torch_net, mode=None if mode == "default" else mode)
+    graph = "fusedenc-graph" in wanted and device.type == "cuda"
     batches = args.batch_sizes
     rec: dict[str, Any] = {"net": path, "description": desc, "rows": [], "check": {}}
     # Correctness at the smallest batch, before any timing.
@@ -112,11 +122,11 @@ def run_net(path: str, args, device: torch.device, dtype: torch.dtype) -> dict[s
                 continue
             t0 = time.perf_counter()
             fn(x)  # first call: compile, plans
-            torch.cuda.synchronize(device)
+            sync(device)
             first_s = time.perf_counter() - t0
             t = time_calls(lambda inp, fn=fn: fn(inp), [x], reps=args.reps, device=device)
             rec["rows"].append({"batch": b, "impl": name, "ms": t.ms, "nps": b / (t.ms * 1e-3), "first_call_s": first_s})
-        if ok["fusedenc"]:
+        if graph and ok["fusedenc"]:
             replay = _graphed(lambda x=x: fast(x), device)
             t = time_calls(lambda _: replay(), [None], reps=args.reps, device=device)
             rec["rows"].append({"batch": b, "impl": "fusedenc-graph", "ms": t.ms, "nps": b / (t.ms * 1e-3)})

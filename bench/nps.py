@@ -3,6 +3,7 @@
     python3 bench/nps.py                          # t82, bt4, bert-base on a GPU; tiny on CPU
     python3 bench/nps.py --preset t82 --batch-sizes 1,16,256 --impl torch,torch-compile,fusedenc-graph
     python3 bench/nps.py --compile-modes max-autotune-no-cudagraphs,reduce-overhead
+    python3 bench/nps.py --preset t82 --net NET.pb.gz   # a whole lc0 net beside the presets (bench/lc0.py)
 
 Presets (fusedenc/tune/presets.py): t82, bt4 (Lc0-style post-LN with alpha = (2L)^-0.25,
 64 tokens per position), bert-base (sequence 128 and 512; ``bert-base-s512``
@@ -82,6 +83,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: import the sibling modules
 
 import common  # noqa: E402
+import lc0 as lc0_bench  # noqa: E402  (bench/lc0.py: whole lc0 networks)
 from nps_report import plot, report_lines, write_outputs  # noqa: E402
 from peers import (  # noqa: E402
     IMPLS,
@@ -303,6 +305,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (after the first call)")
     ap.add_argument("--check-slack", type=float, default=1.5, help="slack factor of the correctness rule (1.5)")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    ap.add_argument("--net", action="append", default=[],
+                    help="an lc0 network file (.pb.gz), repeatable: its whole network (planes in, heads out) "
+                         "goes into the table beside the presets, timed as bench/lc0.py times it")  # fmt: skip
     common.add_common_args(ap, "timed calls per point")
     args = ap.parse_args(argv)
     common.check_common_args(ap, args)
@@ -356,7 +361,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     base_path = common.result_base_path(args, runs, env, "nps")
 
     n_impl_rows = len(wanted) + (len(args.compile_modes) if "torch-compile" in wanted else 0)
-    total = 1 + len(runs) * (1 + n_impl_rows * (1 + len(args.batch_sizes)) + len(args.batch_sizes))
+    total = 1 + len(runs) * (1 + n_impl_rows * (1 + len(args.batch_sizes)) + len(args.batch_sizes)) + len(args.net)
     progress = common.Progress(total, "nps", enabled=not args.no_progress, step_timeout=args.step_timeout)
     records: list[dict[str, Any]] = []
     with torch.inference_mode():
@@ -377,6 +382,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             # that is cut off still leaves its finished presets behind.
             progress.write("\n" + "\n".join(report_lines(records[-1], run)))
             failures, errors = write_outputs(base_path, head, records, runs, ceilings, env, notes, args, argv)
+        nets, net_lines = [], []
+        for path in args.net:  # whole lc0 networks, after the presets
+            progress.step(f"lc0 net {os.path.basename(path)}")
+            rec = lc0_bench.run_net(path, args, device, runs[0].dtype, tuple(i for i in args.impls if i in lc0_bench.IMPLS))
+            nets.append(rec)
+            net_lines += [""] + lc0_bench.report(rec)
+            progress.write("\n" + "\n".join(lc0_bench.report(rec)))
+            failures, errors = write_outputs(
+                base_path, head, records, runs, ceilings, env, notes, args, argv, nets, net_lines
+            )  # fmt: skip
     progress.close()
 
     if failures:

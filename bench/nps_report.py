@@ -141,14 +141,20 @@ def plot(records: list[dict[str, Any]], runs: list[Run], path: str, env: dict[st
     return None
 
 
-def write_outputs(base_path, head, records, runs, ceilings, env, notes, args, argv) -> tuple[list[str], list[str]]:
-    """The JSON and the text tables of the runs finished so far; returns (check failures, errors)."""
+def write_outputs(
+    base_path, head, records, runs, ceilings, env, notes, args, argv, nets=(), net_lines=()
+) -> tuple[list[str], list[str]]:
+    """The JSON and the text tables of the runs finished so far, then those of the lc0 nets
+    (``--net``: ``nets`` as bench/lc0.py records them, ``net_lines`` its table lines);
+    returns (check failures, errors)."""
     on_gpu = env["device"].startswith("cuda")
     lines = head[:]
     for rec, run in zip(records, runs):
         lines += [""] + report_lines(rec, run)
+    lines += list(net_lines)
     failures = [f"{r['name']}: {n}" for r in records for n, e in r["impls"].items()
                 if e.get("check", {}).get("passed") is False]  # fmt: skip
+    failures += [f"{n['net']}: {impl}" for n in nets for impl, c in n["check"].items() if not c["ok"]]
     errors = [f"{r['name']}: {e}" for r in records for e in r["errors"]]
     if failures:
         lines += ["", "CHECK FAILURES (not timed): " + "; ".join(failures)]
@@ -174,6 +180,7 @@ def write_outputs(base_path, head, records, runs, ceilings, env, notes, args, ar
         "check_passed": not failures,
         "errors": errors,
         "runs": records,
+        "nets": list(nets),
     }
     common.write_json(base_path + ".json", result)
     with open(base_path + ".txt", "w", encoding="utf-8") as f:

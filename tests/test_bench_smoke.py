@@ -113,3 +113,19 @@ def test_default_file_name_names_preset_dtype_and_device(script, tmp_path):
     extra = ["--batch-sizes", "1"] if script == "nps.py" else ["--tokens", "64"]
     r = _run(script, ["--preset", "tiny", "--reps", "20", *extra], tmp_path, tag=None)
     assert r["check_passed"] is True
+
+
+def test_nps_puts_an_lc0_net_beside_the_presets(tmp_path):
+    """``bench/nps.py --net NET.pb.gz``: the whole net (planes in, heads out) checked against
+    the fp32 reference, then timed, in the same table and JSON as the presets."""
+    net = os.path.join(ROOT, "tests", "data", "lc0", "lc0_linear16_mish_smolgen.pb.gz")
+    r = _run("nps.py", ["--preset", "tiny", "--batch-sizes", "4", "--reps", "20", "--impl", "torch,fusedenc",
+                        "--net", net], tmp_path)  # fmt: skip
+    assert r["check_passed"] is True and r["errors"] == []
+    [rec] = r["nets"]
+    assert rec["net"] == net and rec["description"]["layers"] == 2
+    assert {c for c, v in rec["check"].items() if v["ok"]} == {"torch", "fusedenc"}
+    rows = {(row["batch"], row["impl"]) for row in rec["rows"]}
+    assert rows == {(4, "torch"), (4, "fusedenc")}
+    assert all(row["nps"] > 0 for row in rec["rows"])
+    assert "lc0_linear16_mish_smolgen.pb.gz" in (tmp_path / "nps_smoke.txt").read_text(encoding="utf-8")
