@@ -7,7 +7,8 @@ every weight to float32; ``check_supported`` says whether fusedenc can run it.
 * ``protobuf`` - the protobuf wire format (decode / encode against a schema);
 * ``schema``   - lc0's messages, field numbers and enums, as one table;
 * ``weights``  - weight layers (LINEAR16, FLOAT16, BFLOAT16, FLOAT32) to tensors and back;
-* ``netfile``  - ``read_net``, ``NetFile``, ``check_supported``, ``expected_shapes``;
+* ``netfile``  - ``read_net``, ``NetFile``;
+* ``support``  - ``check_supported``, ``expected_shapes``: whether fusedenc runs a net;
 * ``moves``    - the 1858-move policy order and the attention-policy gather, from lc0's rules;
 * ``reference`` - ``reference_forward``: the whole net (planes in, heads out) in plain
   PyTorch from the semantics of lc0's ONNX converter, the oracle of the fast path.
@@ -17,8 +18,9 @@ every weight to float32; ``check_supported`` says whether fusedenc can run it.
 """
 
 from .errors import Lc0FileError, Lc0FormatError
-from .netfile import NetFile, check_supported, expected_shapes, read_net
+from .netfile import NetFile, read_net
 from .network import Lc0Network, load_network
+from .support import check_supported, expected_shapes
 from .schema import (
     ActivationFunction,
     DefaultActivation,

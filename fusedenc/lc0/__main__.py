@@ -19,7 +19,8 @@ import torch
 from ..tune.cli import int_list
 from ..tune.timing import time_graph
 from .errors import Lc0FileError, Lc0FormatError
-from .netfile import check_supported, read_net
+from .netfile import read_net
+from .support import check_supported
 from .network import Lc0Network
 
 

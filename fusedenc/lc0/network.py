@@ -29,7 +29,8 @@ from ..norm import layer_norm
 from ..ops import linear
 from . import moves
 from .errors import Lc0FormatError
-from .netfile import NetFile, check_supported, read_net
+from .netfile import NetFile, read_net
+from .support import check_supported
 from .schema import InputEmbeddingFormat, MovesLeftFormat, ValueFormat
 
 __all__ = ["Lc0Network", "load_network"]

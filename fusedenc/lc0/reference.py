@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from ..activations import apply_activation
 from . import moves
 from .errors import Lc0FormatError
-from .netfile import NetFile, check_supported
+from .netfile import NetFile, present
+from .support import check_supported
 from .schema import ActivationFunction, InputEmbeddingFormat, MovesLeftFormat, ValueFormat
 
 __all__ = ["LC0_DEFAULT_EPS", "ReferenceNetwork", "placed", "reference_forward"]
@@ -199,9 +200,9 @@ class ReferenceNetwork(nn.Module):
         x = apply_activation(_dense(x, w["ip_emb_w"], w["ip_emb_b"]), self.default_act)
         d = x.shape[-1]
         x = _ln(x, w["ip_emb_ln_gammas"], w["ip_emb_ln_betas"], 1e-3)
-        if _present(w.get("ip_mult_gate")):
+        if present(w.get("ip_mult_gate")):
             x = x * w["ip_mult_gate"].view(d, 64).t().to(x)  # stored [D][64]
-        if _present(w.get("ip_add_gate")):
+        if present(w.get("ip_add_gate")):
             x = x + w["ip_add_gate"].view(d, 64).t().to(x)
         layers = w["encoder"]
         alpha = (2.0 * len(layers)) ** -0.25
@@ -247,5 +248,3 @@ def placed(net: NetFile, device: Union[str, torch.device], dtype: torch.dtype) -
     return dataclasses.replace(net, weights=move(net.weights))
 
 
-def _present(t: Optional[torch.Tensor]) -> bool:
-    return t is not None and t.numel() > 0
