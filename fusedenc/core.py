@@ -257,8 +257,11 @@ def workspace(device: torch.device, stream: int) -> torch.Tensor:
 # alignment, and take a canonical activation name.
 
 
-def _gemm_args(a, lda, w, ldw, out, ldo, m, n, k, bias, residual, ldr, activation, alpha, beta, stream, workspace):
-    """The positional arguments of ``_C.gemm`` (and its tuning variants), spelled once."""
+def _gemm_args(
+    a, lda, w, ldw, out, ldo, m, n, k, bias=None, residual=None, ldr=0, activation="none", alpha=1.0, beta=1.0,
+    *, stream, workspace,
+):  # fmt: skip
+    """The positional arguments of ``_C.gemm`` (and its tuning variants) from ``gemm``'s, spelled once."""
     return (
         a.device.index, stream, m, n, k, a.data_ptr(), lda, w.data_ptr(), ldw,
         0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(), ldr,
@@ -305,7 +308,10 @@ def gemm(
             triton_gemm.launch(a, w, bias, out, activation, route)
             return
     module = _module or native_module()
-    if module.gemm(*_gemm_args(a, lda, w, ldw, out, ldo, m, n, k, bias, residual, ldr, activation, alpha, beta, stream, workspace)):
+    args = _gemm_args(
+        a, lda, w, ldw, out, ldo, m, n, k, bias, residual, ldr, activation, alpha, beta, stream=stream, workspace=workspace
+    )
+    if module.gemm(*args):
         _warn_fallback(module)
 
 
@@ -325,20 +331,12 @@ def gemm_candidates(*, count: int, **problem: Any) -> dict[str, Any]:
     """Up to ``count`` heuristic candidates for the library call ``gemm(**problem)`` would plan
     (nothing runs; the plan cache is untouched): ``{key, epilogue, fell_back, candidates}``;
     candidate 0 is the default pick.  ``problem``: ``gemm``'s keyword arguments."""
-    return native_module().gemm_candidates(*_problem_args(problem), count)
+    return native_module().gemm_candidates(*_gemm_args(**problem), count)
 
 
 def gemm_with_candidate(*, count: int, index: int, **problem: Any) -> None:
     """The library call ``gemm(**problem)`` with candidate ``index`` of ``gemm_candidates(count=count)``."""
-    native_module().gemm_with_candidate(*_problem_args(problem), count, index)
-
-
-def _problem_args(p: dict[str, Any]) -> tuple:
-    return _gemm_args(
-        p["a"], p["lda"], p["w"], p["ldw"], p["out"], p["ldo"], p["m"], p["n"], p["k"], p.get("bias"),
-        p.get("residual"), p.get("ldr", 0), p.get("activation", "none"), p.get("alpha", 1.0), p.get("beta", 1.0),
-        p["stream"], p["workspace"],
-    )  # fmt: skip
+    native_module().gemm_with_candidate(*_gemm_args(**problem), count, index)
 
 
 def max_gemm_candidates() -> int:

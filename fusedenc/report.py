@@ -6,16 +6,8 @@ from typing import Any
 
 from . import core, dtypes, gemm_routes
 from .activations import ACTIVATIONS
-from .core import clear_plan_cache, fallback_events, gemm_choices, plan_cache_info, set_plan_cache_limit
 
-__all__ = [
-    "capabilities",
-    "clear_plan_cache",
-    "fallback_events",
-    "gemm_choices",
-    "plan_cache_info",
-    "set_plan_cache_limit",
-]
+__all__ = ["capabilities"]
 
 _DTYPES = tuple(dtypes.name(d) for d in dtypes.SUPPORTED)
 

@@ -14,11 +14,12 @@ import datetime
 import json
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = [
     "CONFIG_DIR_ENV",
     "config_dir",
+    "entries_to_keep",
     "measured_by",
     "metadata_differences",
     "parse_file_header",
@@ -80,6 +81,30 @@ def warn_once_per_file(seen: set[str], path: str, message: str, category: type[W
         return
     seen.add(path)
     warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def entries_to_keep(
+    path: str,
+    *,
+    replace: bool,
+    parse: Callable[[str], tuple[Optional[dict[str, Any]], list]],
+    here: dict[str, Any],
+    keys: tuple[str, ...],
+) -> list:
+    """What a tuner's new file keeps of the file already at ``path``: its entries
+    (``parse(text) -> (measured_with, entries)``) when it parses and was measured on this
+    setup (``here`` on ``keys``), as the loader would judge it; none with ``replace``, when
+    the file is absent, or when it does not fit.  The caller drops the problems it re-measured."""
+    if replace or not os.path.exists(path):
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            measured, entries = parse(f.read())
+    except (OSError, ValueError):
+        return []
+    if measured is None or metadata_differences(measured, here, keys):
+        return []
+    return entries
 
 
 def write_json_atomically(path: str, obj: dict) -> None:

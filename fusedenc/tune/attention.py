@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from typing import Callable
 
@@ -228,15 +227,13 @@ def _measure_case(names, b, s, h, d, dtype, variant, device, gen, args) -> dict:
 def merge_table(path, arch, meta, rules: dict, replace: bool) -> dict:
     """The table to write: the new rules, plus the old file's rules for other problems when
     the old file is valid and was measured on this same setup (as the loader would judge it)."""
-    old_rules: list[dict] = []
-    if not replace and os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                old, measured_with = A.parse_table(f.read(), path, "user", arch)
-            if not table_files.metadata_differences(measured_with, meta, A.METADATA_KEYS):
-                old_rules = [r for r in old.rules if tuple(r.get("match", {}).values()) not in rules]
-        except (OSError, ValueError):
-            old_rules = []
+
+    def parse(text: str) -> tuple[dict, list]:
+        table, measured_with = A.parse_table(text, path, "user", arch)
+        return measured_with, list(table.rules)
+
+    old = table_files.entries_to_keep(path, replace=replace, parse=parse, here=meta, keys=A.METADATA_KEYS)
+    old_rules = [r for r in old if tuple(r.get("match", {}).values()) not in rules]
     return {
         "schema": A.TABLE_SCHEMA,
         "arch": arch,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from typing import Callable, Optional
 
@@ -407,16 +406,12 @@ def run(args: argparse.Namespace) -> int:
 def merge_gemm_file(path, arch, meta, choices: list[dict], replace: bool) -> dict:
     """The file to write: the new choices, plus the old file's choices for other problems when
     the old file is valid and was measured on this same setup (as the loader would judge it)."""
-    old: list[dict] = []
-    if not replace and os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                measured_with, old_choices = gemm_tuning.parse_gemm_tuning(f.read(), arch)
-            if not table_files.metadata_differences(measured_with, meta, gemm_tuning.GEMM_MATCH_KEYS):
-                new = {gemm_tuning.key_ident(c["key"]) for c in choices}
-                old = [c for c in old_choices if gemm_tuning.key_ident(c["key"]) not in new]
-        except (OSError, ValueError):
-            old = []
+    old = table_files.entries_to_keep(
+        path, replace=replace, parse=lambda text: gemm_tuning.parse_gemm_tuning(text, arch), here=meta,
+        keys=gemm_tuning.GEMM_MATCH_KEYS,
+    )  # fmt: skip
+    new = {gemm_tuning.key_ident(c["key"]) for c in choices}
+    old = [c for c in old if gemm_tuning.key_ident(c["key"]) not in new]
     return {
         "schema": gemm_tuning.GEMM_TUNING_SCHEMA,
         "arch": arch,
