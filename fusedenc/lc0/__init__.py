@@ -20,7 +20,6 @@ every weight to float32; ``check_supported`` says whether fusedenc can run it.
 from .errors import Lc0FileError, Lc0FormatError
 from .netfile import NetFile, read_net
 from .network import Lc0Network, load_network
-from .support import check_supported, expected_shapes
 from .schema import (
     ActivationFunction,
     DefaultActivation,
@@ -30,6 +29,7 @@ from .schema import (
     PolicyFormat,
     ValueFormat,
 )
+from .support import check_supported, expected_shapes
 from .weights import decode_layer, expect_shape
 
 __all__ = [

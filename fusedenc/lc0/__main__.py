@@ -20,8 +20,8 @@ from ..tune.cli import int_list
 from ..tune.timing import time_graph
 from .errors import Lc0FileError, Lc0FormatError
 from .netfile import read_net
-from .support import check_supported
 from .network import Lc0Network
+from .support import check_supported
 
 
 def _bench(net: Lc0Network, batches: list[int]) -> None:

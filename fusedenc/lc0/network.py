@@ -30,8 +30,9 @@ from ..ops import linear
 from . import moves
 from .errors import Lc0FormatError
 from .netfile import NetFile, read_net
+from .reference import BODY_LAYER_NORM_EPS
+from .schema import MovesLeftFormat, ValueFormat
 from .support import check_supported
-from .schema import InputEmbeddingFormat, MovesLeftFormat, ValueFormat
 
 __all__ = ["Lc0Network", "load_network"]
 
@@ -138,8 +139,6 @@ class Lc0Network(nn.Module):
     def __init__(self, net: NetFile, *, dtype: torch.dtype = torch.float16, device: Union[str, torch.device] = "cuda"):
         super().__init__()
         check_supported(net)
-        if net.input_embedding != InputEmbeddingFormat.PE_DENSE:
-            raise Lc0FormatError(f"{net.source}: only PE_DENSE embeddings are supported")
         w = net.weights
         acts = net.activation_names()
         self.activations = acts
@@ -149,7 +148,7 @@ class Lc0Network(nn.Module):
         heads = w["headcount"]
         layers = w["encoder"]
         alpha = (2.0 * len(layers)) ** -0.25
-        eps = 1e-3  # PE_DENSE nets' LayerNorm eps
+        eps = BODY_LAYER_NORM_EPS
         kw = {"dtype": dtype, "device": device}
         self.d_model, self.heads, self.dtype = d, heads, dtype
 

@@ -42,16 +42,16 @@ import torch.nn.functional as F
 
 from ..activations import apply_activation
 from . import moves
-from .errors import Lc0FormatError
 from .netfile import NetFile, present
+from .schema import ActivationFunction, MovesLeftFormat, ValueFormat
 from .support import check_supported
-from .schema import ActivationFunction, InputEmbeddingFormat, MovesLeftFormat, ValueFormat
 
-__all__ = ["LC0_DEFAULT_EPS", "ReferenceNetwork", "placed", "reference_forward"]
+__all__ = ["BODY_LAYER_NORM_EPS", "ReferenceNetwork", "placed", "reference_forward"]
 
-#: LayerNorm eps of the body: 1e-3 for PE_DENSE nets, 1e-6 otherwise (smolgen's and the
-#: embedding's LayerNorms always use 1e-3).
-LC0_DEFAULT_EPS = {"PE_DENSE": 1e-3, "other": 1e-6}
+#: LayerNorm eps of the encoder layers: lc0 uses 1e-3 for PE_DENSE nets (the only embedding
+#: ``check_supported`` passes) and 1e-6 for others; smolgen's and the embedding's LayerNorms
+#: use 1e-3 whatever the net.
+BODY_LAYER_NORM_EPS = 1e-3
 
 
 def _dense(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
@@ -175,8 +175,6 @@ class ReferenceNetwork(nn.Module):
     def __init__(self, net: NetFile):
         super().__init__()
         check_supported(net)
-        if net.input_embedding != InputEmbeddingFormat.PE_DENSE:
-            raise Lc0FormatError(f"{net.source}: only PE_DENSE embeddings are supported")
         acts = net.activation_names()
         self.default_act, self.ffn_act, self.smolgen_act = acts["default"], acts["ffn"], acts["smolgen"]
         self.policy_act = acts["policy"]
@@ -206,7 +204,7 @@ class ReferenceNetwork(nn.Module):
             x = x + w["ip_add_gate"].view(d, 64).t().to(x)
         layers = w["encoder"]
         alpha = (2.0 * len(layers)) ** -0.25
-        eps = LC0_DEFAULT_EPS["PE_DENSE"]
+        eps = BODY_LAYER_NORM_EPS
         x = _ffn(x, w["ip_emb_ffn"], self.ffn_act, alpha)
         x = _ln(x, w["ip_emb_ffn_ln_gammas"], w["ip_emb_ffn_ln_betas"], 1e-3)
         heads = w["headcount"]
