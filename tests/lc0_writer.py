@@ -298,3 +298,12 @@ def write_net(
 def write_preset(path: "str | os.PathLike[str]", name: str, **overrides: Any) -> dict[str, torch.Tensor]:
     """``write_net`` with a ``PRESETS`` entry (``tiny``, ``t82``, ``bt4``) and overrides."""
     return write_net(path, **{**PRESETS[name], **overrides})
+
+
+def random_planes(batch: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Input planes like lc0's ``[B, 112, 8, 8]``: sparse 0/1 piece planes, a rule-50-like
+    scalar plane (108) and the all-ones plane (111); drawn on the CPU from ``gen``."""
+    planes = (torch.rand((batch, 112, 8, 8), generator=gen) < 0.1).float()
+    planes[:, 108] = torch.rand((batch, 1, 1), generator=gen)
+    planes[:, 111] = 1.0
+    return planes.to(dtype)

@@ -10,23 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lc0_writer import write_preset
+from lc0_writer import random_planes, write_preset
 
 from fusedenc.dtypes import ATOL
 from fusedenc.lc0 import Lc0FileError, load_network, read_net
 from fusedenc.lc0.reference import reference_forward
 
 
-def _planes(batch: int, gen: torch.Generator) -> torch.Tensor:
-    planes = (torch.rand((batch, 112, 8, 8), generator=gen) < 0.1).float()
-    planes[:, 108] = torch.rand((batch, 1, 1), generator=gen)
-    planes[:, 111] = 1.0
-    return planes
-
-
 def _check(path, dtype, device, batch, gen):
     net = load_network(str(path), dtype=dtype, device=device)
-    planes = _planes(batch, gen)
+    planes = random_planes(batch, gen)
     file = read_net(str(path))
     ref64 = reference_forward(file, planes.double())
     same = reference_forward(file, planes.to(device=device, dtype=dtype))

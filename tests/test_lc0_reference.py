@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from lc0_writer import write_preset
+from lc0_writer import random_planes, write_preset
 
 from fusedenc.lc0 import moves, read_net
 from fusedenc.lc0.reference import reference_forward
@@ -26,16 +26,8 @@ def tiny_net(tmp_path_factory):
     return read_net(str(path))
 
 
-def _planes(batch: int, gen: torch.Generator, dtype=torch.float64) -> torch.Tensor:
-    """Input planes like lc0's: mostly 0/1 piece planes, a few constant planes."""
-    planes = (torch.rand((batch, 112, 8, 8), generator=gen) < 0.1).to(dtype)
-    planes[:, 108] = torch.rand((batch, 1, 1), generator=gen).to(dtype)  # a rule-50-like scalar plane
-    planes[:, 111] = 1.0  # the all-ones plane
-    return planes
-
-
 def test_outputs_have_the_heads_shapes_and_invariants(tiny_net, gen):
-    out = reference_forward(tiny_net, _planes(3, gen))
+    out = reference_forward(tiny_net, random_planes(3, gen, torch.float64))
     assert out["policy"].shape == (3, moves.NUM_POLICY_MOVES)
     assert out["wdl"].shape == (3, 3) and out["moves_left"].shape == (3, 1)
     for name, t in out.items():
@@ -45,7 +37,7 @@ def test_outputs_have_the_heads_shapes_and_invariants(tiny_net, gen):
 
 
 def test_float32_agrees_with_float64(tiny_net, gen):
-    planes = _planes(2, gen)
+    planes = random_planes(2, gen, torch.float64)
     hi = reference_forward(tiny_net, planes)
     lo = reference_forward(tiny_net, planes.float())
     for name in hi:
@@ -53,7 +45,7 @@ def test_float32_agrees_with_float64(tiny_net, gen):
 
 
 def test_batch_rows_are_independent(tiny_net, gen):
-    planes = _planes(4, gen)
+    planes = random_planes(4, gen, torch.float64)
     whole = reference_forward(tiny_net, planes)
     one = reference_forward(tiny_net, planes[2:3])
     for name in whole:
@@ -71,7 +63,7 @@ def test_policy_logits_follow_the_move_encoding(tiny_net, gen, monkeypatch):
         return real_gather(flat)
 
     monkeypatch.setattr(moves, "gather_policy", spy)
-    out = reference_forward(tiny_net, _planes(2, gen))
+    out = reference_forward(tiny_net, random_planes(2, gen, torch.float64))
     flat = seen["flat"]  # [B, 67 * 64] as the converter lays it out
     square = flat[:, : 64 * 64].view(2, 64, 64)
     for uci in ("a1b1", "e2e4", "g1f3", "h8a1", "b7c8"):
