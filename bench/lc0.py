@@ -12,6 +12,15 @@ Implementations (one process, the same file, the same input planes):
                         e.g. reduce-overhead: CUDA graphs)
   fusedenc              fusedenc.lc0.load_network's Lc0Network, eager
   fusedenc-graph        the same, its whole forward captured as one CUDA graph per batch size
+  lc0:<backend>         with ``--lc0 BINARY``: lc0's own ``backendbench`` on the same file
+                        (``--lc0-backend``, default cuda-fp16), run in the same process's
+                        turn; its median positions/s.  lc0 is not a dependency: point
+                        ``--lc0`` at an ``lc0`` you built (its timing includes lc0's host
+                        work per batch: encoding the positions, as in its search)
+
+``--parts`` also times the stages of the fusedenc forward, each in its own CUDA graph:
+the embedding, smolgen's bias generation of every layer, the encoder blocks (given those
+biases) and the heads, so the report says what each costs per call.
 
 Correctness before timing, at the smallest batch: every implementation's policy, WDL and
 moves-left against the reference in fp32 (TF32 off), with the project's rule
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Optional
@@ -74,6 +84,49 @@ def _graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
 
 def _max_err(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     return max((out[k].double() - ref[k].double()).abs().max().item() for k in ref)
+
+
+def _time_graphed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    replay = _graphed(fn, device)
+    return time_calls(lambda _: replay(), [None], reps=reps, device=device).ms
+
+
+def time_parts(net: Lc0Network, x: torch.Tensor, reps: int, device: torch.device) -> dict[str, float]:
+    """Milliseconds per call of each stage of ``net``'s forward on planes ``x``, each stage in
+    its own CUDA graph: embedding, smolgen (all layers), encoder blocks (all layers, each
+    given its smolgen bias) and heads.  Their sum less the whole graph's time is what
+    running them as one graph saves (launch gaps, cache reuse)."""
+    n = len(net.blocks)
+    h = net.embed(x)
+    inputs, biases = [], []
+    for i in range(n):
+        inputs.append(h)
+        biases.append(net.attention_bias(i, h))
+        h = net.blocks[i](h, biases[-1])
+    stages = {
+        "embedding": lambda: net.embed(x),
+        "smolgen": lambda: [net.attention_bias(i, inputs[i]) for i in range(n)],
+        "blocks": lambda: [net.blocks[i](inputs[i], biases[i]) for i in range(n)],
+        "heads": lambda: net.head_outputs(h),
+    }
+    return {name: _time_graphed(fn, device, reps) for name, fn in stages.items()}
+
+
+def lc0_backendbench(binary: str, net: str, batch: int, backend: str, batches: int) -> dict[str, float]:
+    """lc0's ``backendbench`` at one batch size: ``{"nps": median, "mean_nps": ...}``.
+
+    Its output is CSV lines ``size, mean nps, mean ms, sdev, cv, max nps, median, min nps,
+    first max, first mean`` after a header; raises RuntimeError with lc0's output when
+    it fails or prints no row for ``batch``."""
+    cmd = [binary, "backendbench", f"--weights={net}", f"--backend={backend}", f"--batches={batches}",
+           f"--start-batch-size={batch}", f"--max-batch-size={batch}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    for line in proc.stdout.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) >= 7 and fields[0] == str(batch):
+            return {"nps": float(fields[6]), "mean_nps": float(fields[1])}
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+    raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode} without a batch-{batch} row:\n{tail}")
 
 
 #: What this benchmark can time; ``run_net``'s ``wanted`` picks among them (bench/nps.py --net).
@@ -130,6 +183,17 @@ def run_net(
             replay = _graphed(lambda x=x: fast(x), device)
             t = time_calls(lambda _: replay(), [None], reps=args.reps, device=device)
             rec["rows"].append({"batch": b, "impl": "fusedenc-graph", "ms": t.ms, "nps": b / (t.ms * 1e-3)})
+        if getattr(args, "parts", False) and device.type == "cuda" and ok["fusedenc"]:
+            rec.setdefault("parts", {})[str(b)] = time_parts(fast, x, args.reps, device)
+        if getattr(args, "lc0", None):
+            name = f"lc0:{args.lc0_backend}"
+            try:
+                r = lc0_backendbench(args.lc0, path, b, args.lc0_backend, args.lc0_batches)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                print(f"   {name} at batch {b} failed: {e}", file=sys.stderr)
+                rec.setdefault("errors", []).append(f"{name} batch {b}: {e}")
+            else:
+                rec["rows"].append({"batch": b, "impl": name, "ms": b / r["nps"] * 1e3, **r})
     return rec
 
 
@@ -138,16 +202,25 @@ def report(rec: dict[str, Any]) -> list[str]:
     lines = [
         f"== {os.path.basename(rec['net'])}: {d.get('layers')} layers, d_model {d.get('d_model')}, {d.get('heads')} heads, "
         f"FFN {d.get('d_ff')}, activations {d.get('activations')}, smolgen {d.get('smolgen')}, embedding {d.get('embedding')}",
-        f"   {'batch':>5}  {'implementation':28s} {'positions/s':>12} {'ms':>9} {'x torch':>8} {'x best torch':>12}",
+        f"   {'batch':>5}  {'implementation':28s} {'positions/s':>12} {'ms':>9} {'x torch':>8} {'x best torch':>12} {'x lc0':>6}",
     ]
     for b in sorted({r["batch"] for r in rec["rows"]}):
         rows = [r for r in rec["rows"] if r["batch"] == b]
         torch_nps = next((r["nps"] for r in rows if r["impl"] == "torch"), None)
         best = max((r["nps"] for r in rows if r["impl"].startswith("torch")), default=None)
+        lc0 = next((r["nps"] for r in rows if r["impl"].startswith("lc0:")), None)
         for r in rows:
             ratio = f"{r['nps'] / torch_nps:.2f}x" if torch_nps else "-"
             vs_best = f"{r['nps'] / best:.2f}x" if best else "-"
-            lines.append(f"   {b:>5}  {r['impl']:28s} {r['nps']:>12,.0f} {r['ms']:>9.3f} {ratio:>8} {vs_best:>12}")
+            vs_lc0 = f"{r['nps'] / lc0:.2f}x" if lc0 else "-"
+            lines.append(f"   {b:>5}  {r['impl']:28s} {r['nps']:>12,.0f} {r['ms']:>9.3f} {ratio:>8} {vs_best:>12} {vs_lc0:>6}")
+    for b, parts in rec.get("parts", {}).items():
+        whole = next((r["ms"] for r in rec["rows"] if r["batch"] == int(b) and r["impl"] == "fusedenc-graph"), None)
+        shares = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+        lines.append(f"   batch {b}: stages, ms per call (each its own graph): {shares}; sum {sum(parts.values()):.3f}"
+                     + (f", whole graph {whole:.3f}" if whole else ""))  # fmt: skip
+    for e in rec.get("errors", []):
+        lines.append(f"   not measured: {e.splitlines()[0]}")
     return lines
 
 
@@ -159,6 +232,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batch-sizes", type=lambda s: [int(v) for v in common.comma_list(s)], default=[64, 256, 1024])
     ap.add_argument("--compile-modes", type=common.comma_list, default=[],
                     help="torch.compile modes besides the default (e.g. reduce-overhead)")  # fmt: skip
+    ap.add_argument("--parts", action="store_true", help="also time the stages of the fusedenc forward")
+    ap.add_argument("--lc0", metavar="BINARY", help="an lc0 binary: time its backendbench on the same net")
+    ap.add_argument("--lc0-backend", default="cuda-fp16", help="lc0 backend for --lc0 (default cuda-fp16)")
+    ap.add_argument("--lc0-batches", type=int, default=100, help="batches per size for --lc0 (lc0's --batches)")
     ap.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), default="float16")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)

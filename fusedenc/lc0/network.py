@@ -225,6 +225,16 @@ class Lc0Network(nn.Module):
             if self.has_moves_left:
                 empty["moves_left"] = 1
             return {name: planes.new_empty((0, n)) for name, n in empty.items()}
+        x = self.embed(planes)
+        for i in range(len(self.blocks)):
+            x = self.layer(i, x)
+        return self.head_outputs(x)
+
+    # The stages of ``forward``, public so that a benchmark can time each (``bench/lc0.py
+    # --parts``); they take what ``forward`` passes and check nothing.
+    def embed(self, planes: torch.Tensor) -> torch.Tensor:
+        """Input planes ``[B, 112, 8, 8]`` -> the body's input ``[B, 64, d_model]``."""
+        b = planes.shape[0]
         x = planes.permute(0, 2, 3, 1).reshape(b, 64, 112)
         pos = self.preproc(x[:, :, :12].reshape(b, 64 * 12).contiguous()).view(b, 64, -1)
         x = torch.cat([x, pos], dim=-1)
@@ -233,10 +243,20 @@ class Lc0Network(nn.Module):
             x = x * self.mult_gate
         if self.add_gate is not None:
             x = x + self.add_gate
-        x = self.emb_ffn_ln(self.emb_ffn(x))
-        for block, smolgen in zip(self.blocks, self.smolgen):
-            bias = None if isinstance(smolgen, nn.Identity) else smolgen(x)
-            x = block(x, bias)
+        return self.emb_ffn_ln(self.emb_ffn(x))
+
+    def attention_bias(self, i: int, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Layer ``i``'s smolgen bias ``[B, H, 64, 64]`` from its input (None without smolgen)."""
+        smolgen = self.smolgen[i]
+        return None if isinstance(smolgen, nn.Identity) else smolgen(x)
+
+    def layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Encoder layer ``i`` with its smolgen bias."""
+        return self.blocks[i](x, self.attention_bias(i, x))
+
+    def head_outputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The body's output ``[B, 64, d_model]`` -> the heads' outputs (``forward``'s dict)."""
+        b = x.shape[0]
         out = {"policy": self._policy(x)}
         v = self.val_dense1(self.val_embed(x).reshape(b, -1))
         v = self.val_dense2(v)
