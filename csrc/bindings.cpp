@@ -9,6 +9,7 @@
 
 #include "common.h"
 #include "gemm.h"
+#include "kernels/sm90_gemm.h"
 #include "kernels/bias_activation.h"
 #include "kernels/layer_norm.h"
 
@@ -187,6 +188,34 @@ PYBIND11_MODULE(_C, m) {
         "Version of the GEMM library as major*10000 + minor*100 + patch.");
   m.def("native_epilogues", &native_epilogues,
         "Per activation: the library epilogue used with and without bias, or None.");
+
+  m.def("sm90_gemm_kernels", [] {
+    py::list out;
+    for (DType d : {DType::f16, DType::bf16, DType::f32}) {
+      for (int a = 0; a < kNumActivations; ++a) {
+        if (sm90_gemm_compiled(d, static_cast<Activation>(a))) {
+          out.append(py::make_tuple(dtype_name(d), activation_name(static_cast<Activation>(a))));
+        }
+      }
+    }
+    return out;
+  }, "(dtype, activation) pairs the Hopper epilogue GEMM was compiled for (empty: none).");
+  m.def("set_sm90_gemm_enabled", &set_sm90_gemm_enabled, py::arg("on"));
+  m.def("sm90_gemm_enabled", &sm90_gemm_enabled);
+  m.def("sm90_gemm_applies", [](int device, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
+                                uintptr_t w, int64_t ldw, uintptr_t bias, uintptr_t d, int64_t ldd,
+                                int dtype, int act) {
+    GemmArgs g;
+    g.device = device; g.m = m; g.n = n; g.k = k;
+    g.a = reinterpret_cast<const void*>(a); g.lda = lda;
+    g.w = reinterpret_cast<const void*>(w); g.ldw = ldw;
+    g.bias = reinterpret_cast<const void*>(bias);
+    g.d = reinterpret_cast<void*>(d); g.ldd = ldd;
+    g.dtype = to_dtype(dtype); g.act = to_activation(act);
+    const char* why = "";
+    const bool yes = sm90_gemm_applies(g, &why);
+    return py::make_tuple(yes, yes ? "" : why);
+  }, "Whether gemm() with these arguments runs the Hopper epilogue kernel, and if not why.");
 
   m.def("gemm", &gemm_binding, py::arg("device"), py::arg("stream"), py::arg("m"), py::arg("n"),
         py::arg("k"), py::arg("a"), py::arg("lda"), py::arg("w"), py::arg("ldw"), py::arg("bias"),

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "kernels/bias_activation.h"
+#include "kernels/sm90_gemm.h"
 
 namespace fusedenc {
 namespace {
@@ -529,6 +530,12 @@ bool gemm(const GemmArgs& args) {
   check_args(args);
   if (args.m == 0) return false;
   DeviceGuard guard(args.device);
+  // An activation cuBLASLt cannot fuse: the Hopper kernel applies it in its own
+  // epilogue instead of a second pass (unless the fallback is forced for a test).
+  if (!g_force_fallback.load(std::memory_order_relaxed) && sm90_gemm_applies(args)) {
+    sm90_gemm(args);
+    return false;
+  }
   blasLtHandle_t handle = handle_for(args.device, args.stream);
   bool created = false;
   std::shared_ptr<Plan> plan = plan_cache().get(handle, plan_key(args), &created);

@@ -36,6 +36,8 @@ using gpuError_t = hipError_t;
 #define gpuGetErrorName hipGetErrorName
 #define gpuDeviceGetAttribute hipDeviceGetAttribute
 #define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define gpuDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
+#define gpuDevAttrComputeCapabilityMinor hipDeviceAttributeComputeCapabilityMinor
 
 #if defined(__HIPCC__)
 using gpu_half = __half;
@@ -183,6 +185,8 @@ using gpuError_t = cudaError_t;
 #define gpuGetErrorName cudaGetErrorName
 #define gpuDeviceGetAttribute cudaDeviceGetAttribute
 #define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define gpuDevAttrComputeCapabilityMajor cudaDevAttrComputeCapabilityMajor
+#define gpuDevAttrComputeCapabilityMinor cudaDevAttrComputeCapabilityMinor
 
 #if defined(__CUDACC__)
 using gpu_half = __half;

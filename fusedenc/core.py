@@ -63,6 +63,9 @@ __all__ = [
     "native_module",
     "plan_cache_info",
     "set_plan_cache_limit",
+    "sm90_gemm_applies",
+    "sm90_gemm_disabled",
+    "sm90_gemm_kernels",
     "workspace",
 ]
 
@@ -375,6 +378,47 @@ def layer_norm(
 
 
 # ------------------------------------------------------------ reports ----
+
+
+def sm90_gemm_kernels() -> list[tuple[str, str]]:
+    """(dtype, activation) pairs of the Hopper epilogue GEMM this build holds (CUTLASS
+    kernels that apply activations cuBLASLt cannot fuse); empty without them."""
+    module = native_module()
+    return [tuple(p) for p in module.sm90_gemm_kernels()] if module else []
+
+
+def sm90_gemm_applies(
+    a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, activation: str
+) -> tuple[bool, str]:
+    """Whether ``gemm`` of row-major 2-D ``a`` [M, K] by ``w`` [N, K] into ``out`` [M, N]
+    with ``activation`` (canonical name) runs on the Hopper epilogue kernel, and if not why."""
+    module = native_module()
+    if module is None:
+        return False, "no native core"
+    m, k = a.shape
+    n = w.shape[0]
+    return tuple(module.sm90_gemm_applies(
+        a.device.index, m, n, k, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0),
+        0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+        _DTYPE_CODES[a.dtype], _ACTIVATION_IDS[activation],
+    ))  # fmt: skip
+
+
+@contextlib.contextmanager
+def sm90_gemm_disabled() -> Iterator[None]:
+    """Send every GEMM to cuBLASLt (+ the activation pass) inside: the A/B switch for the
+    Hopper epilogue kernel (``FUSEDENC_SM90_GEMM=0`` does it for a whole process).
+    Public as ``fusedenc.testing.sm90_gemm_disabled``."""
+    module = native_module()
+    if module is None:
+        yield
+        return
+    was = module.sm90_gemm_enabled()
+    module.set_sm90_gemm_enabled(False)
+    try:
+        yield
+    finally:
+        module.set_sm90_gemm_enabled(was)
 
 
 def native_epilogues() -> Optional[dict[str, Any]]:

@@ -45,6 +45,8 @@ def capabilities() -> dict[str, Any]:
         ],
     }
     epilogues = core.native_epilogues()
+    sm90 = set(core.sm90_gemm_kernels())
+    report["sm90_epilogue_gemm"] = [f"{d}:{a}" for d, a in sorted(sm90)]
     for dtype in _DTYPES:
         per_act = {}
         for act in ACTIVATIONS:
@@ -54,6 +56,9 @@ def capabilities() -> dict[str, Any]:
                 per_act[act] = {"fusion": "native", "epilogue": epilogues[act]["bias"], "kernel": None}
             else:
                 per_act[act] = {"fusion": "fallback", "epilogue": "BIAS", "kernel": "bias_activation"}
+                if (dtype, act) in sm90:
+                    # On compute capability 9.0, GEMMs that fill the chip run it in the epilogue.
+                    per_act[act]["sm90"] = {"fusion": "native", "kernel": "CUTLASS sm90 epilogue GEMM"}
         report["activations"][dtype] = per_act
         report["residual"][dtype] = (
             {"fusion": "native", "epilogue": "BIAS with beta*C, C != D", "kernel": None}

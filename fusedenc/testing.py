@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .core import force_epilogue_fallback
+from .core import force_epilogue_fallback, sm90_gemm_disabled
 
-__all__ = ["force_epilogue_fallback"]
+__all__ = ["force_epilogue_fallback", "sm90_gemm_disabled"]

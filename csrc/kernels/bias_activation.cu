@@ -3,6 +3,7 @@
 // fp32, one kernel instantiation per (dtype, activation, bias?) so the inner
 // loop has no branches on the activation.
 #include "bias_activation.h"
+#include "activations.cuh"
 #include "vectors.cuh"
 
 #include <algorithm>
@@ -11,52 +12,6 @@
 
 namespace fusedenc {
 namespace {
-
-// ---- the activations, in fp32; NaN in gives NaN out for every one of them ----
-template <Activation A>
-__device__ __forceinline__ float activate(float x);
-
-template <> __device__ __forceinline__ float activate<Activation::none>(float x) { return x; }
-// Written as a comparison rather than fmaxf so that NaN propagates like torch.relu.
-template <> __device__ __forceinline__ float activate<Activation::relu>(float x) {
-  return x < 0.f ? 0.f : x;
-}
-template <> __device__ __forceinline__ float activate<Activation::relu2>(float x) {
-  float r = x < 0.f ? 0.f : x;
-  return r * r;
-}
-template <> __device__ __forceinline__ float activate<Activation::gelu_tanh>(float x) {
-  const float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
-  const float k1 = 0.044715f;
-  return 0.5f * x * (1.f + tanhf(k0 * (x + k1 * x * x * x)));
-}
-template <> __device__ __forceinline__ float activate<Activation::gelu>(float x) {
-  return 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
-}
-template <> __device__ __forceinline__ float activate<Activation::swish>(float x) {
-  return x / (1.f + expf(-x));
-}
-template <> __device__ __forceinline__ float activate<Activation::mish>(float x) {
-  // x * tanh(softplus(x)) with one exp instead of exp + log1p + tanh: for n = e^x,
-  // tanh(log1p(n)) = ((1+n)^2 - 1) / ((1+n)^2 + 1) = n(n+2) / (n(n+2) + 2), exact
-  // algebra with no cancellation at either end (n -> 0: ~n; n large: 1 - 2/n^2).
-  // Above torch's softplus threshold of 20, tanh(x) == 1 in fp32, so mish(x) == x.
-  // The transcendental-heavy form made this pass compute-bound (measured: half
-  // of memory speed on an H100 at the BT4 FFN1 shape).
-  if (x > 20.f) return x;
-  const float n = expf(x);
-  const float p = n * (n + 2.f);
-  return x * (p / (p + 2.f));
-}
-template <> __device__ __forceinline__ float activate<Activation::selu>(float x) {
-  const float alpha = 1.6732632423543772f;
-  const float scale = 1.0507009873554805f;
-  return scale * (x > 0.f ? x : alpha * expm1f(x));
-}
-template <> __device__ __forceinline__ float activate<Activation::tanh>(float x) { return tanhf(x); }
-template <> __device__ __forceinline__ float activate<Activation::sigmoid>(float x) {
-  return 1.f / (1.f + expf(-x));
-}
 
 template <typename T, Activation A, bool HasBias>
 __device__ __forceinline__ void apply(Vec<T>& x, const T* __restrict__ bias, int64_t col) {
