@@ -97,9 +97,9 @@ bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
     return no("a dimension of 2^31 or more");
   const DeviceFacts& f = facts(g.device);
   if (!f.sm90) return no("not a compute capability 9.0 device");
-  // Output tiles are 128 x 256; with fewer than half as many tiles as SMs the
+  // Output tiles are 256 x 128; with fewer than half as many tiles as SMs the
   // persistent kernel leaves the chip idle where cuBLASLt would split K.
-  const int64_t tiles = ((g.m + 127) / 128) * ((g.n + 255) / 256);
+  const int64_t tiles = ((g.m + 255) / 256) * ((g.n + 127) / 128);
   if (2 * tiles < f.sm_count) return no("too few output tiles to fill the GPU");
   return true;
 }

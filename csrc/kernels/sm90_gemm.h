@@ -4,10 +4,11 @@
 // relu2, exact GELU) costs a separate pass over the output that reads and writes
 // it once more (~10% of an Lc0 or t82 forward).  These kernels are CUTLASS 3
 // warp-specialized TMA + wgmma GEMMs (persistent, cooperative schedule) whose
-// epilogue adds the bias and applies the activation, with the same fp32 math as
-// the pass (activations.cuh).  Compiled only when CUTLASS headers are found and
-// sm90 is among the CUDA architectures (FUSEDENC_HAVE_SM90_GEMM); on every other
-// build and device the cuBLASLt path runs unchanged.
+// epilogue adds the bias and applies the activation in fp32 (activations.cuh's
+// activate_fast: the pass's formulas with hardware exp and reciprocal).  Compiled
+// only when CUTLASS headers are found and sm90 is among the CUDA architectures
+// (FUSEDENC_HAVE_SM90_GEMM); on every other build and device the cuBLASLt path
+// runs unchanged.
 #pragma once
 
 #include "../gemm.h"
