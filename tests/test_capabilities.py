@@ -47,8 +47,13 @@ def test_capabilities_of_the_built_core():
     assert table["relu"] == {"fusion": "native", "epilogue": "RELU_BIAS", "kernel": None}
     assert table["gelu_tanh"] == {"fusion": "native", "epilogue": "GELU_BIAS", "kernel": None}
     assert table["none"]["epilogue"] == "BIAS"
+    sm90 = set(core.sm90_gemm_kernels())
     for act in ("gelu", "mish", "relu2", "selu", "tanh", "sigmoid"):
-        assert table[act] == {"fusion": "fallback", "epilogue": "BIAS", "kernel": "bias_activation"}, act
+        entry = dict(table[act])
+        # Where the build holds the Hopper epilogue GEMM for it, the report says so beside the fallback.
+        assert (entry.pop("sm90", None) is not None) == (("float16", act) in sm90), act
+        assert entry == {"fusion": "fallback", "epilogue": "BIAS", "kernel": "bias_activation"}, act
+    assert fusedenc.capabilities()["sm90_epilogue_gemm"] == [f"{d}:{a}" for d, a in sorted(sm90)]
     if module.VENDOR == "cuda":
         assert table["swish"]["fusion"] == "fallback"  # cuBLASLt has no swish epilogue
     elif module.HAS_SWISH_EPILOGUE:
