@@ -113,7 +113,7 @@ def time_parts(net: Lc0Network, x: torch.Tensor, reps: int, device: torch.device
 
 
 def lc0_backendbench(binary: str, net: str, batch: int, backend: str, batches: int) -> dict[str, float]:
-    """lc0's ``backendbench`` at one batch size: ``{"nps": median, "mean_nps": ...}``.
+    """lc0's ``backendbench`` at one batch size: ``{"nps": median, "mean_nps": ..., "cutlass": bool}``.
 
     Its output is CSV lines ``size, mean nps, mean ms, sdev, cv, max nps, median, min nps,
     first max, first mean`` after a header; raises RuntimeError with lc0's output when
@@ -124,7 +124,9 @@ def lc0_backendbench(binary: str, net: str, batch: int, backend: str, batches: i
     for line in proc.stdout.splitlines():
         fields = [f.strip() for f in line.split(",")]
         if len(fields) >= 7 and fields[0] == str(batch):
-            return {"nps": float(fields[6]), "mean_nps": float(fields[1])}
+            # lc0's cuda backend says at start-up whether its fused (CUTLASS) attention is compiled in.
+            said = proc.stdout + proc.stderr
+            return {"nps": float(fields[6]), "mean_nps": float(fields[1]), "cutlass": "CUTLASS" in said}
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
     raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode} without a batch-{batch} row:\n{tail}")
 
