@@ -129,3 +129,22 @@ def test_nps_puts_an_lc0_net_beside_the_presets(tmp_path):
     assert rows == {(4, "torch"), (4, "fusedenc")}
     assert all(row["nps"] > 0 for row in rec["rows"])
     assert "lc0_linear16_mish_smolgen.pb.gz" in (tmp_path / "nps_smoke.txt").read_text(encoding="utf-8")
+
+
+def test_lc0_backendbench_row_is_parsed_and_failures_are_reported(tmp_path, monkeypatch):
+    """bench/lc0.py --lc0 reads lc0's CSV row for the batch asked; a run without that row raises with lc0's output."""
+    monkeypatch.syspath_prepend(BENCH)
+    import lc0 as lc0_bench  # bench/lc0.py
+
+    fake = tmp_path / "lc0"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo "Compiled with CUTLASS enabled" >&2\n'
+        'echo "size, mean nps, mean ms,   sdev,     cv, max nps,  median, min nps, first max, first mean"\n'
+        'echo " 256,    21000,  12.19,  0.1000, 0.0082,   21900,   21498,   20100,   13.0000,     13.5000"\n'
+    )
+    fake.chmod(0o755)
+    r = lc0_bench.lc0_backendbench(str(fake), "net.pb.gz", 256, "cuda-fp16", 10)
+    assert r == {"nps": 21498.0, "mean_nps": 21000.0, "cutlass": True}
+    with pytest.raises(RuntimeError, match="without a batch-64 row"):
+        lc0_bench.lc0_backendbench(str(fake), "net.pb.gz", 64, "cuda-fp16", 10)
