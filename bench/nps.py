@@ -30,6 +30,8 @@ Implementations (all built from one idiomatic PyTorch model's weights):
                    batch size (``--compile-dynamic`` for one dynamic graph);
                    ``--compile-modes`` adds torch-compile:<mode> rows.
   fusedenc         fusedenc.encoder.EncoderStack, eager.
+  fusedenc-compile torch.compile(EncoderStack, fullgraph=True), default mode (issue 20
+                   asks it to be >= 0.95x eager fusedenc at every batch).
   fusedenc-graph   EncoderStack.graph_runner (one CUDA graph per batch size).
 
 Reference lines: ``gemm-floor``, the four GEMMs of every layer alone (each
@@ -63,7 +65,7 @@ status 3, naming the step.  On an H100 one preset takes about 1.5 minutes
 (t82) to 3 (bert-base at 512 tokens), most of it torch.compile.
 
 On CPU (no GPU): tiny preset, float32 (fp16 matmuls are slow on CPU),
-torch-compile and fusedenc-graph skipped unless asked for with --impl.
+torch-compile, fusedenc-compile and fusedenc-graph skipped unless asked for with --impl.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ from fusedenc.dtypes import ATOL  # noqa: E402
 from fusedenc.tune.presets import Run, select_runs  # noqa: E402
 from fusedenc.tune.timing import rotation_sets, sync, time_calls  # noqa: E402
 
-GPU_ONLY_BY_DEFAULT = ("torch-compile", "fusedenc-graph")
+GPU_ONLY_BY_DEFAULT = ("torch-compile", "fusedenc-compile", "fusedenc-graph")
 DEFAULT_BATCHES = (1, 16, 64, 256, 1024)
 
 

@@ -39,13 +39,14 @@ __all__ = [
     "make_compile",
     "make_fastpath",
     "make_fusedenc",
+    "make_fusedenc_compile",
     "make_fusedenc_graph",
     "make_unfused",
     "reference_forward",
 ]
 
 #: The implementations, in the order they run.
-IMPLS = ("unfused", "torch", "torch-fastpath", "torch-compile", "fusedenc", "fusedenc-graph")
+IMPLS = ("unfused", "torch", "torch-fastpath", "torch-compile", "fusedenc", "fusedenc-compile", "fusedenc-graph")
 
 
 # ------------------------------------------------------------ the models ----
@@ -358,6 +359,19 @@ def make_fusedenc(model: TorchEncoder, run: Run, device: torch.device, batches: 
     return impl
 
 
+def make_fusedenc_compile(model: TorchEncoder, run: Run, device: torch.device, dynamic: bool) -> Impl:
+    """``torch.compile(stack, fullgraph=True)`` of the fusedenc stack: what a user who compiles
+    a model holding one gets (the stack is one fusedenc op in the graph)."""
+    import torch._dynamo
+
+    _raise_recompile_limits()
+    stack = _load_fusedenc_stack(model, run, device)
+    compiled = torch.compile(stack, fullgraph=True, dynamic=True if dynamic else False)
+    impl = Impl("fusedenc-compile", compiled, cleanup=torch._dynamo.reset)
+    impl.notes.append("torch.compile(EncoderStack, fullgraph=True), default mode; compile time outside the timed region")
+    return impl
+
+
 def make_fusedenc_graph(model: TorchEncoder, run: Run, device: torch.device, batches: list[int]) -> Impl:
     stack = _load_fusedenc_stack(model, run, device)
     runner = stack.graph_runner(run.seq_len, batch_sizes=tuple(sorted(set(batches))))
@@ -388,6 +402,8 @@ def builders(
                 out[key] = lambda m, mode=mode: make_compile(m, mode, compile_dynamic)
         elif name == "fusedenc":
             out[name] = lambda m: make_fusedenc(m, run, device, batches)
+        elif name == "fusedenc-compile":
+            out[name] = lambda m: make_fusedenc_compile(m, run, device, compile_dynamic)
         elif name == "fusedenc-graph":
             out[name] = lambda m: make_fusedenc_graph(m, run, device, batches)
     return out

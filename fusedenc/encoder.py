@@ -27,8 +27,10 @@ Inference only: no autograd, no dropout.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
+import weakref
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -54,6 +56,50 @@ _DIM_MULTIPLE = 8
 def _native_active(device: torch.device) -> bool:
     """Whether the block runs the native executor on ``device`` (a seam the tests patch)."""
     return core.active_on(device)
+
+
+# ------------------------------------------------- under torch.compile ----
+# A traced EncoderBlock or EncoderStack is one custom op whose implementation is
+# the module's eager forward.  Traced op by op, a layer was six custom ops, each
+# paying the dispatcher and its argument checks on every call, which left the
+# compiled stack host-bound at up to 2.5x the eager time (issue 20, lever 3);
+# inductor cannot fuse across fusedenc's ops anyway, so one op per module loses
+# no fusion.  A graph holds ints, not modules: each module registers under a
+# handle at construction (and again when copied or unpickled), and the op finds
+# it there.  Shapes and arguments are validated while tracing (on fake tensors),
+# as before; the eager forward inside the op validates once per signature.
+_MODULES: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def _register(module: nn.Module) -> int:
+    handle = next(_HANDLES)
+    _MODULES[handle] = module
+    return handle
+
+
+@torch.library.custom_op("fusedenc::encoder_rows", mutates_args=())
+def _encoder_rows_op(
+    rows: torch.Tensor,
+    handle: int,
+    batch: int,
+    seq: int,
+    attn_bias: Optional[torch.Tensor],
+    key_padding_mask: Optional[torch.Tensor],
+) -> torch.Tensor:
+    module = _MODULES.get(handle)
+    if module is None:
+        raise RuntimeError(
+            "fusedenc: this compiled graph calls an EncoderBlock/EncoderStack that no longer exists "
+            "(compile the module again)"
+        )
+    out = module._eager_rows(rows, batch, seq, attn_bias, key_padding_mask)
+    return out.clone() if out is rows else out  # a custom op's output may not be its input
+
+
+@_encoder_rows_op.register_fake
+def _(rows, handle, batch, seq, attn_bias, key_padding_mask):
+    return torch.empty_like(rows)
 
 
 # ------------------------------------------------------------ the block ----
@@ -99,6 +145,7 @@ class EncoderBlock(nn.Module):
         device=None,
     ) -> None:
         super().__init__()
+        self._handle = _register(self)  # the compiled graph's way back to this block
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("d_ff", d_ff)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -277,10 +324,29 @@ class EncoderBlock(nn.Module):
         out = out.view(batch, seq, self.d_model)
         return out if self.batch_first else out.transpose(0, 1)
 
+    def __getstate__(self):
+        # A lock cannot be copied or pickled, and plans belong to the tensors of one process.
+        state = self.__dict__.copy()
+        del state["_plans_lock"]
+        state["_plans"] = {}
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._plans_lock = threading.Lock()
+        self._handle = _register(self)  # a copy is a module of its own
+
     def _forward_rows(self, x2, batch, seq, attn_bias, key_padding_mask, executor=None):
         """The block on contiguous [T, D] rows; returns [T, D].  ``executor``: a
         NativeExecutor shared by the blocks of a stack (made here when None)."""
-        if torch.compiler.is_compiling() or not _native_active(x2.device):
+        if torch.compiler.is_compiling():
+            self._validate(x2, batch, seq, attn_bias, key_padding_mask)
+            return torch.ops.fusedenc.encoder_rows(x2, self._handle, batch, seq, attn_bias, key_padding_mask)
+        return self._eager_rows(x2, batch, seq, attn_bias, key_padding_mask, executor)
+
+    def _eager_rows(self, x2, batch, seq, attn_bias, key_padding_mask, executor=None):
+        """``_forward_rows`` outside a trace (also the body of the compiled graph's op)."""
+        if not _native_active(x2.device):
             self._validate(x2, batch, seq, attn_bias, key_padding_mask)
             if x2.shape[0] == 0:
                 return torch.empty_like(x2)
@@ -426,6 +492,7 @@ class EncoderStack(nn.Module):
 
     def __init__(self, blocks: Iterable[EncoderBlock], final_norm: Optional[nn.LayerNorm] = None) -> None:
         super().__init__()
+        self._handle = _register(self)  # the compiled graph's way back to this stack
         self.blocks = nn.ModuleList(blocks)
         if len(self.blocks) == 0:
             raise ValueError("an EncoderStack needs at least one block")
@@ -478,19 +545,31 @@ class EncoderStack(nn.Module):
     def batch_first(self) -> bool:
         return self.blocks[0].batch_first
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._handle = _register(self)  # a copy is a module of its own
+
     def forward(self, x, attn_bias=None, key_padding_mask=None, *, seq_len=None):
         first = self.blocks[0]
         rows, batch, seq = first._as_rows(x, seq_len)
+        if torch.compiler.is_compiling():  # the whole stack is one op in the graph (see _encoder_rows_op)
+            for block in self.blocks:
+                block._validate(rows, batch, seq, attn_bias, key_padding_mask)
+            rows = torch.ops.fusedenc.encoder_rows(rows, self._handle, batch, seq, attn_bias, key_padding_mask)
+        else:
+            rows = self._eager_rows(rows, batch, seq, attn_bias, key_padding_mask)
+        return first._restore(rows, x, batch, seq)
+
+    def _eager_rows(self, rows, batch, seq, attn_bias, key_padding_mask):
+        """The stack on contiguous [T, D] rows outside a trace (also the compiled graph's op)."""
         # One native executor (stream, workspace) for every block of this forward.
-        ex = None
-        if not torch.compiler.is_compiling() and _native_active(rows.device):
-            ex = NativeExecutor(rows.device, rows.dtype)
+        ex = NativeExecutor(rows.device, rows.dtype) if _native_active(rows.device) else None
         for block in self.blocks:
-            rows = block._forward_rows(rows, batch, seq, attn_bias, key_padding_mask, ex)
+            rows = block._eager_rows(rows, batch, seq, attn_bias, key_padding_mask, ex)
         if self.final_norm is not None:
             n = self.final_norm
             rows = layer_norm(rows, n.weight, n.bias, n.eps)
-        return first._restore(rows, x, batch, seq)
+        return rows
 
     def graph_runner(
         self,

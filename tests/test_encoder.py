@@ -190,6 +190,50 @@ def test_compile_fullgraph_traces(gen):
         torch.testing.assert_close(compiled(x, key_padding_mask=mask), block(x, key_padding_mask=mask), rtol=0, atol=0)
 
 
+def test_compiled_stack_is_one_op_and_matches_eager(gen):
+    """Under torch.compile a stack (or a lone block) is one fusedenc::encoder_rows call whose
+    implementation is the eager forward: bit-identical, and no per-op dispatch to pay."""
+    stack = EncoderStack.build(3, 32, 4, 64, activation="swish", residual_alpha=0.7, final_norm=True)
+    for block in stack.blocks:
+        randomize(block, gen)
+    x = randn((2, 6, 32), F32, gen=gen)
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(stack)(x)
+        calls = [n.target for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+        assert explained.graph_break_count == 0 and calls == [torch.ops.fusedenc.encoder_rows], calls
+        compiled = torch.compile(stack, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x), stack(x))
+        assert torch.equal(compiled(x[:0]), stack(x[:0]))  # an empty batch, through the op
+        block = stack.blocks[1]
+        calls = [n.target for g in torch._dynamo.explain(block)(x).graphs for n in g.graph.nodes if n.op == "call_function"]
+        assert calls == [torch.ops.fusedenc.encoder_rows], calls
+
+
+def test_copies_are_modules_of_their_own(gen):
+    """deepcopy and pickle work (the plan lock is not copied), and a compiled copy runs its own weights."""
+    import copy
+    import pickle
+
+    stack = EncoderStack.build(2, 32, 4, 64, activation="gelu")
+    for block in stack.blocks:
+        randomize(block, gen)
+    twin = copy.deepcopy(stack)
+    with torch.no_grad():
+        twin.blocks[0].ffn1_weight.mul_(2.0)
+    x = randn((2, 5, 32), F32, gen=gen)
+    with torch.inference_mode():
+        compiled_twin = torch.compile(twin, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled_twin(x), twin(x))
+        assert not torch.equal(twin(x), stack(x))
+        restored = pickle.loads(pickle.dumps(stack))
+        assert torch.equal(restored(x), stack(x))
+
+
+def test_a_graph_that_outlives_its_module_says_so():
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        torch.ops.fusedenc.encoder_rows(torch.zeros(4, 32), 10**9, 1, 4, None, None)
+
+
 def test_graph_runner_needs_a_gpu():
     stack = EncoderStack.build(1, 32, 4, 64)
     with pytest.raises(ValueError, match="GPU"):
