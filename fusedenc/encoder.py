@@ -16,11 +16,12 @@ writes the new residual stream) and the FFN residual in the last GEMM's
 epilogue (``beta * C``).  No separate add, scale or bias kernel runs.
 
 Two executors run the same data path (``executors.py``): the *ops* path through
-the public ops (CPU, no native core, ``torch.compile``) and the *native* path
+the public ops (CPU, no native core) and the *native* path
 for eager calls on the GPU, which validates a call's signature once and then
 calls ``core`` directly, so a block costs a few microseconds of host time per
 op instead of the ops' per-call argument checks.  Both compute bit-identical
-results on the GPU (tested).  ``graphs.py`` replays a whole stack as CUDA graphs.
+results on the GPU (tested).  ``graphs.py`` replays a whole stack as CUDA graphs;
+under ``torch.compile`` a block or stack is one custom op (``_encoder_rows_op``).
 
 Inference only: no autograd, no dropout.
 """

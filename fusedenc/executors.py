@@ -5,7 +5,8 @@ executors; each step returns a new tensor.
 
 * ``OpsExecutor`` calls the public ops (``fusedenc.linear``, ``layer_norm``,
   ``attention``): it serves CPU tensors (the PyTorch references), a build
-  without a native core, and ``torch.compile`` (the ops are custom ops).
+  without a native core.  (Under ``torch.compile`` a block or stack is one custom
+  op whose implementation runs whichever executor the eager call would.)
 * ``NativeExecutor``, for eager calls on the GPU, calls ``core.gemm`` and
   ``core.layer_norm`` with dense ``[T, D]`` rows and the attention plan the
   block made for its call signature: the block validated the signature once,
@@ -28,7 +29,7 @@ __all__ = ["NativeExecutor", "OpsExecutor"]
 
 
 class OpsExecutor:
-    """Runs each step through the public ops: references on CPU, custom ops under torch.compile."""
+    """Runs each step through the public ops: the references on CPU or without a native core."""
 
     def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
         return linear(x, w, b, activation, residual, alpha=alpha)
