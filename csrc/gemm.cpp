@@ -532,8 +532,7 @@ bool gemm(const GemmArgs& args) {
   DeviceGuard guard(args.device);
   // An activation cuBLASLt cannot fuse: the Hopper kernel applies it in its own
   // epilogue instead of a second pass (unless the fallback is forced for a test).
-  if (!g_force_fallback.load(std::memory_order_relaxed) && sm90_gemm_applies(args)) {
-    sm90_gemm(args);
+  if (!g_force_fallback.load(std::memory_order_relaxed) && sm90_gemm_applies(args) && sm90_gemm(args)) {
     return false;
   }
   blasLtHandle_t handle = handle_for(args.device, args.stream);

@@ -18,7 +18,7 @@ namespace fusedenc {
   X(f16, swish) X(f16, mish) X(f16, relu2) X(f16, gelu) \
   X(bf16, swish) X(bf16, mish) X(bf16, relu2) X(bf16, gelu)
 namespace sm90 {
-#define FUSEDENC_DECLARE(D, A) void run_##D##_##A(const GemmArgs& g, int sm_count);
+#define FUSEDENC_DECLARE(D, A) bool run_##D##_##A(const GemmArgs& g, int sm_count);
 FUSEDENC_SM90_GEMM_INSTANCES(FUSEDENC_DECLARE)
 #undef FUSEDENC_DECLARE
 }  // namespace sm90
@@ -26,7 +26,7 @@ FUSEDENC_SM90_GEMM_INSTANCES(FUSEDENC_DECLARE)
 
 namespace {
 
-using RunFn = void (*)(const GemmArgs&, int);
+using RunFn = bool (*)(const GemmArgs&, int);
 
 RunFn kernel_for(DType dtype, Activation act) {
 #ifdef FUSEDENC_HAVE_SM90_GEMM
@@ -104,10 +104,10 @@ bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
   return true;
 }
 
-void sm90_gemm(const GemmArgs& g) {
+bool sm90_gemm(const GemmArgs& g) {
   RunFn fn = kernel_for(g.dtype, g.act);
   if (!fn) throw std::invalid_argument("fusedenc sm90 gemm: no kernel for this dtype and activation");
-  fn(g, facts(g.device).sm_count);
+  return fn(g, facts(g.device).sm_count);
 }
 
 }  // namespace fusedenc

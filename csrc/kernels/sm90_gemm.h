@@ -25,7 +25,9 @@ bool sm90_gemm_compiled(DType dtype, Activation act);
 bool sm90_gemm_applies(const GemmArgs& args, const char** why = nullptr);
 
 // D = act(alpha * A W^T + bias) on args.stream.  Call only when sm90_gemm_applies.
-void sm90_gemm(const GemmArgs& args);
+// Returns false, having launched nothing, where CUTLASS refuses the problem or the
+// workspace is too small: the caller then runs cuBLASLt.
+bool sm90_gemm(const GemmArgs& args);
 
 // A/B switch (fusedenc.testing / FUSEDENC_SM90_GEMM=0): off sends every GEMM to cuBLASLt.
 void set_sm90_gemm_enabled(bool on);

@@ -85,8 +85,10 @@ struct Kernel {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 };
 
+// Returns false, having launched nothing, when CUTLASS cannot run this problem or the
+// workspace is too small (the caller falls back to cuBLASLt); throws on a failed launch.
 template <class Element, Activation A, class Cfg = DefaultConfig>
-void run(const GemmArgs& g, int sm_count) {
+bool run(const GemmArgs& g, int sm_count) {
   using K = Kernel<Element, A, Cfg>;
   using Gemm = typename K::Gemm;
   using StrideA = typename Gemm::GemmKernel::StrideA;
@@ -109,21 +111,15 @@ void run(const GemmArgs& g, int sm_count) {
   args.epilogue.thread.beta = 0.f;
   args.epilogue.thread.bias_ptr = static_cast<const Element*>(g.bias);
   Gemm gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  if (st != cutlass::Status::kSuccess) {
-    throw std::invalid_argument(std::string("fusedenc sm90 gemm: CUTLASS cannot run this problem: ") +
-                                cutlassGetStatusString(st));
-  }
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
   const size_t ws = Gemm::get_workspace_size(args);
-  if (ws > g.workspace_bytes) {
-    throw std::runtime_error("fusedenc sm90 gemm: needs " + std::to_string(ws) +
-                             " bytes of workspace, has " + std::to_string(g.workspace_bytes));
-  }
-  st = gemm.initialize(args, ws ? g.workspace : nullptr, g.stream);
+  if (ws > g.workspace_bytes) return false;
+  cutlass::Status st = gemm.initialize(args, ws ? g.workspace : nullptr, g.stream);
   if (st == cutlass::Status::kSuccess) st = gemm.run(g.stream);
   if (st != cutlass::Status::kSuccess) {
     throw std::runtime_error(std::string("fusedenc sm90 gemm: ") + cutlassGetStatusString(st));
   }
+  return true;
 }
 
 }  // namespace sm90
@@ -132,5 +128,5 @@ void run(const GemmArgs& g, int sm_count) {
 // One unit's instantiation: the function sm90_gemm.cu's table points at.
 #define FUSEDENC_SM90_GEMM_INSTANCE(NAME, ELEMENT, ACT)                          \
   namespace fusedenc { namespace sm90 {                                         \
-  void NAME(const GemmArgs& g, int sm_count) { run<ELEMENT, ACT>(g, sm_count); } \
+  bool NAME(const GemmArgs& g, int sm_count) { return run<ELEMENT, ACT>(g, sm_count); } \
   } }
