@@ -66,10 +66,12 @@ class _Norm(nn.Module):
         self.weight, self.bias, self.eps = _param(gammas, (n,), dtype, device), _param(betas, (n,), dtype, device), eps
         self.fused = n % align_elems(dtype) == 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.is_contiguous():
-            return layer_norm(x, self.weight, self.bias, self.eps)
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, alpha: float = 1.0) -> torch.Tensor:
+        """``LN(alpha * x + residual)``: one pass where the rows allow it (fusedenc's LayerNorm)."""
+        if self.fused and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            return layer_norm(x, self.weight, self.bias, self.eps, residual=residual, alpha=alpha)
+        h = x if residual is None else residual + alpha * x
+        return F.layer_norm(h, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
 class _Smolgen(nn.Module):
@@ -96,15 +98,17 @@ class _Smolgen(nn.Module):
 
 
 class _FFN(nn.Module):
-    def __init__(self, ffn: Mapping[str, Any], act: str, alpha: float, dtype, device):
+    """The FFN branch ``dense2(act(dense1(x)))``; its residual ``x + alpha * branch`` is
+    formed inside the LayerNorm that follows (one pass instead of three)."""
+
+    def __init__(self, ffn: Mapping[str, Any], act: str, dtype, device):
         super().__init__()
         d_ff, d = ffn["dense1_b"].numel(), ffn["dense2_b"].numel()
         self.dense1 = _Dense(ffn["dense1_w"], ffn["dense1_b"], d_ff, act, dtype, device)
         self.dense2 = _Dense(ffn["dense2_w"], ffn["dense2_b"], d, "none", dtype, device)
-        self.alpha = alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.alpha * self.dense2(self.dense1(x))
+        return self.dense2(self.dense1(x))
 
 
 def _block(layer: Mapping[str, Any], heads: int, ffn_act: str, alpha: float, eps: float, dtype, device) -> EncoderBlock:
@@ -162,7 +166,8 @@ class Lc0Network(nn.Module):
             t = w.get(name)
             gates[name] = None if t is None or t.numel() == 0 else _param(t.view(d, 64).t(), (64, d), **kw)
         self.mult_gate, self.add_gate = gates["ip_mult_gate"], gates["ip_add_gate"]
-        self.emb_ffn = _FFN(w["ip_emb_ffn"], acts["ffn"], alpha, **kw)
+        self.emb_ffn = _FFN(w["ip_emb_ffn"], acts["ffn"], **kw)
+        self.alpha = alpha
         self.emb_ffn_ln = _Norm(w["ip_emb_ffn_ln_gammas"], w["ip_emb_ffn_ln_betas"], 1e-3, **kw)
 
         # Body: blocks and their smolgen.
@@ -239,11 +244,13 @@ class Lc0Network(nn.Module):
         pos = self.preproc(x[:, :, :12].reshape(b, 64 * 12).contiguous()).view(b, 64, -1)
         x = torch.cat([x, pos], dim=-1)
         x = self.ip_emb_ln(self.ip_emb(x))
-        if self.mult_gate is not None:
+        if self.mult_gate is not None and self.add_gate is not None:
+            x = torch.addcmul(self.add_gate, x, self.mult_gate)  # one pass for both gates
+        elif self.mult_gate is not None:
             x = x * self.mult_gate
-        if self.add_gate is not None:
+        elif self.add_gate is not None:
             x = x + self.add_gate
-        return self.emb_ffn_ln(self.emb_ffn(x))
+        return self.emb_ffn_ln(self.emb_ffn(x), residual=x, alpha=self.alpha)
 
     def attention_bias(self, i: int, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Layer ``i``'s smolgen bias ``[B, H, 64, 64]`` from its input (None without smolgen)."""
