@@ -182,9 +182,8 @@ def run_net(
             t = time_calls(lambda inp, fn=fn: fn(inp), [x], reps=args.reps, device=device)
             rec["rows"].append({"batch": b, "impl": name, "ms": t.ms, "nps": b / (t.ms * 1e-3), "first_call_s": first_s})
         if graph and ok["fusedenc"]:
-            replay = _graphed(lambda x=x: fast(x), device)
-            t = time_calls(lambda _: replay(), [None], reps=args.reps, device=device)
-            rec["rows"].append({"batch": b, "impl": "fusedenc-graph", "ms": t.ms, "nps": b / (t.ms * 1e-3)})
+            ms = _time_graphed(lambda x=x: fast(x), device, args.reps)
+            rec["rows"].append({"batch": b, "impl": "fusedenc-graph", "ms": ms, "nps": b / (ms * 1e-3)})
         if getattr(args, "parts", False) and device.type == "cuda" and ok["fusedenc"]:
             rec.setdefault("parts", {})[str(b)] = time_parts(fast, x, args.reps, device)
         if getattr(args, "lc0", None):

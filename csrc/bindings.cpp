@@ -205,13 +205,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("sm90_gemm_applies", [](int device, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
                                 uintptr_t w, int64_t ldw, uintptr_t bias, uintptr_t d, int64_t ldd,
                                 int dtype, int act) {
-    GemmArgs g;
-    g.device = device; g.m = m; g.n = n; g.k = k;
-    g.a = reinterpret_cast<const void*>(a); g.lda = lda;
-    g.w = reinterpret_cast<const void*>(w); g.ldw = ldw;
-    g.bias = reinterpret_cast<const void*>(bias);
-    g.d = reinterpret_cast<void*>(d); g.ldd = ldd;
-    g.dtype = to_dtype(dtype); g.act = to_activation(act);
+    const GemmArgs g = gemm_args(device, 0, m, n, k, a, lda, w, ldw, bias, 0, 0, d, ldd, dtype, act,
+                                 1.f, 0.f, 0, 0);
     const char* why = "";
     const bool yes = sm90_gemm_applies(g, &why);
     return py::make_tuple(yes, yes ? "" : why);

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "vendor.h"
 
@@ -69,6 +71,28 @@ inline int dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
     gpuError_t fusedenc_err_ = (expr);                             \
     if (fusedenc_err_ != gpuSuccess) ::fusedenc::throw_gpu(#expr, fusedenc_err_); \
   } while (0)
+
+// What the kernels' launch decisions need to know about a device, queried once per
+// device (the attribute queries are cheap but not free on a hot path).
+struct DeviceFacts {
+  int sm_count = 0;
+  int cc_major = 0, cc_minor = 0;  // compute capability (HIP: as the runtime reports it)
+};
+
+// By value: a reference into the table would dangle once another device grows it.
+inline DeviceFacts device_facts(int device) {
+  static std::mutex mu;
+  static std::vector<DeviceFacts> table;
+  std::lock_guard<std::mutex> lock(mu);
+  if (device >= static_cast<int>(table.size())) table.resize(device + 1);
+  DeviceFacts& f = table[device];
+  if (f.sm_count == 0) {
+    FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.cc_major, gpuDevAttrComputeCapabilityMajor, device));
+    FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.cc_minor, gpuDevAttrComputeCapabilityMinor, device));
+    FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.sm_count, gpuDevAttrMultiProcessorCount, device));
+  }
+  return f;
+}
 
 // Makes `device` current for the guard's lifetime and restores the caller's
 // device after, so the core never leaves the process on another device.

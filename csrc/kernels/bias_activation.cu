@@ -7,8 +7,6 @@
 #include "vectors.cuh"
 
 #include <algorithm>
-#include <mutex>
-#include <vector>
 
 namespace fusedenc {
 namespace {
@@ -54,17 +52,9 @@ __global__ void bias_activation_kernel(T* __restrict__ d, int64_t ldd, Index tot
 }
 
 int multiprocessor_count() {
-  // Cached per device: the attribute query is cheap but not free.
-  static std::mutex mu;
-  static std::vector<int> counts;
   int device = 0;
   FUSEDENC_CHECK_GPU(gpuGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mu);
-  if (device >= static_cast<int>(counts.size())) counts.resize(device + 1, 0);
-  if (counts[device] == 0) {
-    FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&counts[device], gpuDevAttrMultiProcessorCount, device));
-  }
-  return counts[device];
+  return device_facts(device).sm_count;
 }
 
 template <typename T, Activation A>

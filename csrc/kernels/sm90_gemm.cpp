@@ -6,8 +6,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
-#include <vector>
 
 namespace fusedenc {
 
@@ -41,29 +39,6 @@ RunFn kernel_for(DType dtype, Activation act) {
   return nullptr;
 }
 
-struct DeviceFacts {
-  bool known = false;
-  bool sm90 = false;  // compute capability exactly 9.0: the kernels are sm_90a code
-  int sm_count = 0;
-};
-
-const DeviceFacts& facts(int device) {
-  static std::mutex mu;
-  static std::vector<DeviceFacts> table;
-  std::lock_guard<std::mutex> lock(mu);
-  if (device >= static_cast<int>(table.size())) table.resize(device + 1);
-  DeviceFacts& f = table[device];
-  if (!f.known) {
-    int major = 0, minor = 0;
-    FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&major, gpuDevAttrComputeCapabilityMajor, device));
-    FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&minor, gpuDevAttrComputeCapabilityMinor, device));
-    FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.sm_count, gpuDevAttrMultiProcessorCount, device));
-    f.sm90 = major == 9 && minor == 0;
-    f.known = true;
-  }
-  return f;
-}
-
 bool env_enabled() {
   const char* v = std::getenv("FUSEDENC_SM90_GEMM");
   return !(v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0));
@@ -95,8 +70,9 @@ bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
     return no("an operand not 16-byte aligned");
   if (g.m >= (int64_t{1} << 31) || g.n >= (int64_t{1} << 31) || g.k >= (int64_t{1} << 31))
     return no("a dimension of 2^31 or more");
-  const DeviceFacts& f = facts(g.device);
-  if (!f.sm90) return no("not a compute capability 9.0 device");
+  const DeviceFacts f = device_facts(g.device);
+  // Exactly 9.0: the kernels are sm_90a code.
+  if (f.cc_major != 9 || f.cc_minor != 0) return no("not a compute capability 9.0 device");
   // Output tiles are 256 x 128; with fewer than half as many tiles as SMs the
   // persistent kernel leaves the chip idle where cuBLASLt would split K.
   const int64_t tiles = ((g.m + 255) / 256) * ((g.n + 127) / 128);
@@ -107,7 +83,7 @@ bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
 bool sm90_gemm(const GemmArgs& g) {
   RunFn fn = kernel_for(g.dtype, g.act);
   if (!fn) throw std::invalid_argument("fusedenc sm90 gemm: no kernel for this dtype and activation");
-  return fn(g, facts(g.device).sm_count);
+  return fn(g, device_facts(g.device).sm_count);
 }
 
 }  // namespace fusedenc
