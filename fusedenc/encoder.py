@@ -94,7 +94,14 @@ def _encoder_rows_op(
             "fusedenc: this compiled graph calls an EncoderBlock/EncoderStack that no longer exists "
             "(compile the module again)"
         )
-    out = module._eager_rows(rows, batch, seq, attn_bias, key_padding_mask)
+    # Scratch for this call only: under torch.compile's CUDA graphs (reduce-overhead) every
+    # allocation made while warming up or recording comes from the graph's pool and must be
+    # freed or returned, so the per-stream workspace the eager path caches cannot be made here.
+    ex = None
+    if _native_active(rows.device):
+        scratch = torch.empty(core.WORKSPACE_BYTES, dtype=torch.uint8, device=rows.device)
+        ex = NativeExecutor(rows.device, rows.dtype, workspace=scratch)
+    out = module._eager_rows(rows, batch, seq, attn_bias, key_padding_mask, ex)
     return out.clone() if out is rows else out  # a custom op's output may not be its input
 
 
@@ -561,10 +568,12 @@ class EncoderStack(nn.Module):
             rows = self._eager_rows(rows, batch, seq, attn_bias, key_padding_mask)
         return first._restore(rows, x, batch, seq)
 
-    def _eager_rows(self, rows, batch, seq, attn_bias, key_padding_mask):
+    def _eager_rows(self, rows, batch, seq, attn_bias, key_padding_mask, executor=None):
         """The stack on contiguous [T, D] rows outside a trace (also the compiled graph's op)."""
         # One native executor (stream, workspace) for every block of this forward.
-        ex = NativeExecutor(rows.device, rows.dtype) if _native_active(rows.device) else None
+        ex = executor
+        if ex is None and _native_active(rows.device):
+            ex = NativeExecutor(rows.device, rows.dtype)
         for block in self.blocks:
             rows = block._eager_rows(rows, batch, seq, attn_bias, key_padding_mask, ex)
         if self.final_norm is not None:

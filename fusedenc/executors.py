@@ -17,6 +17,8 @@ executors; each step returns a new tensor.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import core
@@ -56,7 +58,7 @@ class NativeExecutor:
 
     __slots__ = ("device", "stream", "workspace", "dtype")
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
+    def __init__(self, device: torch.device, dtype: torch.dtype, workspace: Optional[torch.Tensor] = None):
         self.device = device
         self.stream = current_stream(device)
         # Hold the tensor, not just its address: during CUDA-graph capture the
@@ -65,7 +67,8 @@ class NativeExecutor:
         # memory while the library still uses it as scratch (seen: a hang in
         # replay at bt4 shapes).  Freed when the forward returns, after every
         # GEMM that uses it is queued: later reuse is stream-ordered.
-        self.workspace = core.workspace(device, self.stream)
+        # ``workspace``: the caller's own scratch instead (the compiled graph's op: see encoder.py).
+        self.workspace = core.workspace(device, self.stream) if workspace is None else workspace
         self.dtype = dtype
 
     def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
