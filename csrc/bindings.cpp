@@ -12,6 +12,7 @@
 #include "kernels/sm90_gemm.h"
 #include "kernels/bias_activation.h"
 #include "kernels/layer_norm.h"
+#include "kernels/norm_stats.h"
 
 namespace py = pybind11;
 using namespace fusedenc;
@@ -211,6 +212,61 @@ PYBIND11_MODULE(_C, m) {
     const bool yes = sm90_gemm_applies(g, &why);
     return py::make_tuple(yes, yes ? "" : why);
   }, "Whether gemm() with these arguments runs the Hopper epilogue kernel, and if not why.");
+
+  m.attr("STATS_TILE_M") = kStatsTileM;
+  m.attr("STATS_TILE_N") = kStatsTileN;
+  m.def("sm90_residual_gemm_compiled", [](int dtype) { return sm90_residual_gemm_compiled(to_dtype(dtype)); });
+  m.def("sm90_fold_applies", [](int device, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
+                                uintptr_t w, int64_t ldw, uintptr_t bias, uintptr_t c, int64_t ldc,
+                                uintptr_t d, int64_t ldd, int dtype) {
+    const GemmArgs g = gemm_args(device, 0, m, n, k, a, lda, w, ldw, bias, c, ldc, d, ldd, dtype, 0,
+                                 1.f, 0.f, 0, 0);
+    const char* why = "";
+    const bool yes = sm90_fold_applies(g, &why);
+    return py::make_tuple(yes, yes ? "" : why);
+  }, "Whether the LayerNorm-folding GEMMs (norm: c = 0; residual: c set) can run these arguments, and if not why.");
+  m.def("sm90_norm_gemm", [](int device, uintptr_t stream, int64_t m, int64_t n, int64_t k, uintptr_t a,
+                             int64_t lda, uintptr_t w, int64_t ldw, uintptr_t bias, uintptr_t d, int64_t ldd,
+                             int dtype, int act, float alpha, uintptr_t rstd, uintptr_t shift,
+                             uintptr_t colsum, uintptr_t workspace, size_t workspace_bytes) {
+    GemmArgs g = gemm_args(device, stream, m, n, k, a, lda, w, ldw, bias, 0, 0, d, ldd, dtype, act, alpha,
+                           0.f, workspace, workspace_bytes);
+    NormFold f;
+    f.rstd = ptr<const float>(rstd);
+    f.shift = ptr<const float>(shift);
+    f.colsum = ptr<const float>(colsum);
+    if (m == 0) return true;
+    return sm90_norm_gemm(g, f);
+  }, "D = act(rstd * A @ W^T + shift * colsum + bias) (null rstd/shift/colsum: alpha/0/0). "
+     "False: CUTLASS refused the problem and nothing ran.");
+  m.def("sm90_residual_gemm", [](int device, uintptr_t stream, int64_t m, int64_t n, int64_t k, uintptr_t a,
+                                 int64_t lda, uintptr_t w, int64_t ldw, uintptr_t bias, uintptr_t c, int64_t ldc,
+                                 uintptr_t d, int64_t ldd, int dtype, float alpha, uintptr_t rstd,
+                                 uintptr_t shift, uintptr_t gamma, uintptr_t beta, uintptr_t row_sum,
+                                 uintptr_t row_sumsq, uintptr_t workspace, size_t workspace_bytes) {
+    GemmArgs g = gemm_args(device, stream, m, n, k, a, lda, w, ldw, bias, c, ldc, d, ldd, dtype, 0, alpha,
+                           1.f, workspace, workspace_bytes);
+    ResidualNorm r;
+    r.rstd = ptr<const float>(rstd);
+    r.shift = ptr<const float>(shift);
+    r.gamma = ptr<const void>(gamma);
+    r.beta = ptr<const void>(beta);
+    r.row_sum = ptr<float>(row_sum);
+    r.row_sumsq = ptr<float>(row_sumsq);
+    if (m == 0) return true;
+    return sm90_residual_gemm(g, r);
+  }, "D = alpha * (A @ W^T + bias) + (C * rstd + shift) * gamma + beta, with partial row sums of D "
+     "and D^2 (sm90_gemm.h). False: CUTLASS refused the problem and nothing ran.");
+  m.def("norm_stats", [](int device, uintptr_t stream, int64_t rows, int64_t cols, int64_t tiles, int64_t ld,
+                         uintptr_t row_sum, uintptr_t row_sumsq, uintptr_t rstd, uintptr_t shift, double eps) {
+    NormStatsArgs a;
+    a.rows = rows; a.cols = cols; a.tiles = tiles; a.ld = ld;
+    a.row_sum = ptr<const float>(row_sum); a.row_sumsq = ptr<const float>(row_sumsq);
+    a.rstd = ptr<float>(rstd); a.shift = ptr<float>(shift);
+    a.eps = static_cast<float>(eps);
+    DeviceGuard guard(device);
+    norm_stats(a, reinterpret_cast<gpuStream_t>(stream));
+  }, "rstd and shift = -mean * rstd per row from partial sums of z and z^2 (norm_stats.h).");
 
   m.def("gemm", &gemm_binding, py::arg("device"), py::arg("stream"), py::arg("m"), py::arg("n"),
         py::arg("k"), py::arg("a"), py::arg("lda"), py::arg("w"), py::arg("ldw"), py::arg("bias"),

@@ -63,9 +63,15 @@ __all__ = [
     "native_module",
     "plan_cache_info",
     "set_plan_cache_limit",
+    "norm_stats",
+    "sm90_fold_applies",
+    "sm90_fold_fits",
     "sm90_gemm_applies",
     "sm90_gemm_disabled",
     "sm90_gemm_kernels",
+    "sm90_norm_gemm",
+    "sm90_residual_gemm",
+    "stats_tile",
     "workspace",
 ]
 
@@ -374,6 +380,89 @@ def layer_norm(
     (_module or native_module()).layer_norm(
         x.device.index, stream, rows, cols, x.data_ptr(), ldx, _ptr(residual), ldr, _ptr(x_bias),
         _ptr(weight), _ptr(bias), out.data_ptr(), ldo, _ptr(sum_out), lds, _DTYPE_CODES[x.dtype], eps, alpha,
+    )  # fmt: skip
+
+
+# ------------------------------------------- LayerNorm folded into GEMMs ----
+# (norm_fold.py says what these compute; the callers have checked shapes and dtypes.)
+
+
+def sm90_fold_applies(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, c: Optional[torch.Tensor] = None
+) -> tuple[bool, str]:
+    """Whether the Hopper norm GEMM (``c`` None) or residual GEMM (``c`` given) runs
+    row-major ``a`` [M, K] by ``w`` [N, K] into ``out`` [M, N], and if not why."""
+    module = _module or native_module()
+    if module is None:
+        return False, "no native core"
+    m, k = a.shape
+    n = w.shape[0]
+    return tuple(module.sm90_fold_applies(
+        a.device.index, m, n, k, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), 0,
+        _ptr(c), 0 if c is None else c.stride(0), out.data_ptr(), out.stride(0), _DTYPE_CODES[a.dtype],
+    ))  # fmt: skip
+
+
+_fold_fits: dict = {}
+
+
+def sm90_fold_fits(device: int, dtype: torch.dtype, m: int, n: int, k: int, residual: bool) -> bool:
+    """``sm90_fold_applies`` for dense row-major operands freshly allocated (aligned):
+    the size, dtype and device rules alone, remembered per problem."""
+    key = (device, dtype, m, n, k, residual, _module is None or _module.sm90_gemm_enabled())
+    found = _fold_fits.get(key)
+    if found is None:
+        module = _module or native_module()
+        found = module is not None and bool(module.sm90_fold_applies(
+            device, m, n, k, 256, k, 256, k, 0, 256 if residual else 0, n, 256, n, _DTYPE_CODES[dtype],
+        )[0])  # fmt: skip
+        if len(_fold_fits) > 4096:
+            _fold_fits.clear()
+        _fold_fits[key] = found
+    return found
+
+
+def stats_tile() -> tuple[int, int]:
+    """(rows, columns) of the tile the residual GEMM's partial row sums are per."""
+    module = _module or native_module()
+    return module.STATS_TILE_M, module.STATS_TILE_N
+
+
+def sm90_norm_gemm(a, w, out, bias, activation, rstd, shift, colsum, stream, workspace) -> bool:
+    """``out = act(rstd * a @ w^T + shift * colsum + bias)``; False: nothing ran (CUTLASS refused)."""
+    m, k = a.shape
+    n = w.shape[0]
+    return (_module or native_module()).sm90_norm_gemm(
+        a.device.index, stream, m, n, k, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), _ptr(bias),
+        out.data_ptr(), out.stride(0), _DTYPE_CODES[a.dtype], _ACTIVATION_IDS[activation], 1.0,
+        _ptr(rstd), _ptr(shift), _ptr(colsum), workspace.data_ptr(), workspace.numel(),
+    )  # fmt: skip
+
+
+def sm90_residual_gemm(a, w, out, bias, c, alpha, pending, row_sum, row_sumsq, stream, workspace) -> bool:
+    """``out = alpha * (a @ w^T + bias) + R`` with ``R = c`` or, for ``pending``
+    (a ``norm_fold.NormedRows`` over ``c``), its LayerNorm; partial row sums of ``out`` and
+    ``out^2`` into ``row_sum``/``row_sumsq``.  False: nothing ran (CUTLASS refused)."""
+    m, k = a.shape
+    n = w.shape[0]
+    rstd = shift = gamma = beta = None
+    if pending is not None:
+        rstd, shift, gamma, beta = pending.rstd, pending.shift, pending.gamma, pending.beta
+    return (_module or native_module()).sm90_residual_gemm(
+        a.device.index, stream, m, n, k, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), _ptr(bias),
+        c.data_ptr(), c.stride(0), out.data_ptr(), out.stride(0), _DTYPE_CODES[a.dtype], alpha,
+        _ptr(rstd), _ptr(shift), _ptr(gamma), _ptr(beta), _ptr(row_sum), _ptr(row_sumsq),
+        workspace.data_ptr(), workspace.numel(),
+    )  # fmt: skip
+
+
+def norm_stats(row_sum, row_sumsq, cols, eps, rstd, shift, stream) -> None:
+    """``rstd`` and ``shift = -mean * rstd`` per row from the residual GEMM's partial sums
+    ``[tiles, ld]`` of rows ``cols`` wide."""
+    tiles, ld = row_sum.shape
+    (_module or native_module()).norm_stats(
+        row_sum.device.index, stream, rstd.numel(), cols, tiles, ld, row_sum.data_ptr(), row_sumsq.data_ptr(),
+        rstd.data_ptr(), shift.data_ptr(), eps,
     )  # fmt: skip
 
 

@@ -37,14 +37,14 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from . import activations, core
+from . import activations, core, norm_fold
 from .attention import plan_for
 from .checks import ALIGN_BYTES, LAYER_NORM_MAX_DIM
 from .executors import NativeExecutor, OpsExecutor
 from .graphs import GraphRunner
 from .norm import layer_norm
 
-__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]  # GraphRunner lives in graphs.py
+__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner", "layer_norm_folding_applies"]  # GraphRunner lives in graphs.py
 
 _QKV_KEYS = ("q_weight", "k_weight", "v_weight")
 _QKV_BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
@@ -108,6 +108,39 @@ def _encoder_rows_op(
 @_encoder_rows_op.register_fake
 def _(rows, handle, batch, seq, attn_bias, key_padding_mask):
     return torch.empty_like(rows)
+
+
+# ------------------------------------------- LayerNorm folded into GEMMs ----
+
+
+def layer_norm_folding_applies(blocks: Sequence["EncoderBlock"], rows: torch.Tensor) -> bool:
+    """Whether ``blocks`` run on ``rows`` [T, D] with their LayerNorms folded into the
+    GEMMs (``norm_fold``): post-LN blocks with norm weights, and either
+    ``norm_fold.current_mode()`` is ``force`` or it is ``auto`` and the Hopper kernels run
+    every GEMM of every block at this size (otherwise the folded algebra would run in
+    torch: correct, but slower than the LayerNorm passes)."""
+    mode = norm_fold.current_mode()
+    if mode == "off" or rows.shape[0] == 0:
+        return False
+    if any(b.norm_first or b.norm1_weight is None for b in blocks):
+        return False
+    if mode == "force":
+        return True
+    if not _native_active(rows.device):
+        return False
+    t, dev = rows.shape[0], rows.device.index
+    tile_m, tile_n = core.stats_tile()
+    sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
+    for b in blocks:
+        d, f = b.d_model, b.d_ff
+        # The narrowest GEMMs (N = D) must still give the persistent kernels half a wave
+        # of tiles: below that the LayerNorm passes are cheap and cuBLASLt's split-K wins.
+        if 2 * (-(-t // tile_m)) * (-(-d // tile_n)) < sms:
+            return False
+        shapes = ((3 * d, d, False), (d, d, True), (f, d, False), (d, f, True))  # QKV, out, FFN1, FFN2
+        if not all(core.sm90_fold_fits(dev, rows.dtype, t, n, k, residual) for n, k, residual in shapes):
+            return False
+    return True
 
 
 # ------------------------------------------------------------ the block ----
@@ -189,6 +222,7 @@ class EncoderBlock(nn.Module):
         self.reset_parameters()
         self._plans: dict = {}
         self._plans_lock = threading.Lock()
+        self._fold_cache = norm_fold.FoldCache()  # QKV and FFN1 weights with a LayerNorm folded in
 
     _PARAM_NAMES = (
         "qkv_weight", "qkv_bias", "out_weight", "out_bias", "norm1_weight", "norm1_bias",
@@ -358,12 +392,56 @@ class EncoderBlock(nn.Module):
             self._validate(x2, batch, seq, attn_bias, key_padding_mask)
             if x2.shape[0] == 0:
                 return torch.empty_like(x2)
+            if layer_norm_folding_applies([self], x2):
+                pending = self._run_folded(OpsExecutor(), None, x2, batch, seq, attn_bias, key_padding_mask)
+                return norm_fold.materialize(pending, self.layer_norm_eps)
             return self._run(OpsExecutor(), None, x2, batch, seq, attn_bias, key_padding_mask)
         plan = self._plan(x2, batch, seq, attn_bias, key_padding_mask)
         if plan is None:  # empty batch
             return torch.empty_like(x2)
         ex = executor if executor is not None else NativeExecutor(x2.device, x2.dtype)
+        if layer_norm_folding_applies([self], x2):
+            pending = self._run_folded(ex, plan, x2, batch, seq, attn_bias, key_padding_mask)
+            return norm_fold.materialize(pending, self.layer_norm_eps)
         return self._run(ex, plan, x2, batch, seq, attn_bias, key_padding_mask)
+
+    def folded_rows(self, rows, batch, seq, attn_bias=None, key_padding_mask=None, executor=None):
+        """The block on ``[T, D]`` rows with both LayerNorms folded into its GEMMs
+        (``norm_fold``): ``rows`` plain or a ``norm_fold.NormedRows`` (pending the previous
+        block's norm), the result pending this block's norm2 (``norm_fold.materialize``
+        makes it plain).  For callers that chain blocks themselves (``fusedenc.lc0``);
+        ``layer_norm_folding_applies`` says when to.  Checks like ``forward``."""
+        z = rows.z if isinstance(rows, norm_fold.NormedRows) else rows
+        if self.norm_first:
+            raise ValueError("folded_rows runs post-LN blocks only (norm_first=False)")
+        if not _native_active(z.device):
+            self._validate(z, batch, seq, attn_bias, key_padding_mask)
+            return self._run_folded(OpsExecutor(), None, rows, batch, seq, attn_bias, key_padding_mask)
+        plan = self._plan(z, batch, seq, attn_bias, key_padding_mask)
+        if plan is None:
+            raise ValueError("folded_rows needs at least one row")
+        ex = executor if executor is not None else NativeExecutor(z.device, z.dtype)
+        return self._run_folded(ex, plan, rows, batch, seq, attn_bias, key_padding_mask)
+
+    def _run_folded(self, ex, attn_plan, rows, batch, seq, attn_bias, key_padding_mask):
+        """The post-LN data path with both LayerNorms folded into the GEMMs (norm_fold.py):
+        ``rows`` plain or pending the previous block's norm2; returns rows pending norm2."""
+        alpha, eps, act = self.residual_alpha, self.layer_norm_eps, self.activation
+        p = self._parameters
+        kw = {"stream": ex.stream, "workspace": ex.workspace} if isinstance(ex, NativeExecutor) else {}
+        if isinstance(rows, torch.Tensor):
+            qkv = ex.linear(rows, p["qkv_weight"], p["qkv_bias"])
+        else:
+            qkv = norm_fold.norm_linear(rows, p["qkv_weight"], p["qkv_bias"], "none", self._fold_cache, **kw)
+        a = ex.attention(attn_plan, qkv, batch, seq, self.n_heads, attn_bias, key_padding_mask)
+        # h = LN1(rows + alpha * (a Wo^T + bo)), pending; the FFN reads it through its fold.
+        h = norm_fold.residual_linear(
+            a, p["out_weight"], p["out_bias"], rows, alpha, p["norm1_weight"], p["norm1_bias"], eps, **kw
+        )
+        f = norm_fold.norm_linear(h, p["ffn1_weight"], p["ffn1_bias"], act, self._fold_cache, **kw)
+        return norm_fold.residual_linear(
+            f, p["ffn2_weight"], p["ffn2_bias"], h, alpha, p["norm2_weight"], p["norm2_bias"], eps, **kw
+        )
 
     def _run(self, ex, attn_plan, x2, batch, seq, attn_bias, key_padding_mask):
         """The data path, once for both executors (see the module docstring)."""
@@ -574,8 +652,14 @@ class EncoderStack(nn.Module):
         ex = executor
         if ex is None and _native_active(rows.device):
             ex = NativeExecutor(rows.device, rows.dtype)
-        for block in self.blocks:
-            rows = block._eager_rows(rows, batch, seq, attn_bias, key_padding_mask, ex)
+        if rows.shape[0] and layer_norm_folding_applies(self.blocks, rows):
+            pending = rows
+            for block in self.blocks:
+                pending = block.folded_rows(pending, batch, seq, attn_bias, key_padding_mask, ex)
+            rows = norm_fold.materialize(pending, self.blocks[-1].layer_norm_eps)
+        else:
+            for block in self.blocks:
+                rows = block._eager_rows(rows, batch, seq, attn_bias, key_padding_mask, ex)
         if self.final_norm is not None:
             n = self.final_norm
             rows = layer_norm(rows, n.weight, n.bias, n.eps)

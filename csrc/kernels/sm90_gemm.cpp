@@ -6,35 +6,51 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace fusedenc {
 
 #ifdef FUSEDENC_HAVE_SM90_GEMM
 // Keep in step with FUSEDENC_SM90_GEMM_INSTANCES in CMakeLists.txt (a missing
-// unit is a link error, not a silent gap).
-#define FUSEDENC_SM90_GEMM_INSTANCES(X) \
-  X(f16, swish) X(f16, mish) X(f16, relu2) X(f16, gelu) \
-  X(bf16, swish) X(bf16, mish) X(bf16, relu2) X(bf16, gelu)
+// unit is a link error, not a silent gap): per dtype, one norm kernel (every
+// activation, chosen at run time) and one residual kernel.
+#define FUSEDENC_SM90_DTYPES(X) X(f16) X(bf16)
 namespace sm90 {
-#define FUSEDENC_DECLARE(D, A) bool run_##D##_##A(const GemmArgs& g, int sm_count);
-FUSEDENC_SM90_GEMM_INSTANCES(FUSEDENC_DECLARE)
+#define FUSEDENC_DECLARE(D)                                                     \
+  bool norm_##D(const GemmArgs& g, const NormFold& f, int sm_count);           \
+  bool residual_##D(const GemmArgs& g, const ResidualNorm& r, int sm_count);
+FUSEDENC_SM90_DTYPES(FUSEDENC_DECLARE)
 #undef FUSEDENC_DECLARE
 }  // namespace sm90
 #endif
 
 namespace {
 
-using RunFn = bool (*)(const GemmArgs&, int);
+using NormFn = bool (*)(const GemmArgs&, const NormFold&, int);
+using ResidualFn = bool (*)(const GemmArgs&, const ResidualNorm&, int);
 
-RunFn kernel_for(DType dtype, Activation act) {
+NormFn norm_kernel_for(DType dtype, Activation act) {
+  (void)act;  // every activation: the kernel takes it as an argument
 #ifdef FUSEDENC_HAVE_SM90_GEMM
-#define FUSEDENC_CASE(D, A) \
-  if (dtype == DType::D && act == Activation::A) return &sm90::run_##D##_##A;
-  FUSEDENC_SM90_GEMM_INSTANCES(FUSEDENC_CASE)
+#define FUSEDENC_CASE(D) \
+  if (dtype == DType::D) return &sm90::norm_##D;
+  FUSEDENC_SM90_DTYPES(FUSEDENC_CASE)
 #undef FUSEDENC_CASE
 #else
   (void)dtype;
-  (void)act;
+#endif
+  return nullptr;
+}
+
+ResidualFn residual_kernel_for(DType dtype) {
+#ifdef FUSEDENC_HAVE_SM90_GEMM
+#define FUSEDENC_CASE(D) \
+  if (dtype == DType::D) return &sm90::residual_##D;
+  FUSEDENC_SM90_DTYPES(FUSEDENC_CASE)
+#undef FUSEDENC_CASE
+#else
+  (void)dtype;
 #endif
   return nullptr;
 }
@@ -50,23 +66,28 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
-bool sm90_gemm_compiled(DType dtype, Activation act) { return kernel_for(dtype, act) != nullptr; }
+bool sm90_gemm_compiled(DType dtype, Activation act) { return norm_kernel_for(dtype, act) != nullptr; }
+bool sm90_residual_gemm_compiled(DType dtype) { return residual_kernel_for(dtype) != nullptr; }
 
 void set_sm90_gemm_enabled(bool on) { g_enabled.store(on); }
 bool sm90_gemm_enabled() { return g_enabled.load(); }
 
-bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
+namespace {
+
+// The rules every form shares (the kernel's existence is the caller's check).  The
+// occupancy rule is a speed rule for the plain form only: the folded forms have no
+// cuBLASLt twin, so they run whenever they can.
+bool shape_fits(const GemmArgs& g, const char** why, bool check_occupancy) {
   auto no = [&](const char* reason) {
     if (why) *why = reason;
     return false;
   };
-  if (!kernel_for(g.dtype, g.act)) return no("no kernel for this dtype and activation in this build");
   if (!g_enabled.load(std::memory_order_relaxed)) return no("switched off");
-  if (g.c) return no("a residual input");
   const int64_t per_vec = 16 / dtype_size(g.dtype);
-  if (g.k % per_vec || g.n % per_vec || g.lda % per_vec || g.ldw % per_vec || g.ldd % per_vec)
+  if (g.k % per_vec || g.n % per_vec || g.lda % per_vec || g.ldw % per_vec || g.ldd % per_vec ||
+      (g.c && g.ldc % per_vec))
     return no("k, n or a row stride not a multiple of 16 bytes");
-  if (!aligned(g.a) || !aligned(g.w) || !aligned(g.d) || (g.bias && !aligned(g.bias)))
+  if (!aligned(g.a) || !aligned(g.w) || !aligned(g.d) || (g.bias && !aligned(g.bias)) || (g.c && !aligned(g.c)))
     return no("an operand not 16-byte aligned");
   if (g.m >= (int64_t{1} << 31) || g.n >= (int64_t{1} << 31) || g.k >= (int64_t{1} << 31))
     return no("a dimension of 2^31 or more");
@@ -75,15 +96,65 @@ bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
   if (f.cc_major != 9 || f.cc_minor != 0) return no("not a compute capability 9.0 device");
   // Output tiles are 256 x 128; with fewer than half as many tiles as SMs the
   // persistent kernel leaves the chip idle where cuBLASLt would split K.
-  const int64_t tiles = ((g.m + 255) / 256) * ((g.n + 127) / 128);
-  if (2 * tiles < f.sm_count) return no("too few output tiles to fill the GPU");
+  const int64_t tiles = ((g.m + kStatsTileM - 1) / kStatsTileM) * ((g.n + kStatsTileN - 1) / kStatsTileN);
+  if (check_occupancy && 2 * tiles < f.sm_count) return no("too few output tiles to fill the GPU");
   return true;
 }
 
+}  // namespace
+
+bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
+  auto no = [&](const char* reason) {
+    if (why) *why = reason;
+    return false;
+  };
+  if (!norm_kernel_for(g.dtype, g.act)) return no("no kernel for this dtype and activation in this build");
+  if (g.act == Activation::none || native_epilogue_name(g.act, g.bias != nullptr))
+    return no("cuBLASLt fuses this activation itself");
+  if (g.c) return no("a residual input");
+  return shape_fits(g, why, true);
+}
+
 bool sm90_gemm(const GemmArgs& g) {
-  RunFn fn = kernel_for(g.dtype, g.act);
+  NormFn fn = norm_kernel_for(g.dtype, g.act);
   if (!fn) throw std::invalid_argument("fusedenc sm90 gemm: no kernel for this dtype and activation");
-  return fn(g, device_facts(g.device).sm_count);
+  return fn(g, NormFold{}, device_facts(g.device).sm_count);
+}
+
+bool sm90_fold_applies(const GemmArgs& g, const char** why) {
+  const bool compiled = g.c ? residual_kernel_for(g.dtype) != nullptr : norm_kernel_for(g.dtype, g.act) != nullptr;
+  if (!compiled) {
+    if (why) *why = "no kernel for this dtype in this build";
+    return false;
+  }
+  return shape_fits(g, why, false);
+}
+
+bool sm90_norm_gemm(const GemmArgs& g, const NormFold& fold) {
+  NormFn fn = norm_kernel_for(g.dtype, g.act);
+  if (!fn) throw std::invalid_argument("fusedenc sm90 norm gemm: no kernel for this dtype and activation");
+  if (g.c) throw std::invalid_argument("fusedenc sm90 norm gemm: takes no residual");
+  if ((fold.rstd == nullptr) != (fold.shift == nullptr))
+    throw std::invalid_argument("fusedenc sm90 norm gemm: rstd and shift come together");
+  const char* why = "";
+  if (!shape_fits(g, &why, false)) throw std::invalid_argument(std::string("fusedenc sm90 norm gemm: ") + why);
+  DeviceGuard guard(g.device);
+  return fn(g, fold, device_facts(g.device).sm_count);
+}
+
+bool sm90_residual_gemm(const GemmArgs& g, const ResidualNorm& r) {
+  ResidualFn fn = residual_kernel_for(g.dtype);
+  if (!fn) throw std::invalid_argument("fusedenc sm90 residual gemm: no kernel for this dtype");
+  if (!g.c) throw std::invalid_argument("fusedenc sm90 residual gemm: needs the residual input");
+  if (g.act != Activation::none) throw std::invalid_argument("fusedenc sm90 residual gemm: no activation");
+  if ((r.rstd == nullptr) != (r.shift == nullptr))
+    throw std::invalid_argument("fusedenc sm90 residual gemm: rstd and shift come together");
+  if ((r.row_sum == nullptr) != (r.row_sumsq == nullptr))
+    throw std::invalid_argument("fusedenc sm90 residual gemm: row_sum and row_sumsq come together");
+  const char* why = "";
+  if (!shape_fits(g, &why, false)) throw std::invalid_argument(std::string("fusedenc sm90 residual gemm: ") + why);
+  DeviceGuard guard(g.device);
+  return fn(g, r, device_facts(g.device).sm_count);
 }
 
 }  // namespace fusedenc

@@ -9,11 +9,47 @@
 // only when CUTLASS headers are found and sm90 is among the CUDA architectures
 // (FUSEDENC_HAVE_SM90_GEMM); on every other build and device the cuBLASLt path
 // runs unchanged.
+//
+// The same kernels fold LayerNorm into the GEMMs around it (issue 20, lever 2): the
+// GEMM that ends a residual branch writes z = alpha * (A W^T + b) + residual and
+// per-row partial sums of z and z^2 (ResidualNorm); layer_norm_stats turns those into
+// rstd and shift = -mean * rstd; a GEMM that reads LN(z) then reads z itself with
+// gamma folded into its weight and applies the norm in its epilogue (NormFold):
+//   LN(z) W^T + b = rstd * z (W * gamma)^T + shift * colsum(W * gamma) + (W beta + b).
+// The next residual LN(z) is recomputed the same way in the next ResidualNorm epilogue.
 #pragma once
 
 #include "../gemm.h"
 
 namespace fusedenc {
+
+// The kernels' output tile: the partial statistics are one value per row for each
+// kStatsTileN columns, stored [ceil(n / kStatsTileN)][round_up(m, kStatsTileM)] (fp32).
+constexpr int kStatsTileM = 256;
+constexpr int kStatsTileN = 128;
+
+// Epilogue of a GEMM that reads a LayerNorm's input z instead of its output:
+// D = act(rstd[m] * (A W^T)[m, n] + shift[m] * colsum[n] + bias[n]) (fp32 vectors; bias
+// is args.bias, of the GEMM's dtype).  All null: D = act(alpha * A W^T + bias).
+struct NormFold {
+  const float* rstd = nullptr;    // [m]; null: args.alpha
+  const float* shift = nullptr;   // [m], -mean * rstd; null: 0
+  const float* colsum = nullptr;  // [n], column sums of the folded weight; null: 0
+};
+
+// Epilogue of a GEMM that ends a residual branch: D = alpha * (A W^T + bias) + R with
+// R = (C * rstd[m] + shift[m]) * gamma[n] + beta[n], C = args.c (the previous LayerNorm
+// recomputed from its input and statistics); null rstd/shift/gamma/beta: 1/0/1/0, so
+// R = C.  Non-null row_sum/row_sumsq receive the partial sums of D and D^2 (fp32,
+// layout above), computed from D before rounding.
+struct ResidualNorm {
+  const float* rstd = nullptr;
+  const float* shift = nullptr;
+  const void* gamma = nullptr;  // [n], the GEMM's dtype
+  const void* beta = nullptr;
+  float* row_sum = nullptr;
+  float* row_sumsq = nullptr;
+};
 
 // Whether this build holds the kernel for (dtype, act).
 bool sm90_gemm_compiled(DType dtype, Activation act);
@@ -28,6 +64,19 @@ bool sm90_gemm_applies(const GemmArgs& args, const char** why = nullptr);
 // Returns false, having launched nothing, where CUTLASS refuses the problem or the
 // workspace is too small: the caller then runs cuBLASLt.
 bool sm90_gemm(const GemmArgs& args);
+
+// The LayerNorm-folding forms (above).  Both check their arguments (sm90_gemm_applies'
+// rules, plus: norm has no args.c; residual has args.c, act none, and rows of
+// statistics when asked) and throw std::invalid_argument when they do not hold; they
+// return false, having launched nothing, where CUTLASS refuses the problem.
+bool sm90_norm_gemm(const GemmArgs& args, const NormFold& fold);
+bool sm90_residual_gemm(const GemmArgs& args, const ResidualNorm& norm);
+// Whether this build holds the residual kernel for `dtype`.
+bool sm90_residual_gemm_compiled(DType dtype);
+// Whether sm90_norm_gemm (args.c null) or sm90_residual_gemm (args.c set) can run
+// `args`: the kernel is compiled and sm90_gemm_applies' shape and device rules hold
+// (not its occupancy rule: whether folding pays at a size is the caller's decision).
+bool sm90_fold_applies(const GemmArgs& args, const char** why = nullptr);
 
 // A/B switch (fusedenc.testing / FUSEDENC_SM90_GEMM=0): off sends every GEMM to cuBLASLt.
 void set_sm90_gemm_enabled(bool on);

@@ -1,12 +1,23 @@
-// The CUTLASS kernel behind sm90_gemm.h, one instantiation per (dtype, activation)
-// in its own translation unit (they are slow to compile; separate units build in
+// The CUTLASS kernels behind sm90_gemm.h, one instantiation per (dtype, epilogue) in
+// its own translation unit (they are slow to compile; separate units build in
 // parallel).  Include only from those units.
+//
+// Two epilogues (visitor trees), both computed in fp32 and rounded once:
+//   norm:     D = act(rstd[m] * acc + (shift[m] * colsum[n] + bias[n]))
+//             With rstd, shift and colsum null this is act(alpha * acc + bias), the plain
+//             GEMM + bias + activation.  With them it is LayerNorm folded into the GEMM:
+//             A is the un-normalized z, W already scaled by gamma (sm90_gemm.h).
+//   residual: D = alpha * (acc + bias[n]) + R,  R = (C * rstd[m] + shift[m]) * gamma[n] + beta[n]
+//             (R = C when those are null), and per (row, 128-column tile) partial sums of
+//             D and D^2 for the LayerNorm that follows (no atomics: deterministic).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+#include <cutlass/epilogue/thread/activation.h>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
@@ -20,25 +31,48 @@
 namespace fusedenc {
 namespace sm90 {
 
-// CUTLASS wants the activation as `template <class> class Fn`, applied to a scalar
-// and to Array<float, N> fragments; both call activate_fast<A> (activations.cuh).
-template <Activation A, class T>
-struct Elementwise {
-  CUTLASS_DEVICE T operator()(T const& x) const { return T(activate_fast<A>(float(x))); }
+// The activation is a kernel argument, not a template parameter: one kernel per dtype
+// serves every activation (each instantiation costs a minute or more of compile time),
+// and the switch is uniform across the CTA, once per register fragment.  CUTLASS
+// passes a compute function's `Arguments` as its last call argument.
+struct ActivationArguments {
+  Activation act = Activation::none;
 };
-template <Activation A, class T, int N>
-struct Elementwise<A, cutlass::Array<T, N>> {
-  CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& x) const {
-    cutlass::Array<T, N> y;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) y[i] = T(activate_fast<A>(float(x[i])));
-    return y;
+template <Activation A, int N>
+CUTLASS_DEVICE cutlass::Array<float, N> activate_all(cutlass::Array<float, N> const& x) {
+  cutlass::Array<float, N> y;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < N; ++i) y[i] = activate_fast<A>(x[i]);
+  return y;
+}
+template <class T>
+struct RuntimeActivation {
+  using Arguments = ActivationArguments;
+};
+template <int N>
+struct RuntimeActivation<cutlass::Array<float, N>> {
+  using Arguments = ActivationArguments;
+  CUTLASS_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& x, Arguments const& a) const {
+    switch (a.act) {
+      case Activation::relu: return activate_all<Activation::relu>(x);
+      case Activation::gelu_tanh: return activate_all<Activation::gelu_tanh>(x);
+      case Activation::gelu: return activate_all<Activation::gelu>(x);
+      case Activation::swish: return activate_all<Activation::swish>(x);
+      case Activation::mish: return activate_all<Activation::mish>(x);
+      case Activation::relu2: return activate_all<Activation::relu2>(x);
+      case Activation::selu: return activate_all<Activation::selu>(x);
+      case Activation::tanh: return activate_all<Activation::tanh>(x);
+      case Activation::sigmoid: return activate_all<Activation::sigmoid>(x);
+      default: return x;
+    }
   }
 };
-template <Activation A>
-struct Activation_ {
-  template <class T>
-  using Fn = Elementwise<A, T>;
+
+// acc + x * x: the in-register step of the sum-of-squares reduction (the shuffle and
+// shared-memory steps add partial sums with plain `plus`).
+template <class T>
+struct PlusSquare {
+  CUTLASS_HOST_DEVICE T operator()(T const& acc, T const& x) const { return acc + x * x; }
 };
 
 // The tile configuration: output tile, cluster and kernel/epilogue schedules.
@@ -54,11 +88,53 @@ struct Config {
 // cooperative: the fastest of eight configurations measured on an H100 at the t82/bt4
 // FFN1 shapes (M 4096-65536, K 768/1024, N 1536/2304); with no activation its main loop
 // matched cuBLAS (370 vs 403 us at 65536 x 768 x 2304).  bench/NOTES.md has the table.
+// kStatsTileM/N in sm90_gemm.h must match the tile.
 using DefaultConfig = Config<cute::Shape<cute::_256, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
                              cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                              cutlass::epilogue::TmaWarpSpecializedCooperative>;
+static_assert(kStatsTileM == 256 && kStatsTileN == 128, "sm90_gemm.h's stats tile is the kernel tile");
 
-template <class Element, Activation A, class Cfg = DefaultConfig>
+namespace fusion = cutlass::epilogue::fusion;
+using cute::_0;
+using cute::_1;
+constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+template <class Tile, class E>
+using RowVec = fusion::Sm90RowBroadcast<0, Tile, E, float, cute::Stride<_0, _1, int64_t>>;  // [n]
+template <class Tile>
+using ColVec = fusion::Sm90ColBroadcast<0, Tile, float, float, cute::Stride<_1, _0, int64_t>>;  // [m]
+template <template <class> class Fn>
+using Op = fusion::Sm90Compute<Fn, float, float, kRound>;
+
+// act(rstd * acc + (shift * colsum + bias))
+template <class Tile, class Element>
+using NormTree = fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, Element, float, kRound>,
+    fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+        ColVec<Tile>,          // rstd (null: alpha)
+        fusion::Sm90AccFetch,  // acc
+        fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+            ColVec<Tile>,            // shift (null: 0)
+            RowVec<Tile, float>,     // colsum (null: 0)
+            RowVec<Tile, Element>>>>;  // bias (null: 0)
+
+// sums(alpha * (acc + bias) + ((C * rstd + shift) * gamma + beta))
+template <class Tile, class Element>
+using ResidualTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, kRound>,
+    fusion::Sm90EVT<fusion::Sm90ColReduction<PlusSquare, cutlass::plus, cutlass::plus, 0, Tile, float, float, kRound,
+                                             cute::Stride<_1, _0, int64_t>, 4, true, false>,
+        fusion::Sm90EVT<fusion::Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, Tile, float, float, kRound,
+                                                 cute::Stride<_1, _0, int64_t>, 4, true, false>,
+            fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+                fusion::Sm90ScalarBroadcast<float>,  // alpha
+                fusion::Sm90EVT<Op<cutlass::plus>, fusion::Sm90AccFetch, RowVec<Tile, Element>>,  // acc + bias
+                fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,  // (C * rstd + shift) * gamma + beta
+                    fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+                        fusion::Sm90SrcFetch<Element>,  // C
+                        ColVec<Tile>,                   // rstd (null: 1)
+                        ColVec<Tile>>,                  // shift (null: 0)
+                    RowVec<Tile, Element>,   // gamma (null: 1)
+                    RowVec<Tile, Element>>>>>>;  // beta (null: 0)
+
+template <class Element, class Tree, bool WithC, class Cfg = DefaultConfig>
 struct Kernel {
   using ElementAcc = float;
   using LayoutA = cutlass::layout::RowMajor;     // activations [m, k]
@@ -67,13 +143,11 @@ struct Kernel {
   static constexpr int kAlign = 16 / sizeof(Element);
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
-  using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
-      Activation_<A>::template Fn, Element, float, Element, Element, float>;
+  using ElementC = std::conditional_t<WithC, Element, void>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, void, LayoutD, kAlign,
-      Element, LayoutD, kAlign, typename Cfg::EpiSchedule,
-      Fusion>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, ElementC, LayoutD, kAlign,
+      Element, LayoutD, kAlign, typename Cfg::EpiSchedule, Tree>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
       LayoutB, kAlign, ElementAcc, TileShape, ClusterShape,
@@ -86,17 +160,20 @@ struct Kernel {
 };
 
 // Returns false, having launched nothing, when CUTLASS cannot run this problem or the
-// workspace is too small (the caller falls back to cuBLASLt); throws on a failed launch.
-template <class Element, Activation A, class Cfg = DefaultConfig>
-bool run(const GemmArgs& g, int sm_count) {
-  using K = Kernel<Element, A, Cfg>;
-  using Gemm = typename K::Gemm;
+// workspace is too small (the caller falls back or says why); throws on a failed launch.
+template <class Gemm, class EpilogueArgs>
+bool launch(const GemmArgs& g, int sm_count, EpilogueArgs&& thread_args) {
   using StrideA = typename Gemm::GemmKernel::StrideA;
   using StrideB = typename Gemm::GemmKernel::StrideB;
+  using StrideC = typename Gemm::GemmKernel::StrideC;
   using StrideD = typename Gemm::GemmKernel::StrideD;
+  using ElementA = typename Gemm::GemmKernel::ElementA;
+  using ElementC = typename Gemm::GemmKernel::ElementC;
+  using ElementD = typename Gemm::GemmKernel::ElementD;
   const int m = static_cast<int>(g.m), n = static_cast<int>(g.n), k = static_cast<int>(g.k);
   StrideA sa = cute::make_stride(g.lda, cute::Int<1>{}, int64_t(0));
   StrideB sb = cute::make_stride(g.ldw, cute::Int<1>{}, int64_t(0));
+  StrideC sc = cute::make_stride(g.c ? g.ldc : g.ldd, cute::Int<1>{}, int64_t(0));
   StrideD sd = cute::make_stride(g.ldd, cute::Int<1>{}, int64_t(0));
   cutlass::KernelHardwareInfo hw;
   hw.device_id = g.device;
@@ -104,12 +181,10 @@ bool run(const GemmArgs& g, int sm_count) {
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, 1},
-      {static_cast<const Element*>(g.a), sa, static_cast<const Element*>(g.w), sb},
-      {{}, nullptr, sd, static_cast<Element*>(g.d), sd},
+      {static_cast<const ElementA*>(g.a), sa, static_cast<const ElementA*>(g.w), sb},
+      {{}, static_cast<const ElementC*>(g.c), sc, static_cast<ElementD*>(g.d), sd},
       hw};
-  args.epilogue.thread.alpha = g.alpha;
-  args.epilogue.thread.beta = 0.f;
-  args.epilogue.thread.bias_ptr = static_cast<const Element*>(g.bias);
+  args.epilogue.thread = thread_args;
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
   const size_t ws = Gemm::get_workspace_size(args);
@@ -122,11 +197,57 @@ bool run(const GemmArgs& g, int sm_count) {
   return true;
 }
 
+template <class Element, class Cfg = DefaultConfig>
+bool run_norm(const GemmArgs& g, const NormFold& f, int sm_count) {
+  using Tile = typename Cfg::TileShape;
+  using Gemm = typename Kernel<Element, NormTree<Tile, Element>, false, Cfg>::Gemm;
+  using Args = typename Gemm::GemmKernel::CollectiveEpilogue::FusionCallbacks::Arguments;
+  const auto bias = static_cast<const Element*>(g.bias);
+  Args t{
+      {                                             // rstd * acc + (...)
+       {f.rstd, g.alpha, {}},                       //   rstd, null: alpha
+       {},                                          //   acc
+       {{f.shift, 0.f, {}}, {f.colsum, 0.f, {}}, {bias, Element(0), {}}, {}},  // shift * colsum + bias
+       {}},
+      {g.act}};                                     // act
+  return launch<Gemm>(g, sm_count, t);
+}
+
+template <class Element, class Cfg = DefaultConfig>
+bool run_residual(const GemmArgs& g, const ResidualNorm& r, int sm_count) {
+  using Tile = typename Cfg::TileShape;
+  using Gemm = typename Kernel<Element, ResidualTree<Tile, Element>, true, Cfg>::Gemm;
+  using Args = typename Gemm::GemmKernel::CollectiveEpilogue::FusionCallbacks::Arguments;
+  const auto bias = static_cast<const Element*>(g.bias);
+  const auto gamma = static_cast<const Element*>(r.gamma);
+  const auto beta = static_cast<const Element*>(r.beta);
+  Args t{
+      {                                  // sumsq
+       {                                 //   sum
+        {                                //     alpha * (acc + bias) + R
+         {{g.alpha}, {}, {}},            //       alpha
+         {{}, {bias, Element(0), {}}, {}},  //    acc + bias
+         {                               //       R = (C * rstd + shift) * gamma + beta
+          {{}, {r.rstd, 1.f, {}}, {r.shift, 0.f, {}}, {}},
+          {gamma, Element(1), {}},
+          {beta, Element(0), {}},
+          {}},
+         {}},
+        {r.row_sum, 0.f, {}}},
+       {r.row_sumsq, 0.f, {}}},
+      {}};                               // identity (round to the output type)
+  return launch<Gemm>(g, sm_count, t);
+}
+
 }  // namespace sm90
 }  // namespace fusedenc
 
-// One unit's instantiation: the function sm90_gemm.cu's table points at.
-#define FUSEDENC_SM90_GEMM_INSTANCE(NAME, ELEMENT, ACT)                          \
-  namespace fusedenc { namespace sm90 {                                         \
-  bool NAME(const GemmArgs& g, int sm_count) { return run<ELEMENT, ACT>(g, sm_count); } \
+// One unit's instantiation: the functions sm90_gemm.cpp's table points at.
+#define FUSEDENC_SM90_NORM_INSTANCE(NAME, ELEMENT)                                        \
+  namespace fusedenc { namespace sm90 {                                                  \
+  bool NAME(const GemmArgs& g, const NormFold& f, int sm_count) { return run_norm<ELEMENT>(g, f, sm_count); } \
+  } }
+#define FUSEDENC_SM90_RESIDUAL_INSTANCE(NAME, ELEMENT)                                             \
+  namespace fusedenc { namespace sm90 {                                                           \
+  bool NAME(const GemmArgs& g, const ResidualNorm& r, int sm_count) { return run_residual<ELEMENT>(g, r, sm_count); } \
   } }

@@ -22,10 +22,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import norm_fold
 from ..activations import apply_activation
 from ..checks import align_elems
-from ..encoder import EncoderBlock
+from ..encoder import EncoderBlock, layer_norm_folding_applies
 from ..norm import layer_norm
+from ..norm_fold import NormedRows
 from ..ops import linear
 from . import moves
 from .errors import Lc0FormatError
@@ -87,10 +89,18 @@ class _Smolgen(nn.Module):
         self.dense2 = _Dense(sg["dense2_w"], sg["dense2_b"], sg["dense2_b"].numel(), act, dtype, device)
         self.ln2 = _Norm(sg["ln2_gammas"], sg["ln2_betas"], 1e-3, dtype, device)
         self.global_w = global_w  # shared by every layer: [4096, gen]
+        self.fold_cache = norm_fold.FoldCache()  # compress with the previous layer's LayerNorm folded in
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = x.shape[0]
-        c = self.compress(x).reshape(b, 64 * self.hidden_channels)
+    def forward(self, x: Union[torch.Tensor, NormedRows]) -> torch.Tensor:
+        """``x``: the layer input ``[B, 64, D]``, or its rows pending a LayerNorm (the body's
+        folded path, ``norm_fold``), which compress reads through the fold."""
+        if isinstance(x, NormedRows):
+            b = x.z.shape[0] // 64
+            c = norm_fold.norm_linear(x, self.compress.weight, None, "none", self.fold_cache)
+        else:  # [B, 64, D], or its rows [B * 64, D]
+            b = x.shape[0] if x.dim() == 3 else x.shape[0] // 64
+            c = self.compress(x)
+        c = c.reshape(b, 64 * self.hidden_channels)
         h = self.ln2(self.dense2(self.ln1(self.dense1(c))))
         gen = h.view(b * self.heads, -1)
         # One GEMM straight into the [B, H, 64, 64] layout the attention call reads.
@@ -231,8 +241,17 @@ class Lc0Network(nn.Module):
                 empty["moves_left"] = 1
             return {name: planes.new_empty((0, n)) for name, n in empty.items()}
         x = self.embed(planes)
-        for i in range(len(self.blocks)):
-            x = self.layer(i, x)
+        rows = x.view(-1, x.shape[-1])
+        if layer_norm_folding_applies(self.blocks, rows):
+            # The body's LayerNorms folded into its GEMMs (norm_fold): each layer's input
+            # stays pending, and smolgen's compress reads it through the fold too.
+            pending = rows
+            for i, block in enumerate(self.blocks):
+                pending = block.folded_rows(pending, b, 64, self.attention_bias(i, pending))
+            x = norm_fold.materialize(pending, self.blocks[-1].layer_norm_eps).view(x.shape)
+        else:
+            for i in range(len(self.blocks)):
+                x = self.layer(i, x)
         return self.head_outputs(x)
 
     # The stages of ``forward``, public so that a benchmark can time each (``bench/lc0.py

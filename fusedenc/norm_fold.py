@@ -1,0 +1,252 @@
+"""LayerNorm folded into the GEMMs around it (issue 20, lever 2).
+
+A post-LN encoder layer spends ~11% of its time in two LayerNorm passes, each reading
+and writing the whole residual stream.  Here no pass is left:
+
+* the GEMM that ends a residual branch (out-projection, FFN2) writes
+  ``z = alpha * (x W^T + b) + residual`` and, from its epilogue, per-row partial sums
+  of ``z`` and ``z^2``; a tiny kernel turns them into ``rstd`` and
+  ``shift = -mean * rstd`` (``NormedRows``: rows whose norm is still pending);
+* a GEMM that reads ``LN(z)`` (FFN1, the next layer's QKV, smolgen's compress) reads
+  ``z`` with gamma folded into its weight and applies the norm in its epilogue:
+  ``LN(z) W^T + b = rstd * z (W*gamma)^T + shift * colsum(W*gamma) + (W beta + b)``;
+* the next residual, ``LN(z)`` itself, is recomputed in the next residual GEMM's
+  epilogue from ``z``, the statistics, gamma and beta.
+
+Only a stack's last output gets an explicit LayerNorm.  The kernels are the Hopper
+CUTLASS GEMMs (``sm90_gemm.h``); everywhere else (other GPUs, CPU) the same algebra
+runs in torch, which is what the CPU tests exercise and what ``mode("force")`` selects.
+
+Numerics: the statistics come from sums of ``z`` and ``z^2`` in fp32, finished in
+double; ``z`` itself is the 16-bit stream the unfolded path normalizes too, so for
+rows with a large mean its rounding dominates either way (tests cover such rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator, NamedTuple, Optional, Union
+
+import torch
+
+from . import core
+from .activations import apply_activation
+from .device import current_stream
+
+__all__ = [
+    "Folded",
+    "FoldCache",
+    "NormedRows",
+    "fold",
+    "materialize",
+    "mode",
+    "norm_linear",
+    "residual_linear",
+    "stats",
+]
+
+# ------------------------------------------------------------ switch ----
+
+_MODES = ("auto", "off", "force")
+_mode = "off" if os.environ.get("FUSEDENC_FOLD_NORM", "").lower() in ("0", "off") else "auto"
+
+
+def current_mode() -> str:
+    """``auto``: folded where the Hopper kernels run every GEMM of a layer; ``off``: the
+    LayerNorm passes (the A/B baseline; ``FUSEDENC_FOLD_NORM=0`` for a whole process);
+    ``force``: folded everywhere, in torch where no kernel applies (tests)."""
+    return _mode
+
+
+@contextlib.contextmanager
+def mode(name: str) -> Iterator[None]:
+    """Run the block inside with LayerNorm folding ``name`` (see ``current_mode``).
+    Public as ``fusedenc.testing.layer_norm_folding``."""
+    global _mode
+    if name not in _MODES:
+        raise ValueError(f"layer norm folding mode must be one of {_MODES}, got {name!r}")
+    was = _mode
+    _mode = name
+    try:
+        yield
+    finally:
+        _mode = was
+
+
+# ------------------------------------------------------------ values ----
+
+
+class NormedRows(NamedTuple):
+    """Rows ``[T, D]`` whose LayerNorm is pending: ``LN(z) = (z * rstd + shift) * gamma + beta``."""
+
+    z: torch.Tensor  # [T, D], the pre-norm residual stream (the model's dtype)
+    rstd: torch.Tensor  # [T] fp32
+    shift: torch.Tensor  # [T] fp32, -mean * rstd
+    gamma: torch.Tensor  # [D]
+    beta: Optional[torch.Tensor]  # [D] or None (0)
+
+
+class Folded(NamedTuple):
+    """A Linear layer with the LayerNorm before it folded in."""
+
+    weight: torch.Tensor  # [N, K] W * gamma, the model's dtype
+    colsum: torch.Tensor  # [N] fp32, row sums of that (rounded) weight
+    bias: torch.Tensor  # [N] W beta + b, the model's dtype
+
+
+def fold(
+    weight: torch.Tensor, bias: Optional[torch.Tensor], gamma: torch.Tensor, beta: Optional[torch.Tensor]
+) -> Folded:
+    """``weight`` [N, K] (and ``bias``) after a LayerNorm with ``gamma``/``beta`` [K], folded.
+
+    The column sums are taken of the weight as rounded to the model's dtype: they must
+    cancel exactly what the GEMM multiplies."""
+    w = (weight.float() * gamma.float()).to(weight.dtype)
+    b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+    if beta is not None:
+        b = weight.float() @ beta.float()
+    if bias is not None:
+        b = b + bias.float()
+    return Folded(w.contiguous(), w.float().sum(1).contiguous(), b.to(weight.dtype).contiguous())
+
+
+class FoldCache:
+    """Folded weights by their sources, refolded when a source is replaced or changed in
+    place (keyed on storage address and version counter)."""
+
+    def __init__(self) -> None:
+        self._entries: dict = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(*tensors: Optional[torch.Tensor]) -> tuple:
+        return tuple((0, 0) if t is None else (t.data_ptr(), t._version) for t in tensors)
+
+    def get(self, weight, bias, gamma, beta) -> Folded:
+        key = self._key(weight, bias, gamma, beta)
+        found = self._entries.get(key)
+        if found is None:
+            with torch.no_grad():
+                found = fold(weight, bias, gamma, beta)
+            with self._lock:
+                if len(self._entries) >= 64:
+                    self._entries.clear()
+                self._entries[key] = found
+        return found
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    # Copies and pickles start empty (a lock cannot be copied; entries belong to tensors).
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+def stats(z: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rstd, shift)`` of each row of ``z`` in fp32 (biased variance, like torch)."""
+    var, mean = torch.var_mean(z.float(), dim=1, unbiased=False)
+    rstd = torch.rsqrt(var + eps)
+    return rstd, -mean * rstd
+
+
+def _normalized(rows: NormedRows) -> torch.Tensor:
+    """LN(z) in fp32 from the pending rows' statistics."""
+    n = (rows.z.float() * rows.rstd[:, None] + rows.shift[:, None]) * rows.gamma.float()
+    return n if rows.beta is None else n + rows.beta.float()
+
+
+def materialize(rows: Union[torch.Tensor, NormedRows], eps: float) -> torch.Tensor:
+    """Plain rows: ``rows`` itself, or the pending LayerNorm applied (an explicit pass)."""
+    if isinstance(rows, torch.Tensor):
+        return rows
+    z = rows.z
+    if core.active_on(z.device):
+        from .norm import layer_norm  # the fused kernel: recomputes the statistics from z
+
+        return layer_norm(z, rows.gamma, rows.beta, eps)
+    return _normalized(rows).to(z.dtype)
+
+
+# ------------------------------------------------------------ the GEMMs ----
+
+
+def _native_fits(a, w, out, c=None) -> bool:
+    if _mode == "off" or not core.active_on(a.device):
+        return False
+    return core.sm90_fold_applies(a, w, out, c)[0]
+
+
+def norm_linear(
+    rows: Union[torch.Tensor, NormedRows],
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: str,
+    cache: FoldCache,
+    *,
+    stream: Optional[int] = None,
+    workspace: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``act(LN(z) W^T + b)`` for pending rows (``act(x W^T + b)`` for plain ones, through
+    the ordinary GEMM).  ``activation``: a canonical name."""
+    if isinstance(rows, torch.Tensor):
+        from .ops import linear
+
+        return linear(rows, weight, bias, activation)
+    f = cache.get(weight, bias, rows.gamma, rows.beta)
+    z = rows.z
+    out = torch.empty((z.shape[0], weight.shape[0]), dtype=z.dtype, device=z.device)
+    if out.shape[0] and _native_fits(z, f.weight, out):
+        stream = current_stream(z.device) if stream is None else stream
+        workspace = core.workspace(z.device, stream) if workspace is None else workspace
+        if core.sm90_norm_gemm(z, f.weight, out, f.bias, activation, rows.rstd, rows.shift, f.colsum, stream, workspace):
+            return out
+    acc = torch.mm(z.float(), f.weight.float().t())
+    y = torch.addcmul(torch.addcmul(f.bias.float(), rows.shift[:, None], f.colsum), acc, rows.rstd[:, None])
+    out.copy_(apply_activation(y, activation))
+    return out
+
+
+def residual_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    residual: Union[torch.Tensor, NormedRows],
+    alpha: float,
+    gamma: torch.Tensor,
+    beta: Optional[torch.Tensor],
+    eps: float,
+    *,
+    stream: Optional[int] = None,
+    workspace: Optional[torch.Tensor] = None,
+) -> NormedRows:
+    """``z = alpha * (x W^T + b) + residual`` (a pending ``residual`` is normalized on the
+    fly) with the statistics of the LayerNorm ``gamma``/``beta``/``eps`` that follows it."""
+    src = residual.z if isinstance(residual, NormedRows) else residual
+    rows, n = x.shape[0], weight.shape[0]
+    z = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows and _native_fits(x, weight, z, src):
+        tm, tn = core.stats_tile()
+        ld = -(-rows // tm) * tm
+        sums = torch.empty((2, -(-n // tn), ld), dtype=torch.float32, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        shift = torch.empty_like(rstd)
+        stream = current_stream(x.device) if stream is None else stream
+        workspace = core.workspace(x.device, stream) if workspace is None else workspace
+        pending = residual if isinstance(residual, NormedRows) else None
+        if core.sm90_residual_gemm(x, weight, z, bias, src, alpha, pending, sums[0], sums[1], stream, workspace):
+            core.norm_stats(sums[0], sums[1], n, eps, rstd, shift, stream)
+            return NormedRows(z, rstd, shift, gamma, beta)
+    r = residual if isinstance(residual, torch.Tensor) else _normalized(residual)
+    acc = torch.mm(x.float(), weight.float().t())
+    if bias is not None:
+        acc = acc + bias.float()
+    zf = torch.add(r.float(), acc, alpha=alpha)
+    z.copy_(zf)
+    rstd, shift = stats(zf, eps)
+    return NormedRows(z, rstd, shift, gamma, beta)
