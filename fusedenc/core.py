@@ -70,6 +70,7 @@ __all__ = [
     "sm90_gemm_disabled",
     "sm90_gemm_kernels",
     "sm90_norm_gemm",
+    "sm90_residual_gemm_compiled",
     "sm90_residual_gemm",
     "stats_tile",
     "workspace",
@@ -420,6 +421,13 @@ def sm90_fold_fits(device: int, dtype: torch.dtype, m: int, n: int, k: int, resi
             _fold_fits.clear()
         _fold_fits[key] = found
     return found
+
+
+def sm90_residual_gemm_compiled(dtype_name: str) -> bool:
+    """Whether this build holds the Hopper residual GEMM for ``dtype_name`` ("float16", ...)."""
+    module = _module or native_module()
+    codes = {str(d).removeprefix("torch."): c for d, c in _DTYPE_CODES.items()}
+    return module is not None and dtype_name in codes and bool(module.sm90_residual_gemm_compiled(codes[dtype_name]))
 
 
 def stats_tile() -> tuple[int, int]:

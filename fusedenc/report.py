@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import core, dtypes, gemm_routes
+from . import core, dtypes, gemm_routes, norm_fold
 from .activations import ACTIVATIONS
 
 __all__ = ["capabilities"]
@@ -47,6 +47,12 @@ def capabilities() -> dict[str, Any]:
     epilogues = core.native_epilogues()
     sm90 = set(core.sm90_gemm_kernels())
     report["sm90_epilogue_gemm"] = [f"{d}:{a}" for d, a in sorted(sm90)]
+    # Post-LN LayerNorms folded into the GEMMs around them (norm_fold): dtypes whose Hopper
+    # norm and residual kernels this build holds (they run on compute capability 9.0).
+    report["layer_norm_folding"] = {
+        "mode": norm_fold.current_mode(),
+        "dtypes": [d for d in _DTYPES if (d, "none") in sm90 and core.sm90_residual_gemm_compiled(d)],
+    }
     for dtype in _DTYPES:
         per_act = {}
         for act in ACTIVATIONS:

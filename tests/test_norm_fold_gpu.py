@@ -47,9 +47,13 @@ def _ln_inputs(m, k, dtype, gen, mean=2.0):
     return z, gamma, beta
 
 
+def _device():
+    return torch.device(DEV, torch.cuda.current_device())
+
+
 def _ws():
-    stream = current_stream(torch.device(DEV))
-    return stream, core.workspace(torch.device(DEV), stream)
+    stream = current_stream(_device())
+    return stream, core.workspace(_device(), stream)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -107,7 +111,7 @@ def test_residual_gemm_and_its_statistics(dtype, pending, m, k, n, gen):
     assert_close_rule(out, ref, same, dtype, what=f"residual gemm {m}x{k}x{n} seed {gen.seed_value}")
     rstd = torch.full((m,), float("nan"), device=DEV)
     shift = torch.full((m,), float("nan"), device=DEV)
-    core.norm_stats(sums[0], sums[1], n, 1e-5, rstd, shift, current_stream(torch.device(DEV)))
+    core.norm_stats(sums[0], sums[1], n, 1e-5, rstd, shift, current_stream(_device()))
     want_rstd, want_shift = norm_fold.stats(ref, 1e-5)  # of the fp32 sum, as the epilogue sees it
     torch.testing.assert_close(rstd, want_rstd, rtol=1e-4, atol=0)
     torch.testing.assert_close(shift, want_shift, rtol=1e-4, atol=1e-4)
@@ -124,7 +128,7 @@ def test_norm_stats_kernel_and_its_checks(gen):
     sums = sums.to(DEV)
     rstd = torch.full((rows,), float("nan"), device=DEV)
     shift = torch.full((rows,), float("nan"), device=DEV)
-    stream = current_stream(torch.device(DEV))
+    stream = current_stream(_device())
     core.norm_stats(sums[0], sums[1], cols, 1e-5, rstd, shift, stream)
     var, mean = torch.var_mean(z, dim=1, unbiased=False)
     want = (var + 1e-5).rsqrt()
@@ -165,9 +169,9 @@ def _stack(layers, d, heads, d_ff, act, dtype, gen, mean=0.0):
 @pytest.mark.parametrize(
     "preset,d,heads,d_ff,act,batch,seq",
     [
-        ("t82", 768, 24, 2304, "swish", 64, 64),
-        ("bt4", 1024, 32, 1536, "mish", 64, 64),
-        ("bert-base", 768, 12, 3072, "gelu", 32, 128),
+        ("t82", 768, 24, 2304, "swish", 256, 64),
+        ("bt4", 1024, 32, 1536, "mish", 256, 64),
+        ("bert-base", 768, 12, 3072, "gelu", 128, 128),
     ],
 )
 def test_folded_stack_matches_the_fp32_reference(dtype, preset, d, heads, d_ff, act, batch, seq, gen):
@@ -188,7 +192,7 @@ def test_folded_stack_matches_the_fp32_reference(dtype, preset, d, heads, d_ff, 
 def test_folded_stack_with_large_residual_means(gen):
     _require()
     stack = _stack(3, 768, 24, 2304, "swish", torch.float16, gen, mean=20.0)
-    x = randn((64, 64, 768), torch.float16, device=DEV, gen=gen) + 20.0
+    x = randn((256, 64, 768), torch.float16, device=DEV, gen=gen) + 20.0
     with torch.inference_mode():
         out = stack(x)
     ref = stack_formula(stack.blocks, x, dtype=torch.float32)
@@ -199,8 +203,8 @@ def test_folded_stack_with_large_residual_means(gen):
 def test_small_batches_keep_the_layer_norm_passes(gen):
     _require()
     stack = _stack(2, 768, 24, 2304, "swish", torch.float16, gen)
-    assert not layer_norm_folding_applies(stack.blocks, torch.empty((16 * 64, 768), dtype=torch.float16, device=DEV))
-    assert layer_norm_folding_applies(stack.blocks, torch.empty((64 * 64, 768), dtype=torch.float16, device=DEV))
+    assert not layer_norm_folding_applies(stack.blocks, torch.empty((64 * 64, 768), dtype=torch.float16, device=DEV))
+    assert layer_norm_folding_applies(stack.blocks, torch.empty((256 * 64, 768), dtype=torch.float16, device=DEV))
 
 
 def test_lc0_network_folded_matches_unfolded_and_reference(tmp_path, gen):
@@ -212,8 +216,8 @@ def test_lc0_network_folded_matches_unfolded_and_reference(tmp_path, gen):
     path = tmp_path / "t82.pb.gz"
     write_preset(str(path), "t82", seed=gen.seed_value % 1000)
     net = load_network(str(path), dtype=torch.float16, device=DEV)
-    planes = random_planes(64, gen).to(DEV, torch.float16)
-    assert layer_norm_folding_applies(net.blocks, torch.empty((64 * 64, net.blocks[0].d_model), dtype=torch.float16, device=DEV))
+    planes = random_planes(256, gen).to(DEV, torch.float16)
+    assert layer_norm_folding_applies(net.blocks, torch.empty((256 * 64, net.blocks[0].d_model), dtype=torch.float16, device=DEV))
     folded = net(planes)
     with layer_norm_folding("off"):
         unfolded = net(planes)
