@@ -122,7 +122,10 @@ class FoldCache:
 
     @staticmethod
     def _key(*tensors: Optional[torch.Tensor]) -> tuple:
-        return tuple((0, 0) if t is None else (t.data_ptr(), t._version) for t in tensors)
+        # Inference tensors (made under torch.inference_mode) keep no version counter.
+        return tuple(
+            (0, 0) if t is None else (t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors
+        )
 
     def get(self, weight, bias, gamma, beta) -> Folded:
         key = self._key(weight, bias, gamma, beta)

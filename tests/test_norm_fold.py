@@ -125,3 +125,14 @@ def test_materialize_of_pending_rows(gen):
     ref = torch.nn.functional.layer_norm(z, (32,), gamma, beta, 1e-5)
     torch.testing.assert_close(norm_fold.materialize(pending, 1e-5), ref, rtol=1e-5, atol=1e-5)
     assert norm_fold.materialize(z, 1e-5) is z
+
+
+def test_a_stack_built_under_inference_mode_folds(gen):
+    """Its parameters are inference tensors: no version counter to key the fold cache on."""
+    with torch.inference_mode():
+        stack = _stack(2, 64, 4, 128, "swish", gen)
+        x = randn((2, 16, 64), torch.float32, gen=gen)
+        ref = _unfolded(stack, x)
+        with layer_norm_folding("force"):
+            got = stack(x)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
