@@ -410,11 +410,13 @@ _fold_fits: dict = {}
 def sm90_fold_fits(device: int, dtype: torch.dtype, m: int, n: int, k: int, residual: bool) -> bool:
     """``sm90_fold_applies`` for dense row-major operands freshly allocated (aligned):
     the size, dtype and device rules alone, remembered per problem."""
-    key = (device, dtype, m, n, k, residual, _module is None or _module.sm90_gemm_enabled())
+    module = _module or native_module()
+    if module is None:
+        return False
+    key = (device, dtype, m, n, k, residual, module.sm90_gemm_enabled())
     found = _fold_fits.get(key)
     if found is None:
-        module = _module or native_module()
-        found = module is not None and bool(module.sm90_fold_applies(
+        found = bool(module.sm90_fold_applies(
             device, m, n, k, 256, k, 256, k, 0, 256 if residual else 0, n, 256, n, _DTYPE_CODES[dtype],
         )[0])  # fmt: skip
         if len(_fold_fits) > 4096:
@@ -423,11 +425,10 @@ def sm90_fold_fits(device: int, dtype: torch.dtype, m: int, n: int, k: int, resi
     return found
 
 
-def sm90_residual_gemm_compiled(dtype_name: str) -> bool:
-    """Whether this build holds the Hopper residual GEMM for ``dtype_name`` ("float16", ...)."""
+def sm90_residual_gemm_compiled(dtype: torch.dtype) -> bool:
+    """Whether this build holds the Hopper residual GEMM for ``dtype``."""
     module = _module or native_module()
-    codes = {str(d).removeprefix("torch."): c for d, c in _DTYPE_CODES.items()}
-    return module is not None and dtype_name in codes and bool(module.sm90_residual_gemm_compiled(codes[dtype_name]))
+    return module is not None and bool(module.sm90_residual_gemm_compiled(_DTYPE_CODES[dtype]))
 
 
 def stats_tile() -> tuple[int, int]:

@@ -44,7 +44,7 @@ from .executors import NativeExecutor, OpsExecutor
 from .graphs import GraphRunner
 from .norm import layer_norm
 
-__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner", "layer_norm_folding_applies"]  # GraphRunner lives in graphs.py
+__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]  # GraphRunner lives in graphs.py
 
 _QKV_KEYS = ("q_weight", "k_weight", "v_weight")
 _QKV_BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
@@ -108,41 +108,6 @@ def _encoder_rows_op(
 @_encoder_rows_op.register_fake
 def _(rows, handle, batch, seq, attn_bias, key_padding_mask):
     return torch.empty_like(rows)
-
-
-# ------------------------------------------- LayerNorm folded into GEMMs ----
-
-
-def layer_norm_folding_applies(blocks: Sequence["EncoderBlock"], rows: torch.Tensor) -> bool:
-    """Whether ``blocks`` run on ``rows`` [T, D] with their LayerNorms folded into the
-    GEMMs (``norm_fold``): post-LN blocks with norm weights, and either
-    ``norm_fold.current_mode()`` is ``force`` or it is ``auto`` and the Hopper kernels run
-    every GEMM of every block at this size (otherwise the folded algebra would run in
-    torch: correct, but slower than the LayerNorm passes)."""
-    mode = norm_fold.current_mode()
-    if mode == "off" or rows.shape[0] == 0:
-        return False
-    if any(b.norm_first or b.norm1_weight is None for b in blocks):
-        return False
-    if mode == "force":
-        return True
-    if not _native_active(rows.device):
-        return False
-    t, dev = rows.shape[0], rows.device.index
-    tile_m, tile_n = core.stats_tile()
-    sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
-    for b in blocks:
-        d, f = b.d_model, b.d_ff
-        # The narrowest GEMMs (N = D) must give the persistent kernels two full waves of
-        # tiles.  Measured on an H100 (whole Lc0 nets, bench/NOTES.md): folding gains 1-2%
-        # at 256 positions (16384 rows, 2.9 waves at D = 768) but loses 6-14% at 64 (0.7
-        # waves), where the folded epilogues' extra work is not hidden behind main loops.
-        if (-(-t // tile_m)) * (-(-d // tile_n)) < 2 * sms:
-            return False
-        shapes = ((3 * d, d, False), (d, d, True), (f, d, False), (d, f, True))  # QKV, out, FFN1, FFN2
-        if not all(core.sm90_fold_fits(dev, rows.dtype, t, n, k, residual) for n, k, residual in shapes):
-            return False
-    return True
 
 
 # ------------------------------------------------------------ the block ----
@@ -388,21 +353,24 @@ class EncoderBlock(nn.Module):
             return torch.ops.fusedenc.encoder_rows(x2, self._handle, batch, seq, attn_bias, key_padding_mask)
         return self._eager_rows(x2, batch, seq, attn_bias, key_padding_mask, executor)
 
-    def _eager_rows(self, x2, batch, seq, attn_bias, key_padding_mask, executor=None):
-        """``_forward_rows`` outside a trace (also the body of the compiled graph's op)."""
+    def _prepared(self, x2, batch, seq, attn_bias, key_padding_mask, executor):
+        """(executor, attention plan) for ``x2``, validated once per signature; None for an
+        empty batch.  ``executor``: a NativeExecutor shared by a stack's blocks, or None."""
         if not _native_active(x2.device):
             self._validate(x2, batch, seq, attn_bias, key_padding_mask)
-            if x2.shape[0] == 0:
-                return torch.empty_like(x2)
-            if layer_norm_folding_applies([self], x2):
-                pending = self._run_folded(OpsExecutor(), None, x2, batch, seq, attn_bias, key_padding_mask)
-                return norm_fold.materialize(pending, self.layer_norm_eps)
-            return self._run(OpsExecutor(), None, x2, batch, seq, attn_bias, key_padding_mask)
+            return None if x2.shape[0] == 0 else (OpsExecutor(), None)
         plan = self._plan(x2, batch, seq, attn_bias, key_padding_mask)
         if plan is None:  # empty batch
+            return None
+        return (executor if executor is not None else NativeExecutor(x2.device, x2.dtype)), plan
+
+    def _eager_rows(self, x2, batch, seq, attn_bias, key_padding_mask, executor=None):
+        """``_forward_rows`` outside a trace (also the body of the compiled graph's op)."""
+        prepared = self._prepared(x2, batch, seq, attn_bias, key_padding_mask, executor)
+        if prepared is None:
             return torch.empty_like(x2)
-        ex = executor if executor is not None else NativeExecutor(x2.device, x2.dtype)
-        if layer_norm_folding_applies([self], x2):
+        ex, plan = prepared
+        if norm_fold.applies([self], x2):
             pending = self._run_folded(ex, plan, x2, batch, seq, attn_bias, key_padding_mask)
             return norm_fold.materialize(pending, self.layer_norm_eps)
         return self._run(ex, plan, x2, batch, seq, attn_bias, key_padding_mask)
@@ -412,18 +380,14 @@ class EncoderBlock(nn.Module):
         (``norm_fold``): ``rows`` plain or a ``norm_fold.NormedRows`` (pending the previous
         block's norm), the result pending this block's norm2 (``norm_fold.materialize``
         makes it plain).  For callers that chain blocks themselves (``fusedenc.lc0``);
-        ``layer_norm_folding_applies`` says when to.  Checks like ``forward``."""
-        z = rows.z if isinstance(rows, norm_fold.NormedRows) else rows
+        ``norm_fold.applies`` says when to.  Checks like ``forward``."""
         if self.norm_first:
             raise ValueError("folded_rows runs post-LN blocks only (norm_first=False)")
-        if not _native_active(z.device):
-            self._validate(z, batch, seq, attn_bias, key_padding_mask)
-            return self._run_folded(OpsExecutor(), None, rows, batch, seq, attn_bias, key_padding_mask)
-        plan = self._plan(z, batch, seq, attn_bias, key_padding_mask)
-        if plan is None:
+        z = rows.z if isinstance(rows, norm_fold.NormedRows) else rows
+        prepared = self._prepared(z, batch, seq, attn_bias, key_padding_mask, executor)
+        if prepared is None:
             raise ValueError("folded_rows needs at least one row")
-        ex = executor if executor is not None else NativeExecutor(z.device, z.dtype)
-        return self._run_folded(ex, plan, rows, batch, seq, attn_bias, key_padding_mask)
+        return self._run_folded(*prepared, rows, batch, seq, attn_bias, key_padding_mask)
 
     def _run_folded(self, ex, attn_plan, rows, batch, seq, attn_bias, key_padding_mask):
         """The post-LN data path with both LayerNorms folded into the GEMMs (norm_fold.py):
@@ -654,7 +618,7 @@ class EncoderStack(nn.Module):
         ex = executor
         if ex is None and _native_active(rows.device):
             ex = NativeExecutor(rows.device, rows.dtype)
-        if rows.shape[0] and layer_norm_folding_applies(self.blocks, rows):
+        if norm_fold.applies(self.blocks, rows):
             pending = rows
             for block in self.blocks:
                 pending = block.folded_rows(pending, batch, seq, attn_bias, key_padding_mask, ex)

@@ -27,16 +27,18 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Iterator, NamedTuple, Optional, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from . import core
 from .activations import apply_activation
 from .device import current_stream
+from .norm import layer_norm
 
 __all__ = [
     "Folded",
+    "applies",
     "FoldCache",
     "NormedRows",
     "fold",
@@ -165,15 +167,42 @@ def _normalized(rows: NormedRows) -> torch.Tensor:
 
 
 def materialize(rows: Union[torch.Tensor, NormedRows], eps: float) -> torch.Tensor:
-    """Plain rows: ``rows`` itself, or the pending LayerNorm applied (an explicit pass)."""
+    """Plain rows: ``rows`` itself, or the pending LayerNorm applied: one fused LayerNorm
+    pass over ``z`` (it recomputes the statistics)."""
     if isinstance(rows, torch.Tensor):
         return rows
-    z = rows.z
-    if core.active_on(z.device):
-        from .norm import layer_norm  # the fused kernel: recomputes the statistics from z
+    return layer_norm(rows.z, rows.gamma, rows.beta, eps)
 
-        return layer_norm(z, rows.gamma, rows.beta, eps)
-    return _normalized(rows).to(z.dtype)
+
+def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
+    """Whether encoder ``blocks`` run on ``rows`` [T, D] with their LayerNorms folded into
+    the GEMMs: post-LN blocks with norm weights, and either ``current_mode()`` is
+    ``force`` or it is ``auto`` and the Hopper kernels run every GEMM of every block at
+    this size (otherwise the folded algebra would run in torch: correct, but slower
+    than the LayerNorm passes)."""
+    if _mode == "off" or rows.shape[0] == 0:
+        return False
+    if any(b.norm_first or b.norm1_weight is None for b in blocks):
+        return False
+    if _mode == "force":
+        return True
+    if not core.active_on(rows.device):
+        return False
+    t, dev = rows.shape[0], rows.device.index
+    tile_m, tile_n = core.stats_tile()
+    sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
+    for b in blocks:
+        d, f = b.d_model, b.d_ff
+        # The narrowest GEMMs (N = D) must give the persistent kernels two full waves of
+        # tiles.  Measured on an H100 (whole Lc0 nets, bench/NOTES.md): folding gains 1-2%
+        # at 256 positions (16384 rows, 2.9 waves at D = 768) but loses 6-14% at 64 (0.7
+        # waves), where the folded epilogues' extra work is not hidden behind main loops.
+        if (-(-t // tile_m)) * (-(-d // tile_n)) < 2 * sms:
+            return False
+        shapes = ((3 * d, d, False), (d, d, True), (f, d, False), (d, f, True))  # QKV, out, FFN1, FFN2
+        if not all(core.sm90_fold_fits(dev, rows.dtype, t, n, k, residual) for n, k, residual in shapes):
+            return False
+    return True
 
 
 # ------------------------------------------------------------ the GEMMs ----
@@ -186,7 +215,7 @@ def _native_fits(a, w, out, c=None) -> bool:
 
 
 def norm_linear(
-    rows: Union[torch.Tensor, NormedRows],
+    rows: NormedRows,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     activation: str,
@@ -195,12 +224,7 @@ def norm_linear(
     stream: Optional[int] = None,
     workspace: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``act(LN(z) W^T + b)`` for pending rows (``act(x W^T + b)`` for plain ones, through
-    the ordinary GEMM).  ``activation``: a canonical name."""
-    if isinstance(rows, torch.Tensor):
-        from .ops import linear
-
-        return linear(rows, weight, bias, activation)
+    """``act(LN(z) W^T + b)`` for pending rows.  ``activation``: a canonical name."""
     f = cache.get(weight, bias, rows.gamma, rows.beta)
     z = rows.z
     out = torch.empty((z.shape[0], weight.shape[0]), dtype=z.dtype, device=z.device)

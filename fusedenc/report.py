@@ -51,7 +51,10 @@ def capabilities() -> dict[str, Any]:
     # norm and residual kernels this build holds (they run on compute capability 9.0).
     report["layer_norm_folding"] = {
         "mode": norm_fold.current_mode(),
-        "dtypes": [d for d in _DTYPES if (d, "none") in sm90 and core.sm90_residual_gemm_compiled(d)],
+        "dtypes": [
+            dtypes.name(d) for d in dtypes.SUPPORTED
+            if (dtypes.name(d), "none") in sm90 and core.sm90_residual_gemm_compiled(d)
+        ],
     }
     for dtype in _DTYPES:
         per_act = {}

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from fusedenc import EncoderStack, norm_fold
-from fusedenc.encoder import layer_norm_folding_applies
 from fusedenc.testing import layer_norm_folding
 from helpers import randn
 
@@ -60,7 +59,7 @@ def test_folded_stack_matches_the_unfolded_one(bias, act, gen):
     x = randn((3, 24, 64), torch.float32, gen=gen)
     ref = stack(x)
     with layer_norm_folding("force"):
-        assert layer_norm_folding_applies(stack.blocks, x.view(-1, 64))
+        assert norm_fold.applies(stack.blocks, x.view(-1, 64))
         got = stack(x)
         single = stack.blocks[0](x)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
@@ -81,15 +80,15 @@ def test_when_folding_applies(gen):
     post = _stack(2, 64, 4, 128, "relu", gen)
     pre = _stack(2, 64, 4, 128, "relu", gen, norm_first=True)
     rows = torch.zeros((32, 64))
-    assert not layer_norm_folding_applies(post.blocks, rows)  # auto: no Hopper kernels on a CPU
+    assert not norm_fold.applies(post.blocks, rows)  # auto: no Hopper kernels on a CPU
     with layer_norm_folding("force"):
-        assert layer_norm_folding_applies(post.blocks, rows)
-        assert not layer_norm_folding_applies(pre.blocks, rows)  # pre-LN keeps its passes
-        assert not layer_norm_folding_applies(post.blocks, rows[:0])  # empty batch
+        assert norm_fold.applies(post.blocks, rows)
+        assert not norm_fold.applies(pre.blocks, rows)  # pre-LN keeps its passes
+        assert not norm_fold.applies(post.blocks, rows[:0])  # empty batch
         x = randn((2, 16, 64), torch.float32, gen=gen)
         torch.testing.assert_close(pre(x), pre(x))  # still runs
     with layer_norm_folding("off"):
-        assert not layer_norm_folding_applies(post.blocks, rows)
+        assert not norm_fold.applies(post.blocks, rows)
     with pytest.raises(ValueError, match="one of"):
         with layer_norm_folding("sometimes"):
             pass

@@ -4,7 +4,7 @@ residual GEMMs and the statistics kernel against fp32 references with the tolera
 t82, bt4 and bert-base widths, with large residual means, and an Lc0 net.
 
 Each test asserts first that the kernels really run (``core.sm90_fold_applies`` /
-``layer_norm_folding_applies``), so a dispatch change cannot turn these into tests of
+``norm_fold.applies``), so a dispatch change cannot turn these into tests of
 the torch fallback.  They skip off compute capability 9.0 or without the kernels."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from encoder_helpers import randomize, stack_formula
 from fusedenc import EncoderBlock, EncoderStack, core, norm_fold
 from fusedenc.activations import apply_activation
 from fusedenc.device import current_stream
-from fusedenc.encoder import layer_norm_folding_applies
 from fusedenc.testing import layer_norm_folding
 from helpers import assert_close_rule, poisoned, randn
 
@@ -178,7 +177,7 @@ def test_folded_stack_matches_the_fp32_reference(dtype, preset, d, heads, d_ff, 
     _require(dtype)
     stack = _stack(3, d, heads, d_ff, act, dtype, gen)
     x = randn((batch, seq, d), dtype, device=DEV, gen=gen)
-    assert layer_norm_folding_applies(stack.blocks, x.view(-1, d))
+    assert norm_fold.applies(stack.blocks, x.view(-1, d))
     with torch.inference_mode():
         out = stack(x)
         with layer_norm_folding("off"):
@@ -203,8 +202,8 @@ def test_folded_stack_with_large_residual_means(gen):
 def test_small_batches_keep_the_layer_norm_passes(gen):
     _require()
     stack = _stack(2, 768, 24, 2304, "swish", torch.float16, gen)
-    assert not layer_norm_folding_applies(stack.blocks, torch.empty((64 * 64, 768), dtype=torch.float16, device=DEV))
-    assert layer_norm_folding_applies(stack.blocks, torch.empty((256 * 64, 768), dtype=torch.float16, device=DEV))
+    assert not norm_fold.applies(stack.blocks, torch.empty((64 * 64, 768), dtype=torch.float16, device=DEV))
+    assert norm_fold.applies(stack.blocks, torch.empty((256 * 64, 768), dtype=torch.float16, device=DEV))
 
 
 def test_lc0_network_folded_matches_unfolded_and_reference(tmp_path, gen):
@@ -217,7 +216,7 @@ def test_lc0_network_folded_matches_unfolded_and_reference(tmp_path, gen):
     write_preset(str(path), "t82", seed=gen.seed_value % 1000)
     net = load_network(str(path), dtype=torch.float16, device=DEV)
     planes = random_planes(256, gen).to(DEV, torch.float16)
-    assert layer_norm_folding_applies(net.blocks, torch.empty((256 * 64, net.blocks[0].d_model), dtype=torch.float16, device=DEV))
+    assert norm_fold.applies(net.blocks, torch.empty((256 * 64, net.blocks[0].d_model), dtype=torch.float16, device=DEV))
     folded = net(planes)
     with layer_norm_folding("off"):
         unfolded = net(planes)

@@ -30,29 +30,23 @@ namespace {
 using NormFn = bool (*)(const GemmArgs&, const NormFold&, int);
 using ResidualFn = bool (*)(const GemmArgs&, const ResidualNorm&, int);
 
-NormFn norm_kernel_for(DType dtype, Activation act) {
-  (void)act;  // every activation: the kernel takes it as an argument
-#ifdef FUSEDENC_HAVE_SM90_GEMM
-#define FUSEDENC_CASE(D) \
-  if (dtype == DType::D) return &sm90::norm_##D;
-  FUSEDENC_SM90_DTYPES(FUSEDENC_CASE)
-#undef FUSEDENC_CASE
-#else
-  (void)dtype;
-#endif
-  return nullptr;
-}
+// The kernels this build holds for a dtype (both null: none).  The norm kernel takes
+// every activation as an argument.
+struct Kernels {
+  NormFn norm = nullptr;
+  ResidualFn residual = nullptr;
+};
 
-ResidualFn residual_kernel_for(DType dtype) {
+Kernels kernels_for(DType dtype) {
 #ifdef FUSEDENC_HAVE_SM90_GEMM
 #define FUSEDENC_CASE(D) \
-  if (dtype == DType::D) return &sm90::residual_##D;
+  if (dtype == DType::D) return {&sm90::norm_##D, &sm90::residual_##D};
   FUSEDENC_SM90_DTYPES(FUSEDENC_CASE)
 #undef FUSEDENC_CASE
 #else
   (void)dtype;
 #endif
-  return nullptr;
+  return {};
 }
 
 bool env_enabled() {
@@ -66,8 +60,8 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
-bool sm90_gemm_compiled(DType dtype, Activation act) { return norm_kernel_for(dtype, act) != nullptr; }
-bool sm90_residual_gemm_compiled(DType dtype) { return residual_kernel_for(dtype) != nullptr; }
+bool sm90_gemm_compiled(DType dtype, Activation /*every one*/) { return kernels_for(dtype).norm != nullptr; }
+bool sm90_residual_gemm_compiled(DType dtype) { return kernels_for(dtype).residual != nullptr; }
 
 void set_sm90_gemm_enabled(bool on) { g_enabled.store(on); }
 bool sm90_gemm_enabled() { return g_enabled.load(); }
@@ -108,7 +102,7 @@ bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
     if (why) *why = reason;
     return false;
   };
-  if (!norm_kernel_for(g.dtype, g.act)) return no("no kernel for this dtype and activation in this build");
+  if (!kernels_for(g.dtype).norm) return no("no kernel for this dtype and activation in this build");
   if (g.act == Activation::none || native_epilogue_name(g.act, g.bias != nullptr))
     return no("cuBLASLt fuses this activation itself");
   if (g.c) return no("a residual input");
@@ -116,13 +110,13 @@ bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
 }
 
 bool sm90_gemm(const GemmArgs& g) {
-  NormFn fn = norm_kernel_for(g.dtype, g.act);
+  NormFn fn = kernels_for(g.dtype).norm;
   if (!fn) throw std::invalid_argument("fusedenc sm90 gemm: no kernel for this dtype and activation");
   return fn(g, NormFold{}, device_facts(g.device).sm_count);
 }
 
 bool sm90_fold_applies(const GemmArgs& g, const char** why) {
-  const bool compiled = g.c ? residual_kernel_for(g.dtype) != nullptr : norm_kernel_for(g.dtype, g.act) != nullptr;
+  const bool compiled = g.c ? kernels_for(g.dtype).residual != nullptr : kernels_for(g.dtype).norm != nullptr;
   if (!compiled) {
     if (why) *why = "no kernel for this dtype in this build";
     return false;
@@ -131,7 +125,7 @@ bool sm90_fold_applies(const GemmArgs& g, const char** why) {
 }
 
 bool sm90_norm_gemm(const GemmArgs& g, const NormFold& fold) {
-  NormFn fn = norm_kernel_for(g.dtype, g.act);
+  NormFn fn = kernels_for(g.dtype).norm;
   if (!fn) throw std::invalid_argument("fusedenc sm90 norm gemm: no kernel for this dtype and activation");
   if (g.c) throw std::invalid_argument("fusedenc sm90 norm gemm: takes no residual");
   if ((fold.rstd == nullptr) != (fold.shift == nullptr))
@@ -143,7 +137,7 @@ bool sm90_norm_gemm(const GemmArgs& g, const NormFold& fold) {
 }
 
 bool sm90_residual_gemm(const GemmArgs& g, const ResidualNorm& r) {
-  ResidualFn fn = residual_kernel_for(g.dtype);
+  ResidualFn fn = kernels_for(g.dtype).residual;
   if (!fn) throw std::invalid_argument("fusedenc sm90 residual gemm: no kernel for this dtype");
   if (!g.c) throw std::invalid_argument("fusedenc sm90 residual gemm: needs the residual input");
   if (g.act != Activation::none) throw std::invalid_argument("fusedenc sm90 residual gemm: no activation");

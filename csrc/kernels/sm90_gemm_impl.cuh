@@ -157,6 +157,7 @@ struct Kernel {
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                           Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using EpilogueArgs = typename GemmKernel::CollectiveEpilogue::FusionCallbacks::Arguments;  // the tree's
 };
 
 // Returns false, having launched nothing, when CUTLASS cannot run this problem or the
@@ -199,29 +200,25 @@ bool launch(const GemmArgs& g, int sm_count, EpilogueArgs&& thread_args) {
 
 template <class Element, class Cfg = DefaultConfig>
 bool run_norm(const GemmArgs& g, const NormFold& f, int sm_count) {
-  using Tile = typename Cfg::TileShape;
-  using Gemm = typename Kernel<Element, NormTree<Tile, Element>, false, Cfg>::Gemm;
-  using Args = typename Gemm::GemmKernel::CollectiveEpilogue::FusionCallbacks::Arguments;
+  using K = Kernel<Element, NormTree<typename Cfg::TileShape, Element>, false, Cfg>;
   const auto bias = static_cast<const Element*>(g.bias);
-  Args t{
+  typename K::EpilogueArgs t{
       {                                             // rstd * acc + (...)
        {f.rstd, g.alpha, {}},                       //   rstd, null: alpha
        {},                                          //   acc
        {{f.shift, 0.f, {}}, {f.colsum, 0.f, {}}, {bias, Element(0), {}}, {}},  // shift * colsum + bias
        {}},
       {g.act}};                                     // act
-  return launch<Gemm>(g, sm_count, t);
+  return launch<typename K::Gemm>(g, sm_count, t);
 }
 
 template <class Element, class Cfg = DefaultConfig>
 bool run_residual(const GemmArgs& g, const ResidualNorm& r, int sm_count) {
-  using Tile = typename Cfg::TileShape;
-  using Gemm = typename Kernel<Element, ResidualTree<Tile, Element>, true, Cfg>::Gemm;
-  using Args = typename Gemm::GemmKernel::CollectiveEpilogue::FusionCallbacks::Arguments;
+  using K = Kernel<Element, ResidualTree<typename Cfg::TileShape, Element>, true, Cfg>;
   const auto bias = static_cast<const Element*>(g.bias);
   const auto gamma = static_cast<const Element*>(r.gamma);
   const auto beta = static_cast<const Element*>(r.beta);
-  Args t{
+  typename K::EpilogueArgs t{
       {                                  // sumsq
        {                                 //   sum
         {                                //     alpha * (acc + bias) + R
@@ -236,7 +233,7 @@ bool run_residual(const GemmArgs& g, const ResidualNorm& r, int sm_count) {
         {r.row_sum, 0.f, {}}},
        {r.row_sumsq, 0.f, {}}},
       {}};                               // identity (round to the output type)
-  return launch<Gemm>(g, sm_count, t);
+  return launch<typename K::Gemm>(g, sm_count, t);
 }
 
 }  // namespace sm90

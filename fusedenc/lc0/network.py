@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .. import norm_fold
 from ..activations import apply_activation
 from ..checks import align_elems
-from ..encoder import EncoderBlock, layer_norm_folding_applies
+from ..encoder import EncoderBlock
 from ..norm import layer_norm
 from ..norm_fold import NormedRows
 from ..ops import linear
@@ -242,7 +242,7 @@ class Lc0Network(nn.Module):
             return {name: planes.new_empty((0, n)) for name, n in empty.items()}
         x = self.embed(planes)
         rows = x.view(-1, x.shape[-1])
-        if layer_norm_folding_applies(self.blocks, rows):
+        if norm_fold.applies(self.blocks, rows):
             # The body's LayerNorms folded into its GEMMs (norm_fold): each layer's input
             # stays pending, and smolgen's compress reads it through the fold too.
             pending = rows
