@@ -193,11 +193,11 @@ def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
     sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
     for b in blocks:
         d, f = b.d_model, b.d_ff
-        # The narrowest GEMMs (N = D) must give the persistent kernels two full waves of
-        # tiles.  Measured on an H100 (whole Lc0 nets, bench/NOTES.md): folding gains 1-2%
-        # at 256 positions (16384 rows, 2.9 waves at D = 768) but loses 6-14% at 64 (0.7
-        # waves), where the folded epilogues' extra work is not hidden behind main loops.
-        if (-(-t // tile_m)) * (-(-d // tile_n)) < 2 * sms:
+        # The narrowest GEMMs (N = D) must give the persistent kernels four full waves of
+        # 128 x 128 tiles.  Measured on an H100 (whole Lc0 nets, bench/NOTES.md): folding
+        # gains ~4% at 256 positions (16384 rows, 5.8 waves at D = 768) but loses 3-9% at
+        # 64 (1.5-1.9 waves), where the folded epilogues' extra work is not hidden.
+        if (-(-t // tile_m)) * (-(-d // tile_n)) < 4 * sms:
             return False
         shapes = ((3 * d, d, False), (d, d, True), (f, d, False), (d, f, True))  # QKV, out, FFN1, FFN2
         if not all(core.sm90_fold_fits(dev, rows.dtype, t, n, k, residual) for n, k, residual in shapes):

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 HALF = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
-ACTS = ["swish", "mish", "relu2", "gelu"]
+ACTS = ["swish", "mish", "relu2", "sigmoid"]  # what the epilogue applies (sm90_gemm.cpp: in_epilogue)
 
 
 def _require_kernels(dtype: torch.dtype, act: str) -> None:
@@ -65,6 +65,56 @@ def test_matches_the_fp32_reference(dtype, act, m, k, n, gen):
     assert applies, why
     fusedenc.linear(x, w, b, act, out=out)
     _check(out, x, w, b, act, what=f"sm90 {act} {m}x{k}x{n} seed {gen.seed_value}")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("act", ACTS)
+def test_activation_accurate_over_the_whole_range(dtype, act, gen):
+    """The epilogue's fast formulas (hardware exp and reciprocal, a polynomial erfc for
+    exact GELU, branch-free mish) at every representable input in [-40, 40]: through an
+    identity weight the accumulator is exactly the input, so each output may differ from
+    the fp64 activation of that input by the output's own rounding (half an ulp) plus
+    1e-5 relative, and by no more than the smallest subnormal near zero.  The tails
+    (mish above 20, swish and sigmoid of large negatives) are where a cheap
+    approximation goes wrong."""
+    _require_kernels(dtype, act)
+    n = k = 256
+    grid = torch.arange(-40.0, 40.0, 2.0**-6, dtype=torch.float64)  # every step exact in fp16/bf16
+    values = torch.cat([grid, randn((16384 * 256 - grid.numel(),), torch.float32, gen=gen, scale=8.0).double()])
+    x = values[torch.randperm(values.numel(), generator=gen)].view(16384, k).to(DEVICE, dtype)
+    w = torch.eye(n, k, dtype=dtype, device=DEVICE)
+    out = poisoned((16384, n), dtype, DEVICE)
+    assert core.sm90_gemm_applies(x, w, None, out, act)[0]
+    fusedenc.linear(x, w, None, act, out=out)
+    ref = fusedenc.activations.apply_activation(x.double(), act)  # the formula in fp64
+    half_ulp = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+    tiny = {torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}[dtype]
+    bound = ref.abs() * (half_ulp + 1e-5) + tiny
+    err = (out.double() - ref).abs()
+    worst = (err - bound).argmax()
+    assert bool(torch.isfinite(out).all()), f"{act}: non-finite output for finite input"
+    assert bool((err <= bound).all()), (
+        f"{act} {dtype}: at x={x.flatten()[worst].item()!r} got {out.flatten()[worst].item()!r}, "
+        f"want {ref.flatten()[worst].item()!r} (error {err.flatten()[worst].item():.3g} > {bound.flatten()[worst].item():.3g})"
+    )
+
+
+@pytest.mark.parametrize("act", ["gelu", "tanh", "selu"])
+def test_long_chain_activations_stay_a_pass(act, gen):
+    """Exact GELU, tanh and selu cost more in the epilogue than cuBLASLt's GEMM plus the
+    pass (measured, sm90_gemm.cpp): the plain path refuses them with that reason, and a
+    folded GEMM with one still computes it (the kernel, then the pass)."""
+    _require_kernels(torch.float16, "none")
+    assert ("float16", act) not in core.sm90_gemm_kernels()
+    m, k, n = 16384, 768, 2304
+    x, w, b = _operands(m, k, n, torch.float16, gen)
+    out = poisoned((m, n), torch.float16, DEVICE)
+    assert core.sm90_gemm_applies(x, w, b, out, act) == (
+        False, "this activation is faster as cuBLASLt's GEMM and a separate pass"
+    )
+    stream = torch.cuda.current_stream().cuda_stream
+    assert core.sm90_norm_gemm(x, w, out, b, act, None, None, None, stream, core.workspace(x.device, stream))
+    _check(out, x, w, b, act, what=f"norm kernel + pass, {act}, seed {gen.seed_value}")
 
 
 @pytest.mark.parametrize("dtype", HALF)

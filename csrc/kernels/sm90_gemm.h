@@ -25,7 +25,7 @@ namespace fusedenc {
 
 // The kernels' output tile: the partial statistics are one value per row for each
 // kStatsTileN columns, stored [ceil(n / kStatsTileN)][round_up(m, kStatsTileM)] (fp32).
-constexpr int kStatsTileM = 256;
+constexpr int kStatsTileM = 128;
 constexpr int kStatsTileN = 128;
 
 // Epilogue of a GEMM that reads a LayerNorm's input z instead of its output:
@@ -51,7 +51,8 @@ struct ResidualNorm {
   float* row_sumsq = nullptr;
 };
 
-// Whether this build holds the kernel for (dtype, act).
+// Whether this build holds the kernel for (dtype, act) with `act` in its epilogue (exact
+// and tanh GELU, tanh and selu are not: a separate pass is faster; sm90_gemm.cpp).
 bool sm90_gemm_compiled(DType dtype, Activation act);
 
 // Whether `args` can run on it: compiled, a compute-capability 9.0 device, no

@@ -22,6 +22,8 @@
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include <atomic>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -54,14 +56,11 @@ struct RuntimeActivation<cutlass::Array<float, N>> {
   using Arguments = ActivationArguments;
   CUTLASS_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& x, Arguments const& a) const {
     switch (a.act) {
+      // Only the activations sm90_gemm.cpp's in_epilogue admits; the others run as a pass.
       case Activation::relu: return activate_all<Activation::relu>(x);
-      case Activation::gelu_tanh: return activate_all<Activation::gelu_tanh>(x);
-      case Activation::gelu: return activate_all<Activation::gelu>(x);
       case Activation::swish: return activate_all<Activation::swish>(x);
       case Activation::mish: return activate_all<Activation::mish>(x);
       case Activation::relu2: return activate_all<Activation::relu2>(x);
-      case Activation::selu: return activate_all<Activation::selu>(x);
-      case Activation::tanh: return activate_all<Activation::tanh>(x);
       case Activation::sigmoid: return activate_all<Activation::sigmoid>(x);
       default: return x;
     }
@@ -84,15 +83,17 @@ struct Config {
   using EpiSchedule = EpilogueSchedule;
 };
 
-// 256 x 128 tiles, clusters of two along N (the two CTAs share the A tile's TMA loads),
-// cooperative: the fastest of eight configurations measured on an H100 at the t82/bt4
-// FFN1 shapes (M 4096-65536, K 768/1024, N 1536/2304); with no activation its main loop
-// matched cuBLAS (370 vs 403 us at 65536 x 768 x 2304).  bench/NOTES.md has the table.
-// kStatsTileM/N in sm90_gemm.h must match the tile.
-using DefaultConfig = Config<cute::Shape<cute::_256, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
-                             cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                             cutlass::epilogue::TmaWarpSpecializedCooperative>;
-static_assert(kStatsTileM == 256 && kStatsTileN == 128, "sm90_gemm.h's stats tile is the kernel tile");
+// 128 x 128 tiles, no cluster, pingpong: two consumer warpgroups take turns, so one's
+// epilogue (the fold's row/column vectors, the residual's two row reductions, the
+// activation) runs while the other's main loop keeps the tensor cores busy.  The fastest
+// of ten configurations measured on an H100 for both epilogue trees at the t82/bt4 shapes
+// (M 16384/65536; e.g. FFN2 65536 x 2304 -> 768 with statistics 348 us against 382 for the
+// cooperative 256 x 128 tile used before, cuBLASLt's plain GEMM 333 + LayerNorm 156).
+// bench/NOTES.md has the table.  kStatsTileM/N in sm90_gemm.h must match the tile.
+using DefaultConfig = Config<cute::Shape<cute::_128, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_1, cute::_1>,
+                             cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                             cutlass::epilogue::TmaWarpSpecialized>;
+static_assert(kStatsTileM == 128 && kStatsTileN == 128, "sm90_gemm.h's stats tile is the kernel tile");
 
 namespace fusion = cutlass::epilogue::fusion;
 using cute::_0;
@@ -190,7 +191,18 @@ bool launch(const GemmArgs& g, int sm_count, EpilogueArgs&& thread_args) {
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
   const size_t ws = Gemm::get_workspace_size(args);
   if (ws > g.workspace_bytes) return false;
-  cutlass::Status st = gemm.initialize(args, ws ? g.workspace : nullptr, g.stream);
+  // initialize() also sets the kernel's dynamic shared-memory limit, a driver call that
+  // costs more host time than the launch (~5-15 us); it is a per-device attribute of the
+  // kernel, so it is set once per device and later calls only build the parameters.
+  static std::atomic<uint64_t> attribute_set{0};  // bit d: done on device d (d < 64)
+  const uint64_t bit = g.device >= 0 && g.device < 64 ? uint64_t{1} << g.device : 0;
+  cutlass::Status st;
+  if (ws == 0 && bit && (attribute_set.load(std::memory_order_acquire) & bit)) {
+    st = gemm.update(args, nullptr);
+  } else {
+    st = gemm.initialize(args, ws ? g.workspace : nullptr, g.stream);
+    if (st == cutlass::Status::kSuccess && bit) attribute_set.fetch_or(bit, std::memory_order_release);
+  }
   if (st == cutlass::Status::kSuccess) st = gemm.run(g.stream);
   if (st != cutlass::Status::kSuccess) {
     throw std::runtime_error(std::string("fusedenc sm90 gemm: ") + cutlassGetStatusString(st));
