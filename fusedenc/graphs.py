@@ -2,28 +2,130 @@
 
 Inference engines with fixed batch sizes spend most of their time at small
 batches on kernel launches; a graph replays all of a stack's launches in one
-call.  ``EncoderStack.graph_runner(...)`` makes one.
+call.  ``EncoderStack.graph_runner(...)`` makes one; ``BucketedGraphs`` is the
+machinery, shared with ``fusedenc.lc0``'s whole-network runner.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
-__all__ = ["GraphRunner"]
+__all__ = ["BucketedGraphs", "GraphRunner"]
 
 
 class _Captured:
-    __slots__ = ("graph", "x", "bias", "mask", "out")
+    __slots__ = ("graph", "inputs", "out")
 
-    def __init__(self, graph, x, bias, mask, out):
-        self.graph, self.x, self.bias, self.mask, self.out = graph, x, bias, mask, out
+    def __init__(self, graph, inputs, out):
+        self.graph, self.inputs, self.out = graph, inputs, out
 
 
-class GraphRunner:
+Output = Union[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def _rows(out: Output, stop: int) -> Output:
+    return {k: v[:stop] for k, v in out.items()} if isinstance(out, dict) else out[:stop]
+
+
+def _cat(parts: list[Output]) -> Output:
+    if isinstance(parts[0], dict):
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return torch.cat(parts)
+
+
+def _clone(out: Output) -> Output:
+    return {k: v.clone() for k, v in out.items()} if isinstance(out, dict) else out.clone()
+
+
+class BucketedGraphs:
+    """The machinery of a graph runner: one CUDA graph of ``run(*inputs)`` per batch-size
+    bucket, captured on first use (``capture_all()`` does it up front), sharing one
+    memory pool.
+
+    A call with B rows replays the graph of the smallest bucket ``>= B`` with the inputs
+    copied into the bucket's static inputs (rows past B are padding: the rows of a batch
+    are independent, so they do not affect the real ones) and returns the first B rows
+    of the static output (a tensor or a dict of tensors): views valid until the next
+    call.  A batch larger than every bucket runs in chunks of the largest and returns
+    new tensors.  Subclasses say what the static inputs are (``_static_inputs``) and
+    check each call before ``_dispatch``.  Not thread-safe: one runner per thread.
+    """
+
+    def __init__(self, run: Callable[..., Output], batch_sizes: Sequence[int], device: torch.device):
+        sizes = sorted(set(batch_sizes))
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
+            raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
+        self._run = run
+        self.batch_sizes = tuple(sizes)
+        self.device = device
+        self._graphs: dict[int, _Captured] = {}
+        self._pool = None
+        self.capture_seconds = 0.0
+
+    def _static_inputs(self, bucket: int) -> tuple[Optional[torch.Tensor], ...]:
+        """Zero-filled inputs of batch ``bucket`` (None for an input calls do not pass)."""
+        raise NotImplementedError
+
+    def capture_all(self) -> float:
+        """Capture every bucket's graph now (largest first); returns the seconds spent."""
+        start = time.perf_counter()
+        for b in reversed(self.batch_sizes):
+            if b not in self._graphs:
+                self._capture(b)
+        return time.perf_counter() - start
+
+    def _capture(self, bucket: int) -> _Captured:
+        start = time.perf_counter()
+        inputs = self._static_inputs(bucket)
+        # Warm up on a side stream first: GEMM plans, the attention decision, folded
+        # weights and lazily made constants must exist before capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._run(*inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._run(*inputs)
+        captured = _Captured(graph, inputs, out)
+        self._graphs[bucket] = captured
+        self.capture_seconds += time.perf_counter() - start
+        return captured
+
+    def _dispatch(self, inputs: tuple[Optional[torch.Tensor], ...]) -> Output:
+        """``inputs`` (checked): the first batch-first; the others None, batch-first, or
+        with a leading 1 (the same for every row)."""
+        b = inputs[0].shape[0]
+        if b == 0:
+            return self._run(*inputs)  # nothing to launch: the eager path returns the empty result
+        largest = self.batch_sizes[-1]
+        if b > largest:
+            parts = []
+            for i in range(0, b, largest):
+                sl = slice(i, min(b, i + largest))
+                chunk = tuple(t if t is None or (j > 0 and t.shape[0] == 1) else t[sl] for j, t in enumerate(inputs))
+                parts.append(_clone(self._replay(chunk)))
+            return _cat(parts)
+        return self._replay(inputs)
+
+    def _replay(self, inputs: tuple[Optional[torch.Tensor], ...]) -> Output:
+        b = inputs[0].shape[0]
+        bucket = next(s for s in self.batch_sizes if s >= b)
+        g = self._graphs.get(bucket) or self._capture(bucket)
+        for static, given in zip(g.inputs, inputs):
+            if given is not None:
+                static[:b].copy_(given)
+        g.graph.replay()
+        return _rows(g.out, b)
+
+
+class GraphRunner(BucketedGraphs):
     """Replays one CUDA graph of the whole stack per batch-size bucket.
 
     Inference engines with fixed batch sizes spend most of their time at small
@@ -56,52 +158,22 @@ class GraphRunner:
             raise ValueError("the graph runner takes batch-first input; build the stack with batch_first=True")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-        sizes = sorted(set(batch_sizes))
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
-            raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
+        super().__init__(stack, batch_sizes, p.device)
         self.stack = stack
         self.seq_len = seq_len
-        self.batch_sizes = tuple(sizes)
         self.with_bias = bool(attn_bias)
         self.with_mask = bool(key_padding_mask)
-        self.dtype, self.device = p.dtype, p.device
+        self.dtype = p.dtype
         self._d = stack.blocks[0].d_model
         self._h = stack.blocks[0].n_heads
-        self._graphs: dict[int, _Captured] = {}
-        self._pool = None
-        self.capture_seconds = 0.0
 
-    def capture_all(self) -> float:
-        """Capture every bucket's graph now (largest first); returns the seconds spent."""
-        start = time.perf_counter()
-        for b in reversed(self.batch_sizes):
-            if b not in self._graphs:
-                self._capture(b)
-        return time.perf_counter() - start
-
-    def _capture(self, bucket: int) -> _Captured:
-        start = time.perf_counter()
+    def _static_inputs(self, bucket: int) -> tuple[Optional[torch.Tensor], ...]:
         s, d, h = self.seq_len, self._d, self._h
         kw = {"dtype": self.dtype, "device": self.device}
         x = torch.zeros((bucket, s, d), **kw)
         bias = torch.zeros((bucket, h, s, s), **kw) if self.with_bias else None
         mask = torch.zeros((bucket, s), dtype=torch.bool, device=self.device) if self.with_mask else None
-        # Warm up on a side stream first: GEMM plans, the attention decision and
-        # lazily made constants must exist before capture.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.stack(x, bias, mask)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.stack(x, bias, mask)
-        captured = _Captured(graph, x, bias, mask, out)
-        self._graphs[bucket] = captured
-        self.capture_seconds += time.perf_counter() - start
-        return captured
+        return x, bias, mask
 
     def _check(self, x, attn_bias, key_padding_mask):
         if not isinstance(x, torch.Tensor):
@@ -131,28 +203,4 @@ class GraphRunner:
 
     def __call__(self, x, attn_bias=None, key_padding_mask=None):
         self._check(x, attn_bias, key_padding_mask)
-        b = x.shape[0]
-        if b == 0:
-            return torch.empty_like(x)
-        largest = self.batch_sizes[-1]
-        if b > largest:
-            parts = []
-            for i in range(0, b, largest):
-                sl = slice(i, min(b, i + largest))
-                bias = None if attn_bias is None else (attn_bias if attn_bias.shape[0] == 1 else attn_bias[sl])
-                mask = None if key_padding_mask is None else key_padding_mask[sl]
-                parts.append(self._replay(x[sl], bias, mask).clone())
-            return torch.cat(parts)
-        return self._replay(x, attn_bias, key_padding_mask)
-
-    def _replay(self, x, attn_bias, key_padding_mask):
-        b = x.shape[0]
-        bucket = next(s for s in self.batch_sizes if s >= b)
-        g = self._graphs.get(bucket) or self._capture(bucket)
-        g.x[:b].copy_(x)
-        if attn_bias is not None:
-            g.bias[:b].copy_(attn_bias)
-        if key_padding_mask is not None:
-            g.mask[:b].copy_(key_padding_mask)
-        g.graph.replay()
-        return g.out[:b]
+        return self._dispatch((x, attn_bias, key_padding_mask))

@@ -13,17 +13,19 @@ import torch
 from lc0_writer import random_planes, write_preset
 
 from fusedenc.dtypes import ATOL
-from fusedenc.lc0 import Lc0FileError, load_network, read_net
+from fusedenc.lc0 import Lc0FileError, Lc0GraphRunner, load_network, read_net
 from fusedenc.lc0.reference import reference_forward
 
 
-def _check(path, dtype, device, batch, gen):
+def _check(path, dtype, device, batch, gen, run=None):
+    """``run`` (default: the network itself) on fresh planes against the reference, by the rule."""
     net = load_network(str(path), dtype=dtype, device=device)
+    run = net if run is None else run(net)
     planes = random_planes(batch, gen)
     file = read_net(str(path))
     ref64 = reference_forward(file, planes.double())
     same = reference_forward(file, planes.to(device=device, dtype=dtype))
-    out = net(planes.to(device=device, dtype=dtype))
+    out = run(planes.to(device=device, dtype=dtype))
     assert set(out) == set(ref64), (set(out), set(ref64))
     for name, ref in ref64.items():
         err = (out[name].double().cpu() - ref).abs().max().item()
@@ -70,6 +72,42 @@ def test_t82_shaped_net_fp16_on_the_gpu(tmp_path, gen):
     path = tmp_path / "t82.pb.gz"
     write_preset(path, "t82", seed=5)
     _check(path, torch.float16, "cuda", 16, gen)
+
+
+def test_the_graph_runner_refuses_what_it_cannot_run(tiny_path):
+    net = load_network(str(tiny_path), dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="CUDA graphs need the network on a GPU"):
+        net.graph_runner()
+    with pytest.raises(TypeError, match="net must be an Lc0Network"):
+        Lc0GraphRunner(torch.nn.Linear(2, 2), (1,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 5, 16, 37])
+def test_the_graph_runner_matches_the_reference(tiny_path, batch, gen):
+    """Buckets 1, 8 and 16: a batch below its bucket is padded, one above the largest runs
+    in chunks; each output is held to the fp64 reference like the eager network."""
+    _check(tiny_path, torch.float16, "cuda", batch, gen, run=lambda net: net.graph_runner((1, 8, 16)))
+
+
+@pytest.mark.gpu
+def test_the_graph_runner_checks_planes_and_replays_fresh_inputs(tiny_path, gen):
+    net = load_network(str(tiny_path), dtype=torch.float16, device="cuda")
+    runner = net.graph_runner((4,))
+    with pytest.raises(ValueError, match=r"planes must be \[B, 112, 8, 8\]"):
+        runner(torch.zeros(2, 112, 8, device="cuda", dtype=torch.float16))
+    with pytest.raises(TypeError, match="planes are torch.float32"):
+        runner(torch.zeros(2, 112, 8, 8, device="cuda"))
+    assert runner(torch.zeros(0, 112, 8, 8, device="cuda", dtype=torch.float16))["policy"].shape == (0, 1858)
+    # Two different inputs through the same graph: each result is that input's, not the first's.
+    a, b = (random_planes(3, gen).to("cuda", torch.float16) for _ in range(2))
+    first = {k: v.clone() for k, v in runner(a).items()}
+    second = runner(b)
+    eager_a, eager_b = net(a), net(b)
+    for name in first:
+        torch.testing.assert_close(first[name], eager_a[name], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(second[name], eager_b[name], rtol=2e-2, atol=2e-2)
+    assert not torch.equal(first["policy"], second["policy"])
 
 
 def test_the_command_line_describes_a_net_and_refuses_a_bad_file(tiny_path, tmp_path, capsys):

@@ -19,7 +19,7 @@ every weight to float32; ``check_supported`` says whether fusedenc can run it.
 
 from .errors import Lc0FileError, Lc0FormatError
 from .netfile import NetFile, read_net
-from .network import Lc0Network, load_network
+from .network import Lc0GraphRunner, Lc0Network, load_network
 from .schema import (
     ActivationFunction,
     DefaultActivation,
@@ -38,6 +38,7 @@ __all__ = [
     "InputEmbeddingFormat",
     "LayerEncoding",
     "Lc0FileError",
+    "Lc0GraphRunner",
     "Lc0Network",
     "Lc0FormatError",
     "NetFile",

@@ -16,7 +16,7 @@ generation into the attention kernel is issue 19's performance step.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -26,6 +26,7 @@ from .. import norm_fold
 from ..activations import apply_activation
 from ..checks import align_elems
 from ..encoder import EncoderBlock
+from ..graphs import BucketedGraphs
 from ..norm import layer_norm
 from ..norm_fold import NormedRows
 from ..ops import linear
@@ -36,7 +37,7 @@ from .reference import BODY_LAYER_NORM_EPS
 from .schema import MovesLeftFormat, ValueFormat
 from .support import check_supported
 
-__all__ = ["Lc0Network", "load_network"]
+__all__ = ["Lc0GraphRunner", "Lc0Network", "load_network"]
 
 
 def _param(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
@@ -222,6 +223,14 @@ class Lc0Network(nn.Module):
             f"smolgen={self.smolgen_w is not None}, wdl={self.wdl}, moves_left={self.has_moves_left}"
         )
 
+    def graph_runner(self, batch_sizes: Sequence[int] = (1, 16, 64, 256, 1024)) -> "Lc0GraphRunner":
+        """The whole network as one CUDA graph per batch-size bucket (``Lc0GraphRunner``).
+
+        What an engine should call: eager calls launch ~20 small kernels a layer (smolgen
+        among them) and are host-bound below a few hundred positions (measured on an H100
+        at 64 positions: 3.5-4.7k positions/s eager, 19.6-23.8k as a graph)."""
+        return Lc0GraphRunner(self, batch_sizes)
+
     def _check(self, planes: torch.Tensor) -> None:
         if not isinstance(planes, torch.Tensor):
             raise TypeError(f"planes must be a torch.Tensor, got {type(planes).__name__}")
@@ -298,6 +307,37 @@ class Lc0Network(nn.Module):
         square = torch.bmm(q, k.transpose(1, 2)) * self.pol_scale
         promotion_keys = k[:, 56:64, :] @ self.pol_promotion.t()
         return moves.gather_policy(moves.attention_policy_logits(square, promotion_keys))
+
+
+class Lc0GraphRunner(BucketedGraphs):
+    """Replays one CUDA graph of a whole ``Lc0Network`` per batch-size bucket.
+
+    ``runner(planes)`` takes what ``Lc0Network.forward`` takes (``[B, 112, 8, 8]`` in the
+    network's dtype on its GPU) and returns the same heads, computed by the graph of the
+    smallest bucket ``>= B`` (rows past B are padding; positions are independent).  The
+    outputs are views into the graph's static outputs, valid until the next call
+    (``.clone()`` them to keep them); a batch larger than every bucket runs in chunks of
+    the largest and returns new tensors.  Graphs are captured on first use of a bucket
+    (``capture_all()`` does it up front) and share one memory pool.  Not thread-safe:
+    one runner per thread.
+    """
+
+    def __init__(self, net: Lc0Network, batch_sizes: Sequence[int]):
+        if not isinstance(net, Lc0Network):
+            raise TypeError(f"net must be an Lc0Network, got {type(net).__name__}")
+        p = net.preproc.weight
+        if p.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the network on a GPU; its parameters are on {p.device}")
+        super().__init__(net, batch_sizes, p.device)
+        self.net = net
+
+    def _static_inputs(self, bucket: int) -> tuple[Optional[torch.Tensor], ...]:
+        p = self.net.preproc.weight
+        return (torch.zeros((bucket, 112, 8, 8), dtype=p.dtype, device=p.device),)
+
+    def __call__(self, planes: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.net._check(planes)
+        return self._dispatch((planes,))
 
 
 def load_network(
