@@ -70,6 +70,11 @@ class BucketedGraphs:
         """Zero-filled inputs of batch ``bucket`` (None for an input calls do not pass)."""
         raise NotImplementedError
 
+    def _empty(self, inputs: tuple[Optional[torch.Tensor], ...]) -> Output:
+        """The result for a batch of 0 rows (nothing is captured or replayed): by default
+        the eager run's, which launches nothing for an empty batch."""
+        return self._run(*inputs)
+
     def capture_all(self) -> float:
         """Capture every bucket's graph now (largest first); returns the seconds spent."""
         start = time.perf_counter()
@@ -103,7 +108,7 @@ class BucketedGraphs:
         with a leading 1 (the same for every row)."""
         b = inputs[0].shape[0]
         if b == 0:
-            return self._run(*inputs)  # nothing to launch: the eager path returns the empty result
+            return self._empty(inputs)
         largest = self.batch_sizes[-1]
         if b > largest:
             parts = []
@@ -200,6 +205,9 @@ class GraphRunner(BucketedGraphs):
                                  f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")  # fmt: skip
             if key_padding_mask.device != self.device:
                 raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, the runner on {self.device}")
+
+    def _empty(self, inputs):
+        return torch.empty_like(inputs[0])
 
     def __call__(self, x, attn_bias=None, key_padding_mask=None):
         self._check(x, attn_bias, key_padding_mask)
