@@ -148,3 +148,21 @@ def test_lc0_backendbench_row_is_parsed_and_failures_are_reported(tmp_path, monk
     assert r == {"nps": 21498.0, "mean_nps": 21000.0, "cutlass": True}
     with pytest.raises(RuntimeError, match="without a batch-64 row"):
         lc0_bench.lc0_backendbench(str(fake), "net.pb.gz", 64, "cuda-fp16", 10)
+
+
+def test_fp8_accuracy_tiny(tmp_path):
+    """bench/fp8_accuracy.py: every configuration's row, and fp8 measurably worse than fp16."""
+    out = tmp_path / "fp8.txt"
+    proc = subprocess.run(
+        [sys.executable, "bench/fp8_accuracy.py", "--presets", "tiny", "--batch", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}  # configuration -> final relative error, percent
+    for line in out.read_text().splitlines():
+        if line.startswith("   ") and "%" in line:  # "   <label, 24 wide> <cosine> <rel err>% <worst> ..."
+            cosine, rel = line[28:].split()[:2]
+            assert 0.5 < float(cosine) <= 1.0, line
+            rows[line[3:27].strip()] = float(rel.rstrip("%"))
+    assert {"fp16", "fp8", "fp8, FFN2 fp16", "fp8 1x128 blocks", "fp8, outliers"} <= set(rows), rows
+    assert 0 < rows["fp16"] < rows["fp8"] < 50, rows

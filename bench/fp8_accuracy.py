@@ -1,0 +1,204 @@
+"""What FP8 costs in accuracy, before any FP8 kernel exists (issue 21's accuracy gates).
+
+    python3 bench/fp8_accuracy.py [--presets t82,bt4,bert-base] [--batch 8] [--out results.txt]
+
+Runs each preset's post-LN stack (the nps presets' shapes and initialisation:
+``EncoderStack.build``) in fp32 and in emulated reduced precision, on any device (CPU
+is fine: a few seconds a configuration), and reports per-layer and final cosine
+similarity and relative error ``||out - ref|| / ||ref||`` against the fp32 run:
+
+  fp16                     every GEMM on fp16 operands, fp32 sums, fp16 outputs (what the
+                           fp16 engines compute)
+  fp8                      every GEMM on e4m3 operands, per-row activation and per-channel
+                           weight scales (``fusedenc.fp8``), fp32 sums, fp16 outputs: the
+                           issue's row-wise peer (torchao-style ``_scaled_mm``) and the
+                           math fusedenc's FP8 mode will use
+  fp8, FFN2 fp16           the same with FFN2 kept in fp16
+  fp8, ends fp16           the same with the first and last layer kept in fp16
+  fp8, outliers            fp8 on a stack whose LayerNorm gammas have 1% of channels at
+                           20x (activation outlier channels, as trained nets have), against
+                           that stack's own fp32 run
+  fp8 out/FFN2 only, outl. the outlier stack with only the out-projection and FFN2 in fp8
+                           (the GEMMs that a LayerNorm feeds, QKV and FFN1, in fp16)
+  fp8 1x128 blocks         e4m3 with one scale per 128 channels of a row (activations) or
+                           of an output channel (weights), without and with the outliers
+  fp8 + smooth, outliers   the same with the input channels of QKV and FFN1 (the GEMMs a
+                           LayerNorm feeds) divided by sqrt(max|activation|/max|weight|) and
+                           the weights multiplied by it (SmoothQuant: in an engine the factor
+                           folds into the LayerNorm's gamma and beta; here it is measured per
+                           batch)
+
+Between ops every configuration rounds activations to fp16, as the engines store them;
+attention and LayerNorm run in fp32 on those fp16 values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from fusedenc import EncoderStack
+from fusedenc.activations import apply_activation
+from fusedenc.fp8 import dequantize, quantize_rows, scaled_linear
+
+PRESETS = {
+    # name: (layers, d_model, heads, d_ff, activation, lc0 alpha, tokens)
+    "t82": (15, 768, 24, 2304, "swish", True, 64),
+    "bt4": (15, 1024, 32, 1536, "mish", True, 64),
+    "bert-base": (12, 768, 12, 3072, "gelu", False, 128),
+    "tiny": (2, 64, 4, 128, "swish", True, 16),  # the smoke test's
+}
+GEMMS = ("qkv", "out", "ffn1", "ffn2")
+
+Gemm = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+def gemm_fp32(x, w, b):
+    return F.linear(x, w, b)
+
+
+def gemm_fp16(x, w, b):
+    y = x.half().float() @ w.half().float().t()
+    return (y if b is None else y + b.half().float()).half().float()
+
+
+def gemm_fp8(x, w, b):
+    return scaled_linear(quantize_rows(x), quantize_rows(w), None if b is None else b.half(), torch.float16).float()
+
+
+def _blocks128(t: torch.Tensor) -> torch.Tensor:
+    """``t`` through e4m3 with one scale per (row, 128 columns): quantized and restored."""
+    rows, k = t.shape
+    pad = (-k) % 128
+    tb = F.pad(t.float(), (0, pad)).view(rows * ((k + pad) // 128), 128)
+    return dequantize(quantize_rows(tb)).view(rows, k + pad)[:, :k]
+
+
+def gemm_fp8_block(x, w, b):
+    """Block scaling (one scale per 128 input channels of a row or an output channel, as
+    cuBLASLt's 1 x 128 block-scaled FP8 GEMMs take): emulated as the fp32 GEMM of the
+    restored operands, which is the block-scaled GEMM up to the order of fp32 sums."""
+    y = _blocks128(x) @ _blocks128(w).t()
+    return (y if b is None else y + b.half().float()).half().float()
+
+
+def _round(t: torch.Tensor, on: bool) -> torch.Tensor:
+    return t.half().float() if on else t
+
+
+def forward(params, x, cfg, pick: Callable[[int, str], Gemm], round16: bool, smooth: bool = False):
+    """The stack on ``x`` ``[B, S, D]`` in fp32 math; ``pick(layer, gemm)`` gives each GEMM's
+    arithmetic.  Returns every layer's output."""
+    layers, d, h, f, act, lc0, s = cfg
+    alpha = (2 * layers) ** -0.25 if lc0 else 1.0
+    bsz = x.shape[0]
+    rows = _round(x.reshape(-1, d), round16)
+    outs = []
+    for i, p in enumerate(params):
+        def lin(name, inp, w, bias, norm=None):
+            g = pick(i, name)
+            if smooth and g is gemm_fp8 and name in ("qkv", "ffn1"):
+                # SmoothQuant: move each input channel's range from activation to weight.
+                a_max = inp.abs().amax(dim=0).clamp_min(1e-5)
+                w_max = w.abs().amax(dim=0).clamp_min(1e-5)
+                factor = (a_max / w_max).sqrt()
+                return g(inp / factor, w * factor, bias)
+            return g(inp, w, bias)
+
+        qkv = _round(lin("qkv", rows, p["qkv_weight"], p["qkv_bias"]), round16)
+        q, k, v = qkv.view(bsz, s, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v)
+        a = _round(a.permute(0, 2, 1, 3).reshape(-1, d), round16)
+        y = lin("out", a, p["out_weight"], p["out_bias"])
+        hid = _round(F.layer_norm(rows + alpha * y, (d,), p["norm1_weight"], p["norm1_bias"], 1e-5), round16)
+        f1 = _round(apply_activation(lin("ffn1", hid, p["ffn1_weight"], p["ffn1_bias"]), act), round16)
+        g2 = lin("ffn2", f1, p["ffn2_weight"], p["ffn2_bias"])
+        rows = _round(F.layer_norm(hid + alpha * g2, (d,), p["norm2_weight"], p["norm2_bias"], 1e-5), round16)
+        outs.append(rows)
+    return outs
+
+
+def _params(cfg, seed: int, outliers: bool):
+    layers, d, h, f, act, lc0, _ = cfg
+    torch.manual_seed(seed)
+    stack = EncoderStack.build(layers, d, h, f, activation=act, residual_alpha=(2 * layers) ** -0.25 if lc0 else 1.0,
+                               dtype=torch.float32, device="cpu")  # fmt: skip
+    params = [{n: (None if t is None else t.detach().clone()) for n, t in b._parameters.items()} for b in stack.blocks]
+    if outliers:
+        gen = torch.Generator().manual_seed(seed + 1)
+        for p in params:
+            for name in ("norm1_weight", "norm2_weight"):
+                idx = torch.randperm(d, generator=gen)[: max(1, d // 100)]
+                p[name][idx] *= 20.0
+    return params
+
+
+def _metrics(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    o, r = out.double().flatten(), ref.double().flatten()
+    cos = torch.dot(o, r) / (o.norm() * r.norm())
+    return cos.item(), ((o - r).norm() / r.norm()).item()
+
+
+def run_preset(name: str, batch: int, seed: int) -> list[str]:
+    cfg = PRESETS[name]
+    layers, d, h, f, act, _, s = cfg
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((batch, s, d), generator=gen)
+    lines = [f"== {name}: {layers} layers, D {d}, {h} heads, FFN {f}, {act}, {batch} x {s} tokens, seed {seed}"]
+    lines.append(f"   {'configuration':24s} {'final cosine':>13s} {'final rel err':>14s} {'worst layer':>12s}  per-layer relative error")
+    stacks = {False: _params(cfg, seed, False), True: _params(cfg, seed, True)}
+    refs = {o: forward(stacks[o], x, cfg, lambda i, g: gemm_fp32, round16=False) for o in stacks}
+    last = layers - 1
+    configs = [
+        ("fp16", False, False, lambda i, g: gemm_fp16),
+        ("fp8", False, False, lambda i, g: gemm_fp8),
+        ("fp8, FFN2 fp16", False, False, lambda i, g: gemm_fp16 if g == "ffn2" else gemm_fp8),
+        ("fp8, ends fp16", False, False, lambda i, g: gemm_fp16 if i in (0, last) else gemm_fp8),
+        ("fp16, outliers", True, False, lambda i, g: gemm_fp16),
+        ("fp8, outliers", True, False, lambda i, g: gemm_fp8),
+        ("fp8 + smooth, outliers", True, True, lambda i, g: gemm_fp8),
+        ("fp8 out/FFN2 only, outl.", True, False, lambda i, g: gemm_fp8 if g in ("out", "ffn2") else gemm_fp16),
+        ("fp8 1x128 blocks", False, False, lambda i, g: gemm_fp8_block),
+        ("fp8 1x128, outliers", True, False, lambda i, g: gemm_fp8_block),
+    ]
+    for label, outl, smooth, pick in configs:
+        outs = forward(stacks[outl], x, cfg, pick, round16=True, smooth=smooth)
+        per = [_metrics(o, r) for o, r in zip(outs, refs[outl])]
+        cos, rel = per[-1]
+        worst = max(range(layers), key=lambda i: per[i][1])
+        trail = " ".join(f"{e * 100:.2f}" for _, e in per)
+        lines.append(f"   {label:24s} {cos:13.6f} {rel * 100:13.3f}% {worst:>12d}  {trail}")
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default="t82,bt4,bert-base")
+    ap.add_argument("--batch", type=int, default=8, help="positions / sequences per run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="also write the report here")
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    names = [n for n in args.presets.split(",") if n]
+    bad = [n for n in names if n not in PRESETS]
+    if bad:
+        ap.error(f"unknown preset(s) {bad}; choose from {sorted(PRESETS)}")
+    head = (f"fusedenc FP8 accuracy (emulated: fusedenc.fp8's e4m3 codes and scales, fp32 sums), torch "
+            f"{torch.__version__}; per-layer numbers are percent relative error against the fp32 run")
+    lines = [head, ""]
+    for n in names:
+        lines += run_preset(n, args.batch, args.seed) + [""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""``fusedenc.fp8``: the reference math of the FP8 mode (per-row e4m3 scales, scaled GEMM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import randn
+
+from fusedenc.fp8 import E4M3, E4M3_MAX, dequantize, quantize_rows, scaled_linear
+
+
+def test_rows_round_trip_within_e4m3_precision(gen):
+    x = randn((64, 300), torch.float32, gen=gen) * torch.logspace(-3, 3, 64)[:, None]  # rows of every size
+    t = quantize_rows(x)
+    assert t.q.dtype == E4M3 and t.scale.dtype == torch.float32 and t.scale.shape == (64,)
+    assert t.q.float().abs().amax(dim=1).eq(E4M3_MAX).all()  # each row's largest value maps onto 448
+    back = dequantize(t)
+    # 3 mantissa bits: half an ulp is 2^-4 of the value for normals; below e4m3's smallest
+    # normal (2^-6 of the code range) the spacing is 2^-9 in codes.
+    bound = torch.maximum(x.abs() * 2.0**-4, t.scale[:, None] * 2.0**-10)
+    assert ((back - x).abs() <= bound).all()
+
+
+def test_zero_rows_and_non_finite_rows():
+    x = torch.tensor([[0.0, 0.0, 0.0], [1.0, float("nan"), 2.0], [1.0, float("inf"), -1.0], [2.0, -4.0, 1.0]])
+    t = quantize_rows(x)
+    assert t.scale[0] == 1 and (t.q[0].float() == 0).all()
+    back = dequantize(t)
+    assert torch.isnan(back[1]).all() and torch.isnan(back[2]).all()  # a bad value spoils its whole row
+    assert torch.equal(back[3], x[3])  # small integers are exact
+
+
+def test_scaled_linear_is_the_gemm_of_the_dequantized_operands(gen):
+    x = randn((33, 96), torch.float32, gen=gen)
+    w = randn((40, 96), torch.float32, gen=gen)
+    b = randn((40,), torch.float16, gen=gen)
+    qx, qw = quantize_rows(x), quantize_rows(w)
+    out = scaled_linear(qx, qw, b, torch.float16)
+    ref = (dequantize(qx).double() @ dequantize(qw).double().t() + b.double())
+    assert out.dtype == torch.float16
+    # One rounding to fp16 (half an ulp, 2^-11 relative) plus fp32 summation of 96 products.
+    assert ((out.double() - ref).abs() <= ref.abs() * 2.0**-10 + 1e-5).all()
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="2-D floating"):
+        quantize_rows(torch.zeros(3, dtype=torch.float32))
+    with pytest.raises(TypeError, match="2-D floating"):
+        quantize_rows(torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x has 4 columns but the weight 5"):
+        scaled_linear(quantize_rows(torch.ones(2, 4)), quantize_rows(torch.ones(3, 5)))
