@@ -3,7 +3,7 @@
 // cuBLASLt fuses only relu and (tanh-)GELU; every other activation (swish, mish,
 // relu2, exact GELU) costs a separate pass over the output that reads and writes
 // it once more (~10% of an Lc0 or t82 forward).  These kernels are CUTLASS 3
-// warp-specialized TMA + wgmma GEMMs (persistent, cooperative schedule) whose
+// warp-specialized TMA + wgmma GEMMs (persistent, pingpong schedule) whose
 // epilogue adds the bias and applies the activation in fp32 (activations.cuh's
 // activate_fast: the pass's formulas with hardware exp and reciprocal).  Compiled
 // only when CUTLASS headers are found and sm90 is among the CUDA architectures
