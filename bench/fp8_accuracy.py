@@ -4,7 +4,8 @@
 
 Runs each preset's post-LN stack (the nps presets' shapes and initialisation:
 ``EncoderStack.build``) in fp32 and in emulated reduced precision, on any device (CPU
-is fine: a few seconds a configuration), and reports per-layer and final cosine
+is fine: a few seconds a configuration; ``--device cuda`` on an H100 adds the row-wise
+peer's real kernel, ``torch._scaled_mm``, beside the emulation), and reports per-layer and final cosine
 similarity and relative error ``||out - ref|| / ||ref||`` against the fp32 run:
 
   fp16                     every GEMM on fp16 operands, fp32 sums, fp16 outputs (what the
@@ -70,6 +71,20 @@ def gemm_fp16(x, w, b):
 
 def gemm_fp8(x, w, b):
     return scaled_linear(quantize_rows(x), quantize_rows(w), None if b is None else b.half(), torch.float16).float()
+
+
+def gemm_scaled_mm(x, w, b):
+    """The row-wise peer's real kernel (``torch._scaled_mm`` with per-row and per-column
+    scales; H100/Ada only), to hold the emulation to.  The bias is added after the GEMM."""
+    qx, qw = quantize_rows(x), quantize_rows(w)
+    args = (qx.q, qw.q.t())
+    kw = {"scale_a": qx.scale[:, None].contiguous(), "scale_b": qw.scale[None, :].contiguous()}
+    try:
+        y = torch._scaled_mm(*args, **kw, out_dtype=torch.float16)
+    except RuntimeError:  # some torch versions take row-wise scales with a bf16 output only
+        y = torch._scaled_mm(*args, **kw, out_dtype=torch.bfloat16)
+    y = y.float()
+    return (y if b is None else y + b.half().float()).half().float()
 
 
 def _blocks128(t: torch.Tensor) -> torch.Tensor:
@@ -145,14 +160,15 @@ def _metrics(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return cos.item(), ((o - r).norm() / r.norm()).item()
 
 
-def run_preset(name: str, batch: int, seed: int) -> list[str]:
+def run_preset(name: str, batch: int, seed: int, device: torch.device) -> list[str]:
     cfg = PRESETS[name]
     layers, d, h, f, act, _, s = cfg
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn((batch, s, d), generator=gen)
+    x = torch.randn((batch, s, d), generator=gen).to(device)
     lines = [f"== {name}: {layers} layers, D {d}, {h} heads, FFN {f}, {act}, {batch} x {s} tokens, seed {seed}"]
     lines.append(f"   {'configuration':24s} {'final cosine':>13s} {'final rel err':>14s} {'worst layer':>12s}  per-layer relative error")
-    stacks = {False: _params(cfg, seed, False), True: _params(cfg, seed, True)}
+    stacks = {o: [{n: None if t is None else t.to(device) for n, t in p.items()} for p in _params(cfg, seed, o)]
+              for o in (False, True)}  # fmt: skip
     refs = {o: forward(stacks[o], x, cfg, lambda i, g: gemm_fp32, round16=False) for o in stacks}
     last = layers - 1
     configs = [
@@ -168,6 +184,8 @@ def run_preset(name: str, batch: int, seed: int) -> list[str]:
         ("fp8 1x128 blocks", False, False, lambda i, g: gemm_fp8_block),
         ("fp8 1x128, outliers", True, False, lambda i, g: gemm_fp8_block),
     ]
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        configs.insert(2, ("fp8 (torch._scaled_mm)", False, False, lambda i, g: gemm_scaled_mm))
     for label, outl, smooth, pick in configs:
         outs = forward(stacks[outl], x, cfg, pick, round16=True, smooth=smooth)
         per = [_metrics(o, r) for o, r in zip(outs, refs[outl])]
@@ -184,17 +202,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="positions / sequences per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the report here")
+    ap.add_argument("--device", default="cpu", help="cpu (emulation only) or cuda (adds the torch._scaled_mm row on sm89+)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference and the emulation stay fp32
     names = [n for n in args.presets.split(",") if n]
     bad = [n for n in names if n not in PRESETS]
     if bad:
         ap.error(f"unknown preset(s) {bad}; choose from {sorted(PRESETS)}")
-    head = (f"fusedenc FP8 accuracy (emulated: fusedenc.fp8's e4m3 codes and scales, fp32 sums), torch "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    head = (f"fusedenc FP8 accuracy (emulated: fusedenc.fp8's e4m3 codes and scales, fp32 sums), on {where}, torch "
             f"{torch.__version__}; per-layer numbers are percent relative error against the fp32 run")
     lines = [head, ""]
     for n in names:
-        lines += run_preset(n, args.batch, args.seed) + [""]
+        lines += run_preset(n, args.batch, args.seed, device) + [""]
     text = "\n".join(lines)
     print(text)
     if args.out:
