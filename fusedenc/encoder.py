@@ -21,23 +21,21 @@ for eager calls on the GPU, which validates a call's signature once and then
 calls ``core`` directly, so a block costs a few microseconds of host time per
 op instead of the ops' per-call argument checks.  Both compute bit-identical
 results on the GPU (tested).  ``graphs.py`` replays a whole stack as CUDA graphs;
-under ``torch.compile`` a block or stack is one custom op (``_encoder_rows_op``).
+under ``torch.compile`` a block or stack is one custom op (``traced.py``).
 
 Inference only: no autograd, no dropout.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
-import weakref
 from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from . import activations, core, norm_fold
+from . import activations, core, norm_fold, traced
 from .attention import plan_for
 from .checks import ALIGN_BYTES, LAYER_NORM_MAX_DIM
 from .executors import NativeExecutor, OpsExecutor
@@ -57,57 +55,6 @@ _DIM_MULTIPLE = 8
 def _native_active(device: torch.device) -> bool:
     """Whether the block runs the native executor on ``device`` (a seam the tests patch)."""
     return core.active_on(device)
-
-
-# ------------------------------------------------- under torch.compile ----
-# A traced EncoderBlock or EncoderStack is one custom op whose implementation is
-# the module's eager forward.  Traced op by op, a layer was six custom ops, each
-# paying the dispatcher and its argument checks on every call, which left the
-# compiled stack host-bound at up to 2.5x the eager time (issue 20, lever 3);
-# inductor cannot fuse across fusedenc's ops anyway, so one op per module loses
-# no fusion.  A graph holds ints, not modules: each module registers under a
-# handle at construction (and again when copied or unpickled), and the op finds
-# it there.  Shapes and arguments are validated while tracing (on fake tensors),
-# as before; the eager forward inside the op validates once per signature.
-_MODULES: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
-_HANDLES = itertools.count(1)
-
-
-def _register(module: nn.Module) -> int:
-    handle = next(_HANDLES)
-    _MODULES[handle] = module
-    return handle
-
-
-@torch.library.custom_op("fusedenc::encoder_rows", mutates_args=())
-def _encoder_rows_op(
-    rows: torch.Tensor,
-    handle: int,
-    batch: int,
-    seq: int,
-    attn_bias: Optional[torch.Tensor],
-    key_padding_mask: Optional[torch.Tensor],
-) -> torch.Tensor:
-    module = _MODULES.get(handle)
-    if module is None:
-        raise RuntimeError(
-            "fusedenc: this compiled graph calls an EncoderBlock/EncoderStack that no longer exists "
-            "(compile the module again)"
-        )
-    # Scratch for this call only: under torch.compile's CUDA graphs (reduce-overhead) every
-    # allocation made while warming up or recording comes from the graph's pool and must be
-    # freed or returned, so the per-stream workspace the eager path caches cannot be made here.
-    ex = None
-    if _native_active(rows.device):
-        scratch = torch.empty(core.WORKSPACE_BYTES, dtype=torch.uint8, device=rows.device)
-        ex = NativeExecutor(rows.device, rows.dtype, workspace=scratch)
-    out = module._eager_rows(rows, batch, seq, attn_bias, key_padding_mask, ex)
-    return out.clone() if out is rows else out  # a custom op's output may not be its input
-
-
-@_encoder_rows_op.register_fake
-def _(rows, handle, batch, seq, attn_bias, key_padding_mask):
-    return torch.empty_like(rows)
 
 
 # ------------------------------------------------------------ the block ----
@@ -153,7 +100,7 @@ class EncoderBlock(nn.Module):
         device=None,
     ) -> None:
         super().__init__()
-        self._handle = _register(self)  # the compiled graph's way back to this block
+        self._handle = traced.register(self._eager_rows)  # the compiled graph's way back to this block
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("d_ff", d_ff)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -343,7 +290,7 @@ class EncoderBlock(nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._plans_lock = threading.Lock()
-        self._handle = _register(self)  # a copy is a module of its own
+        self._handle = traced.register(self._eager_rows)  # a copy is a module of its own
 
     def _forward_rows(self, x2, batch, seq, attn_bias, key_padding_mask, executor=None):
         """The block on contiguous [T, D] rows; returns [T, D].  ``executor``: a
@@ -544,7 +491,7 @@ class EncoderStack(nn.Module):
 
     def __init__(self, blocks: Iterable[EncoderBlock], final_norm: Optional[nn.LayerNorm] = None) -> None:
         super().__init__()
-        self._handle = _register(self)  # the compiled graph's way back to this stack
+        self._handle = traced.register(self._eager_rows)  # the compiled graph's way back to this stack
         self.blocks = nn.ModuleList(blocks)
         if len(self.blocks) == 0:
             raise ValueError("an EncoderStack needs at least one block")
@@ -599,7 +546,7 @@ class EncoderStack(nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._handle = _register(self)  # a copy is a module of its own
+        self._handle = traced.register(self._eager_rows)  # a copy is a module of its own
 
     def forward(self, x, attn_bias=None, key_padding_mask=None, *, seq_len=None):
         first = self.blocks[0]

@@ -232,6 +232,17 @@ def test_copies_are_modules_of_their_own(gen):
 def test_a_graph_that_outlives_its_module_says_so():
     with pytest.raises(RuntimeError, match="no longer exists"):
         torch.ops.fusedenc.encoder_rows(torch.zeros(4, 32), 10**9, 1, 4, None, None)
+    # A real handle: it runs while its module lives, and says so once the module is gone.
+    import gc
+
+    block = EncoderBlock(32, 4, 64).eval()
+    handle, x = block._handle, torch.randn(4, 32)
+    with torch.no_grad():
+        assert torch.equal(torch.ops.fusedenc.encoder_rows(x, handle, 1, 4, None, None), block(x, seq_len=4))
+    del block
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        torch.ops.fusedenc.encoder_rows(x, handle, 1, 4, None, None)
 
 
 def test_graph_runner_needs_a_gpu():
