@@ -271,6 +271,14 @@ bool lookup_choice(const GemmKey& key, ChoiceEntry* out) {
   return true;
 }
 
+// Whether a tuning file installed a library choice for this problem (the atomic
+// first: no key is built while no file is installed).
+bool has_choice(const GemmArgs& args) {
+  if (!g_have_choices.load(std::memory_order_acquire)) return false;
+  ChoiceEntry unused;
+  return lookup_choice(gemm_key(args), &unused);
+}
+
 void note_choice(const GemmKey& key, const std::string& status) {
   std::lock_guard<std::mutex> lock(g_choices_mu);
   auto it = choice_table().find(key);
@@ -531,8 +539,10 @@ bool gemm(const GemmArgs& args) {
   if (args.m == 0) return false;
   DeviceGuard guard(args.device);
   // An activation cuBLASLt cannot fuse: the Hopper kernel applies it in its own
-  // epilogue instead of a second pass (unless the fallback is forced for a test).
-  if (!g_force_fallback.load(std::memory_order_relaxed) && sm90_gemm_applies(args) && sm90_gemm(args)) {
+  // epilogue instead of a second pass (unless the fallback is forced for a test,
+  // or a tuning file measured a library candidate faster for this problem).
+  if (!g_force_fallback.load(std::memory_order_relaxed) && sm90_gemm_applies(args) &&
+      !has_choice(args) && sm90_gemm(args)) {
     return false;
   }
   blasLtHandle_t handle = handle_for(args.device, args.stream);

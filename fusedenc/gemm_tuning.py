@@ -30,9 +30,11 @@ __all__ = [
     "GEMM_TUNING_SCHEMA",
     "GemmTuningError",
     "GemmTuningWarning",
+    "changes_default",
     "collect",
     "device_metadata",
     "gemm_tuning_path",
+    "library_choice_applies",
     "key_from_core",
     "key_ident",
     "key_to_core",
@@ -51,7 +53,7 @@ GEMM_KEY_FIELDS = (
 #: The core's limit on candidates per problem (csrc/gemm.h kMaxGemmCandidates).
 MAX_GEMM_CANDIDATES = 256
 #: What a choice's ``kernel`` may name: the library call (default) or the Triton FFN1 kernel (gemm_routes.py).
-GEMM_KERNELS = ("blaslt", "triton")
+GEMM_KERNELS = ("blaslt", "triton", "sm90")
 
 _DTYPE_NAMES = tuple(dtypes.name(d) for d in dtypes.SUPPORTED)  # index = the core's dtype code
 
@@ -142,7 +144,11 @@ def _check_kernel(choice: dict[str, Any], where: str) -> None:
     kernel = choice.get("kernel", "blaslt")
     if kernel not in GEMM_KERNELS:
         raise GemmTuningError(f"{where}.kernel={kernel!r} is not one of {list(GEMM_KERNELS)}")
-    if kernel == "blaslt":
+    if not isinstance(choice.get("replaces_sm90", False), bool):
+        raise GemmTuningError(f"{where}.replaces_sm90 must be a bool")
+    if kernel == "sm90" and (choice["index"] != 0 or choice.get("replaces_sm90")):
+        raise GemmTuningError(f"{where}: a choice that keeps the sm90 kernel has index 0 and replaces nothing")
+    if kernel in ("blaslt", "sm90"):
         return
     key = choice["key"]
     dense = key["lda"] == key["k"] and key["ldw"] == key["k"] and key["ldd"] == key["n"]
@@ -249,6 +255,20 @@ def _routes_of(index: int, choices: list[dict[str, Any]], path: str, stacklevel:
     return routes
 
 
+def library_choice_applies(choice: dict[str, Any]) -> bool:
+    """Whether ``choice`` is a library candidate to install: one other than the heuristic's
+    first, or one that replaces the sm90 epilogue GEMM (candidate 0 included).  A choice that
+    records the sm90 kernel staying installs nothing."""
+    if choice.get("kernel") == "sm90":
+        return False
+    return choice["index"] != 0 or bool(choice.get("replaces_sm90"))
+
+
+def changes_default(choice: dict[str, Any]) -> bool:
+    """Whether ``choice`` changes what runs where it is installed (Triton routes included)."""
+    return choice.get("kernel") == "triton" or library_choice_applies(choice)
+
+
 def collect(
     devices: list[int], path: Optional[str], arch_of: Callable[[int], str], metadata_of: Callable[[int], dict]
 ) -> tuple[list[dict[str, Any]], list[tuple[int, dict]], dict]:
@@ -286,8 +306,10 @@ def collect(
             continue
         device_routes = _routes_of(index, choices, file, stacklevel=3)
         routes.update(device_routes)
-        # Candidate 0 is what runs anyway; a routed problem never reaches the library.
-        chosen = [c for c in choices if c["index"] != 0 and not (device_routes and c.get("kernel") == "triton")]
+        # A routed problem never reaches the library.
+        chosen = [
+            c for c in choices if library_choice_applies(c) and not (device_routes and c.get("kernel") == "triton")
+        ]
         installs.extend((index, c) for c in chosen)
         entry.update(status="installed", choices=len(chosen), triton_routes=len(device_routes))
     return report, installs, routes

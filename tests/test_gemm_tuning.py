@@ -177,6 +177,29 @@ def test_triton_choices_without_triton_fall_back_to_the_library_pick_with_one_wa
     assert [c["index"] for c in fake.choices] == [3] and gemm_routes.routes() == {}
 
 
+def test_sm90_choices_install_only_a_library_pick_that_replaces_the_kernel(tmp_path, monkeypatch, fake_device):
+    """Where the Hopper epilogue GEMM serves a problem, tune gemm records whether it stayed
+    (nothing to install) or which library candidate beat it (installed, even candidate 0: an
+    installed choice is what makes the core skip the sm90 kernel for that problem)."""
+    monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(gemm_routes, "triton_available", lambda: False)
+    stays = {"key": _key(), "index": 0, "candidates": 8, "algo": "a", "kernel": "sm90"}
+    replaced = {"key": _key(m=8192), "index": 0, "candidates": 8, "algo": "b", "replaces_sm90": True}
+    replaced_by_3 = {"key": _key(m=4096), "index": 3, "candidates": 8, "algo": "c", "replaces_sm90": True}
+    # Triton won over the sm90 kernel but is not installed here: the sm90 kernel serves it (index 0).
+    triton_over_sm90 = {"key": _key(m=2048), "index": 0, "candidates": 8, "algo": "d", **_TRITON}
+    _write(tmp_path, _file([stays, replaced, replaced_by_3, triton_over_sm90]))
+    fake = FakeCore()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        report = core.load_gemm_tuning(fake, devices=[0])
+    assert report[0]["status"] == "installed" and report[0]["choices"] == 2
+    assert sorted((c["m"], c["index"]) for c in fake.choices) == [(4096, 3), (8192, 0)]
+    assert [gemm_tuning.changes_default(c) for c in (stays, replaced, replaced_by_3, triton_over_sm90)] == [
+        False, True, True, True,
+    ]  # fmt: skip
+
+
 def test_missing_file_is_silent(tmp_path, monkeypatch, fake_device):
     monkeypatch.setenv(table_files.CONFIG_DIR_ENV, str(tmp_path))
     fake = FakeCore()
@@ -218,6 +241,9 @@ def test_missing_file_is_silent(tmp_path, monkeypatch, fake_device):
         (lambda o: o["choices"][0].update(kernel="triton", triton_config=[128, 128, 64, 8, 6, 3]), "powers of two"),
         (lambda o: o["choices"][0].update(kernel="triton", triton_config=[128, 128, 8, 8, 8, 3]), "powers of two"),
         (lambda o: o["choices"][0].update(kernel="triton", triton_config=[128, 128, 64, 8, 8, True]), "positive ints"),
+        (lambda o: o["choices"][0].update(kernel="sm90"), "keeps the sm90 kernel"),  # index 3
+        (lambda o: o["choices"][0].update(index=0, kernel="sm90", replaces_sm90=True), "keeps the sm90 kernel"),
+        (lambda o: o["choices"][0].update(replaces_sm90="yes"), "replaces_sm90"),
         (lambda o: o["choices"][0].update(_TRITON, key=_key(lda=1024)), "dense"),
         (lambda o: o["choices"][0].update(_TRITON, key=_key(align_a=8)), "aligned"),
         (

@@ -128,20 +128,24 @@ def _measure_gemm_on_stream(case: _GemmCase, count: int, args, stream) -> dict:
     triton_configs = _triton_configs(case, found, args)
     triton_errs = [_triton_error(case, cfg, ref) for cfg in triton_configs]
     triton_ok = [not math.isnan(e) and e <= 2 * base + atol for e in triton_errs]
-    del ref
     # Candidate 0 is by construction the algorithm the default plan runs: check it bitwise
     # (run again: out0 holds whatever ran last).
     out0.fill_(float("nan"))
     core.gemm_with_candidate(count=count, index=0, **case.problem(0))
     cand0 = out0.clone()
     out0.fill_(float("nan"))
-    # The default cuBLASLt plan (tune cleared choices and routes); the sm90 epilogue GEMM,
-    # which takes large problems with activations cuBLASLt cannot fuse, is not a candidate.
+    # The default cuBLASLt plan (tune cleared choices and routes), without the sm90 kernel.
     with core.sm90_gemm_disabled():
         core.gemm(**case.problem(0))
     torch.cuda.synchronize()
     same_as_default = bool(torch.equal(cand0, out0))
     del cand0
+    # Where the Hopper epilogue GEMM takes the problem it is what runs by default, so it is the
+    # one to beat: a library candidate (plus its activation pass) or a Triton config must be
+    # faster than it, and a library choice installed for such a problem replaces it.
+    sm90_err = _sm90_error(case, ref, args) if _sm90_serves(case) else None
+    sm90_ok = sm90_err is not None and not math.isnan(sm90_err) and sm90_err <= 2 * base + atol
+    del ref
 
     def runner(i: int) -> Callable[[], None]:
         problems = [case.problem(s) for s in range(case.sets)]
@@ -155,6 +159,8 @@ def _measure_gemm_on_stream(case: _GemmCase, count: int, args, stream) -> dict:
     good = [i for i in range(n_cand) if ok[i]]
     triton_good = [i for i in range(len(triton_configs)) if triton_ok[i]]
     calls = [runner(i) for i in good] + [_triton_runner(case, triton_configs[i]) for i in triton_good]
+    if sm90_ok:
+        calls.append(_sm90_runner(case))
     us_all, method = timing.time_interleaved(calls, args.reps, args.warmup, stream)  # interleaved: one comparison
     us: list[Optional[float]] = [None] * n_cand
     for i, t in zip(good, us_all):
@@ -162,8 +168,16 @@ def _measure_gemm_on_stream(case: _GemmCase, count: int, args, stream) -> dict:
     triton_us: list[Optional[float]] = [None] * len(triton_configs)
     for i, t in zip(triton_good, us_all[len(good):]):
         triton_us[i] = t / case.sets
-    winner, confirmed = 0, None
-    if ok[0] and len(good) > 1:
+    sm90_us = us_all[-1] / case.sets if sm90_ok else None
+    winner, confirmed, replaces_sm90 = 0, None, False
+    if sm90_ok and good:
+        best = min(good, key=lambda i: us[i])
+        if us[best] < sm90_us * (1 - args.min_gain):
+            again, _ = timing.time_interleaved([_sm90_runner(case), runner(best)], args.reps, args.warmup, stream)
+            confirmed = (again[0] / case.sets, again[1] / case.sets)
+            if confirmed[1] < confirmed[0] * (1 - args.min_gain):
+                winner, replaces_sm90 = best, True
+    elif ok[0] and len(good) > 1:
         best = min(good, key=lambda i: us[i])
         if best != 0 and us[best] < us[0] * (1 - args.min_gain):
             # Confirm against candidate 0 in a second interleaved run before trusting a small gain.
@@ -171,9 +185,14 @@ def _measure_gemm_on_stream(case: _GemmCase, count: int, args, stream) -> dict:
             confirmed = (again[0] / case.sets, again[1] / case.sets)
             if confirmed[1] < confirmed[0] * (1 - args.min_gain):
                 winner = best
-    speedup = us[0] / us[winner] if us[0] and us[winner] else 1.0
-    if confirmed and winner:
+    default_us = sm90_us if sm90_ok else us[0]
+    speedup = default_us / us[winner] if default_us and us[winner] else 1.0
+    if confirmed and (winner or replaces_sm90):
         speedup = confirmed[0] / confirmed[1]
+    # What a Triton config must beat: what runs once this problem's choice is installed.
+    pick_is_sm90 = sm90_ok and not replaces_sm90
+    pick_us = sm90_us if pick_is_sm90 else us[winner]
+    pick_runner = _sm90_runner(case) if pick_is_sm90 else runner(winner)
     triton = None
     if triton_configs:
         triton = {
@@ -189,12 +208,12 @@ def _measure_gemm_on_stream(case: _GemmCase, count: int, args, stream) -> dict:
             "chosen": None,
             "confirmed_us": None,
         }
-        if triton_good and us[winner] is not None:
+        if triton_good and pick_us is not None:
             best = min(triton_good, key=lambda i: triton_us[i])
-            if triton_us[best] < us[winner] * (1 - args.min_gain):
-                # Confirm against the library's pick in a second interleaved run, as above.
+            if triton_us[best] < pick_us * (1 - args.min_gain):
+                # Confirm against the pick in a second interleaved run, as above.
                 again, _ = timing.time_interleaved(
-                    [runner(winner), _triton_runner(case, triton_configs[best])], args.reps, args.warmup, stream
+                    [pick_runner, _triton_runner(case, triton_configs[best])], args.reps, args.warmup, stream
                 )
                 triton["confirmed_us"] = [round(again[0] / case.sets, 3), round(again[1] / case.sets, 3)]
                 if again[1] < again[0] * (1 - args.min_gain):
@@ -219,8 +238,44 @@ def _measure_gemm_on_stream(case: _GemmCase, count: int, args, stream) -> dict:
         "winner": winner,
         "speedup": round(speedup, 4),
         "confirmed_us": None if confirmed is None else [round(confirmed[0], 3), round(confirmed[1], 3)],
+        # None where the Hopper epilogue GEMM does not take this problem.
+        "sm90": None if sm90_err is None else {
+            "us": None if sm90_us is None else round(sm90_us, 3),
+            "err": sm90_err if math.isfinite(sm90_err) else None,
+            "ok": sm90_ok,
+            "replaced": replaces_sm90,
+        },
         "triton": triton,  # None where the library's epilogue applies the activation (or --no-triton)
     }
+
+
+def _sm90_serves(case: _GemmCase) -> bool:
+    """Whether the Hopper epilogue GEMM takes this problem when nothing is installed."""
+    x, w, b, r, out = case.inputs[0]
+    return r is None and bool(core.sm90_gemm_applies(x, w, b, out, case.p.activation)[0])
+
+
+def _sm90_error(case: _GemmCase, ref: torch.Tensor, args) -> float:
+    """Max abs error of the Hopper epilogue GEMM on input set 0 (NaN if it fails)."""
+    out = case.inputs[0][4]
+    out.fill_(float("nan"))  # poison: a kernel that writes nothing fails
+    try:
+        core.gemm(**case.problem(0))  # tune cleared the choices and routes: the sm90 kernel runs
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        print(f"    sm90: {type(exc).__name__}: {str(exc)[:200]}")
+        return math.nan
+    return (out.float() - ref).abs().max().item()
+
+
+def _sm90_runner(case: _GemmCase) -> Callable[[], None]:
+    problems = [case.problem(s) for s in range(case.sets)]
+
+    def run() -> None:
+        for p in problems:
+            core.gemm(**p)
+
+    return run
 
 
 def _triton_configs(case: _GemmCase, found: dict, args) -> list:
@@ -288,9 +343,22 @@ def _print_gemm(label: str, p: GemmProblem, row: dict, min_gain: float) -> None:
         ranked = [c["us"] for c in row["candidates"] if c["us"] is not None]
         best = base / min(ranked) if ranked and base else 1.0
         print(f"    winner: candidate 0 kept (best other {best:.3f}x, needs > {1 / (1 - min_gain):.3f}x, confirmed)")
+    sm90 = row["sm90"]
+    if sm90:
+        if not sm90["ok"]:
+            print(f"    sm90 epilogue GEMM: WRONG or failed (err {sm90['err']}); the library serves this problem")
+        elif sm90["replaced"]:
+            print(f"    sm90 epilogue GEMM {sm90['us']:.2f} us: replaced by candidate {row['winner']} "
+                  f"({row['speedup']:.3f}x, confirmed {row['confirmed_us']} us)")  # fmt: skip
+        else:
+            ranked = [c["us"] for c in row["candidates"] if c["us"] is not None]
+            best = sm90["us"] / min(ranked) if ranked else float("nan")
+            print(f"    sm90 epilogue GEMM {sm90['us']:.2f} us: stays (best library candidate {best:.3f}x it)")
     triton = row["triton"]
     if triton:
-        library = row["candidates"][row["winner"]]["us"]
+        pick_is_sm90 = bool(sm90 and sm90["ok"] and not sm90["replaced"])
+        pick = "sm90 kernel" if pick_is_sm90 else "library's pick"
+        library = sm90["us"] if pick_is_sm90 else row["candidates"][row["winner"]]["us"]
         for i, c in enumerate(triton["configs"]):
             bm, bn, bk, group, warps, stages = c["config"]
             name = f"triton {bm}x{bn}x{bk} g{group} w{warps} s{stages}"
@@ -302,10 +370,10 @@ def _print_gemm(label: str, p: GemmProblem, row: dict, min_gain: float) -> None:
             print(f"    T{i:<2}  {name:<72} {cell}{mark}")
         if triton["chosen"] is not None:
             blaslt_us, triton_us = triton["confirmed_us"]
-            print(f"    => Triton kernel T{triton['chosen']}: {blaslt_us / triton_us:.3f}x the library's pick "
-                  f"(confirmed {triton['confirmed_us']} us); ratios above are against the library's pick")  # fmt: skip
+            print(f"    => Triton kernel T{triton['chosen']}: {blaslt_us / triton_us:.3f}x the {pick} "
+                  f"(confirmed {triton['confirmed_us']} us); ratios above are against the {pick}")  # fmt: skip
         else:
-            print(f"    => the library's pick stays (Triton needs > {1 / (1 - min_gain):.3f}x it, confirmed)")
+            print(f"    => the {pick} stays (Triton needs > {1 / (1 - min_gain):.3f}x it, confirmed)")
     print()
 
 
@@ -387,18 +455,29 @@ def run(args: argparse.Namespace) -> int:
             "us": {"candidate_0": row["candidates"][0]["us"], "chosen": row["candidates"][w]["us"]},
             "speedup": row["speedup"], "used_by": row["used_by"],
         }  # fmt: skip
+        default_us = row["candidates"][0]["us"]
+        sm90 = row["sm90"]
+        if sm90 and sm90["ok"]:
+            # The Hopper epilogue GEMM ran by default: it stays (a record, nothing to install),
+            # or the library's winner replaces it.
+            default_us = choice["us"]["sm90"] = sm90["us"]
+            if sm90["replaced"]:
+                choice["replaces_sm90"] = True
+            else:
+                choice["kernel"] = "sm90"
+                choice["us"]["chosen"] = sm90["us"]
         triton = row["triton"]
         if triton and triton["chosen"] is not None:
             # The Triton kernel serves this problem; ``index`` stays the library's pick (used without Triton).
             best = triton["configs"][triton["chosen"]]
             choice.update(kernel="triton", triton_config=best["config"])
             choice["us"]["triton"] = best["us"]
-            choice["speedup"] = round(row["candidates"][0]["us"] / best["us"], 4)
+            choice["speedup"] = round(default_us / best["us"], 4)
         choices.append(choice)
     table = merge_gemm_file(out_path, arch, meta, choices, replace=args.replace)
     table["measurements"] = list(measured.values())
     table_files.write_json_atomically(out_path, table)
-    wins = [c for c in table["choices"] if c["index"] != 0 or c.get("kernel") == "triton"]
+    wins = [c for c in table["choices"] if gemm_tuning.changes_default(c)]
     routed = [c for c in table["choices"] if c.get("kernel") == "triton"]
     print(f"wrote {len(table['choices'])} problems ({len(wins)} with a measured winner other than the heuristic's "
           f"pick, {len(routed)} of them the Triton kernel) to {out_path}; processes load it when the native core "
