@@ -13,6 +13,8 @@
 #include "kernels/bias_activation.h"
 #include "kernels/layer_norm.h"
 #include "kernels/norm_stats.h"
+#include "kernels/fp8_quantize.h"
+#include "fp8_gemm.h"
 
 namespace py = pybind11;
 using namespace fusedenc;
@@ -267,6 +269,37 @@ PYBIND11_MODULE(_C, m) {
     DeviceGuard guard(device);
     norm_stats(a, reinterpret_cast<gpuStream_t>(stream));
   }, "rstd and shift = -mean * rstd per row from partial sums of z and z^2 (norm_stats.h).");
+
+  m.def("fp8_quantize_rows", [](int device, uintptr_t stream, int64_t rows, int64_t k, uintptr_t x, int64_t ldx,
+                                int dtype, uintptr_t q, int64_t ldq, uintptr_t scale) {
+    Fp8QuantizeArgs a;
+    a.rows = rows; a.k = k;
+    a.x = ptr<const void>(x); a.ldx = ldx; a.dtype = to_dtype(dtype);
+    a.q = ptr<uint8_t>(q); a.ldq = ldq; a.scale = ptr<float>(scale);
+    DeviceGuard guard(device);
+    fp8_quantize_rows(a, reinterpret_cast<gpuStream_t>(stream));
+  }, "Rows in float8 e4m3 with one fp32 scale per row (fp8_quantize.h).");
+  m.def("fp8_gemm", [](int device, uintptr_t stream, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
+                       uintptr_t a_scale, uintptr_t w, int64_t ldw, uintptr_t w_scale, uintptr_t bias, uintptr_t d,
+                       int64_t ldd, int out_dtype, int act, bool fast_accum, uintptr_t workspace,
+                       size_t workspace_bytes) {
+    Fp8GemmArgs g;
+    g.device = device; g.stream = reinterpret_cast<gpuStream_t>(stream);
+    g.m = m; g.n = n; g.k = k;
+    g.a = ptr<const void>(a); g.lda = lda; g.a_scale = ptr<const float>(a_scale);
+    g.w = ptr<const void>(w); g.ldw = ldw; g.w_scale = ptr<const float>(w_scale);
+    g.bias = ptr<const void>(bias); g.d = ptr<void>(d); g.ldd = ldd;
+    g.out_dtype = to_dtype(out_dtype); g.act = to_activation(act); g.fast_accum = fast_accum;
+    g.workspace = ptr<void>(workspace); g.workspace_bytes = workspace_bytes;
+    fp8_gemm(g);
+  }, "D = act((A_q @ W_q^T) * a_scale * w_scale + bias) on e4m3 operands (fp8_gemm.h).");
+  m.def("fp8_gemm_status", [](int device) {
+    std::string why;
+    const bool ok = fp8_gemm_status(device, &why);
+    return py::make_tuple(ok, why);
+  }, "(runs, why not) for the FP8 GEMM on this device.");
+  m.def("fp8_gemm_compiled", [] { return FUSEDENC_HAS_FP8_GEMM != 0; });
+  m.def("clear_fp8_plan_cache", &clear_fp8_plan_cache);
 
   m.def("gemm", &gemm_binding, py::arg("device"), py::arg("stream"), py::arg("m"), py::arg("n"),
         py::arg("k"), py::arg("a"), py::arg("lda"), py::arg("w"), py::arg("ldw"), py::arg("bias"),

@@ -534,6 +534,8 @@ void check_count(int count) {
 
 }  // namespace
 
+blasLtHandle_t blaslt_handle(int device, gpuStream_t stream) { return handle_for(device, stream); }
+
 bool gemm(const GemmArgs& args) {
   check_args(args);
   if (args.m == 0) return false;

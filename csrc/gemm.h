@@ -46,6 +46,9 @@ struct GemmArgs {
 // std::runtime_error naming the library status when the library fails.
 bool gemm(const GemmArgs& args);
 
+// The core's library handle for (device, stream): one per pair, for the process.
+blasLtHandle_t blaslt_handle(int device, gpuStream_t stream);
+
 // The library epilogue that fuses `act` (with or without bias), or nullptr when
 // the library has none and the activation kernel runs after the GEMM.
 const char* native_epilogue_name(Activation act, bool has_bias);

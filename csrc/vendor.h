@@ -88,6 +88,11 @@ using blasOperation_t = hipblasOperation_t;
 // SWISH_EXT / SWISH_BIAS_EXT arrived with hipBLASLt 1.0 (ROCm 7.0).  Older
 // releases get the BIAS epilogue plus our activation kernel instead; the
 // capability report says which one a build has.
+// FP8 (fusedenc.fp8): not wired for hipBLASLt yet (its FNUZ formats on MI300 and its
+// vector-scale attributes differ from cuBLASLt's); the capability report says so.
+#define FUSEDENC_HAS_FP8_GEMM 0
+#define FUSEDENC_FP8_MISSING "hipBLASLt FP8 (FNUZ formats, vector scales) is not wired in fusedenc yet"
+
 #if defined(HIPBLASLT_VERSION_MAJOR) && HIPBLASLT_VERSION_MAJOR >= 1
 #define FUSEDENC_HAS_SWISH_EPILOGUE 1
 #define BLASLT_EPILOGUE_SWISH HIPBLASLT_EPILOGUE_SWISH_EXT
@@ -231,6 +236,32 @@ using blasOperation_t = cublasOperation_t;
 
 // cuBLASLt has no swish/SiLU epilogue: BIAS plus our activation kernel.
 #define FUSEDENC_HAS_SWISH_EPILOGUE 0
+
+// FP8 GEMM with one fp32 scale per row of each operand (outer-vector scaling):
+// cuBLASLt 12.9+ on Hopper.  e4m3 storage and conversions come from cuda_fp8.h.
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
+#define FUSEDENC_HAS_FP8_GEMM 1
+#define BLAS_R_8F_E4M3 CUDA_R_8F_E4M3
+#define BLASLT_MATMUL_DESC_A_SCALE_POINTER CUBLASLT_MATMUL_DESC_A_SCALE_POINTER
+#define BLASLT_MATMUL_DESC_B_SCALE_POINTER CUBLASLT_MATMUL_DESC_B_SCALE_POINTER
+#define BLASLT_MATMUL_DESC_A_SCALE_MODE CUBLASLT_MATMUL_DESC_A_SCALE_MODE
+#define BLASLT_MATMUL_DESC_B_SCALE_MODE CUBLASLT_MATMUL_DESC_B_SCALE_MODE
+#define BLASLT_MATMUL_DESC_FAST_ACCUM CUBLASLT_MATMUL_DESC_FAST_ACCUM
+#define BLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+#else
+#define FUSEDENC_HAS_FP8_GEMM 0
+#define FUSEDENC_FP8_MISSING "cuBLASLt older than 12.9 has no per-row (outer-vector) FP8 scales"
+#endif
+#if FUSEDENC_HAS_FP8_GEMM && defined(__CUDACC__)
+#include <cuda_fp8.h>
+using gpu_fp8_e4m3 = __nv_fp8_e4m3;
+// e4m3 from fp32, rounded to nearest even, saturating to +-448 (NaN stays NaN).
+__device__ __forceinline__ gpu_fp8_e4m3 gpu_to_e4m3(float v) {
+  gpu_fp8_e4m3 out;
+  out.__x = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  return out;
+}
+#endif
 
 #define BLASLT_MATMUL_DESC_TRANSA CUBLASLT_MATMUL_DESC_TRANSA
 #define BLASLT_MATMUL_DESC_TRANSB CUBLASLT_MATMUL_DESC_TRANSB

@@ -49,6 +49,10 @@ __all__ = [
     "clear_plan_cache",
     "fallback_events",
     "force_epilogue_fallback",
+    "fp8_compiled",
+    "fp8_gemm",
+    "fp8_quantize_rows",
+    "fp8_status",
     "gemm",
     "gemm_candidates",
     "gemm_choices",
@@ -381,6 +385,49 @@ def layer_norm(
     (_module or native_module()).layer_norm(
         x.device.index, stream, rows, cols, x.data_ptr(), ldx, _ptr(residual), ldr, _ptr(x_bias),
         _ptr(weight), _ptr(bias), out.data_ptr(), ldo, _ptr(sum_out), lds, _DTYPE_CODES[x.dtype], eps, alpha,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ FP8 ----
+# (fp8.py says what these compute and checks the tensors.)
+
+
+def fp8_compiled() -> bool:
+    """Whether this build of the core holds the FP8 GEMM and quantization kernel."""
+    module = native_module()
+    return bool(module is not None and module.fp8_gemm_compiled())
+
+
+def fp8_status(device: torch.device) -> tuple[bool, str]:
+    """Whether the FP8 kernels run on ``device``, and if not why."""
+    module = native_module()
+    if module is None or not active_on(device):
+        return False, f"the native core is not active on {device} ({backend().reason})"
+    ok, why = module.fp8_gemm_status(device.index)
+    return bool(ok), str(why)
+
+
+def fp8_quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, stream: int) -> None:
+    """Rows of 2-D ``x`` (unit column stride) into e4m3 codes ``q`` (uint8 view) and fp32 ``scale``."""
+    rows, k = x.shape
+    (_module or native_module()).fp8_quantize_rows(
+        x.device.index, stream, rows, k, x.data_ptr(), x.stride(0), _DTYPE_CODES[x.dtype],
+        q.data_ptr(), q.stride(0), scale.data_ptr(),
+    )  # fmt: skip
+
+
+def fp8_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool, stream: int,
+    workspace: torch.Tensor,
+) -> None:  # fmt: skip
+    """``out = act((a @ w^T) * a_scale[:, None] * w_scale[None, :] + bias)`` on e4m3 ``a`` [M, K] and ``w`` [N, K]."""
+    m, k = a.shape
+    n = w.shape[0]
+    (_module or native_module()).fp8_gemm(
+        a.device.index, stream, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
+        w_scale.data_ptr(), _ptr(bias), out.data_ptr(), out.stride(0), _DTYPE_CODES[out.dtype],
+        _ACTIVATION_IDS[activation], fast_accum, workspace.data_ptr(), workspace.numel(),
     )  # fmt: skip
 
 

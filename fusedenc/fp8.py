@@ -9,8 +9,14 @@ magnitude onto e4m3's largest finite value, 448, so nothing saturates:
 
 ``scaled_linear`` is what an FP8 GEMM with row and column scales computes (cuBLASLt's
 outer-vector scaling, ``torch._scaled_mm`` with row-wise scales): ``(qx qw^T) * sx[m] *
-sw[n] + bias``.  The kernels of the FP8 mode will be held to these functions; until they
-exist, ``bench/fp8_accuracy.py`` uses them to measure what FP8 costs in accuracy.
+sw[n] + bias``.  ``bench/fp8_accuracy.py`` uses these functions to measure what FP8 costs
+in accuracy on any machine.
+
+On a GPU whose native core runs FP8 (``fusedenc.capabilities()["fp8"]``: cuBLASLt 12.9+
+on Hopper), ``quantize_rows`` runs one kernel (bit for bit the math above) and ``linear``
+one cuBLASLt FP8 GEMM with per-row scales, the bias (and relu / tanh-GELU) in its
+epilogue and other activations in one pass after it.  Elsewhere both run the reference
+math; ``linear`` on a GPU without FP8 refuses with the reason.
 
 A row of zeros gets scale 1 (its codes are zeros).  NaN anywhere in a row makes its
 scale NaN, so the whole row comes back NaN: FP8 has no room to carry one bad value
@@ -23,7 +29,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["E4M3", "E4M3_MAX", "Quantized", "dequantize", "quantize_rows", "scaled_linear"]
+from . import core, dtypes
+from .activations import apply_activation, canonical_activation
+from .device import current_stream
+
+__all__ = ["E4M3", "E4M3_MAX", "Quantized", "dequantize", "linear", "quantize_rows", "scaled_linear"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(E4M3).max
@@ -41,6 +51,11 @@ def quantize_rows(x: torch.Tensor) -> Quantized:
     ``[out, in]`` that is one scale per output channel."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
         raise TypeError(f"x must be a 2-D floating tensor, got {getattr(x, 'dtype', type(x))} of shape {getattr(x, 'shape', '?')}")
+    if x.dtype in dtypes.SUPPORTED and x.stride(1) == 1 and x.shape[0] and core.fp8_status(x.device)[0]:
+        q = torch.empty(x.shape, dtype=E4M3, device=x.device)
+        scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        core.fp8_quantize_rows(x, q.view(torch.uint8), scale, current_stream(x.device))
+        return Quantized(q, scale)
     xf = x.float()
     amax = xf.abs().amax(dim=1) if x.shape[1] else xf.new_zeros(x.shape[0])  # NaN/inf propagate
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
@@ -64,3 +79,91 @@ def scaled_linear(
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
+
+
+def _check_operand(t: object, name: str) -> None:
+    if not isinstance(t, Quantized):
+        raise TypeError(f"{name} must be a fusedenc.fp8.Quantized (from quantize_rows), got {type(t).__name__}")
+    q, scale = t
+    if not isinstance(q, torch.Tensor) or q.dtype != E4M3 or q.dim() != 2:
+        raise TypeError(f"{name}.q must be a 2-D {E4M3} tensor, got {getattr(q, 'dtype', type(q))}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != (q.shape[0],):
+        raise TypeError(f"{name}.scale must be float32 of shape ({q.shape[0]},), got {getattr(scale, 'dtype', type(scale))} "
+                        f"{tuple(getattr(scale, 'shape', ()))}")  # fmt: skip
+    if scale.device != q.device:
+        raise ValueError(f"{name}: codes on {q.device}, scales on {scale.device}")
+
+
+def linear(
+    x: Quantized,
+    weight: Quantized,
+    bias: Optional[torch.Tensor] = None,
+    activation: str = "none",
+    *,
+    out_dtype: torch.dtype = torch.float16,
+    fast_accum: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``act(x W^T + bias)`` from e4m3 operands with per-row scales (``quantize_rows`` of the
+    activations ``[M, K]`` and of the weight ``[N, K]``): fp32 sums, ``[M, N]`` in
+    ``out_dtype`` (float16 or bfloat16).  ``fast_accum``: Hopper's faster FP8 accumulation
+    (fewer bits kept inside the tensor cores; GPU only, ignored by the reference).
+
+    K must be a multiple of 16 (FP8 GEMMs read 16-byte rows), on every device, so a shape
+    that runs here runs on the GPU too.  ``out``: an ``[M, N]`` tensor of ``out_dtype`` with
+    unit column stride to write into (returned).
+    """
+    _check_operand(x, "x")
+    _check_operand(weight, "weight")
+    activation = canonical_activation(activation)
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
+    m, k = x.q.shape
+    n, kw = weight.q.shape
+    if k != kw:
+        raise ValueError(f"x has {k} columns but the weight {kw}")
+    if k == 0 or k % 16:
+        raise ValueError(f"K={k}: FP8 GEMMs need K a positive multiple of 16")
+    if x.q.device != weight.q.device:
+        raise ValueError(f"x is on {x.q.device}, the weight on {weight.q.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype != out_dtype or tuple(bias.shape) != (n,):
+            raise TypeError(f"bias must be {out_dtype} of shape ({n},), got {getattr(bias, 'dtype', type(bias))} "
+                            f"{tuple(getattr(bias, 'shape', ()))}")  # fmt: skip
+        if bias.device != x.q.device:
+            raise ValueError(f"bias is on {bias.device}, the operands on {x.q.device}")
+    device = x.q.device
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != out_dtype or tuple(out.shape) != (m, n):
+            raise TypeError(f"out must be {out_dtype} of shape ({m}, {n}), got {getattr(out, 'dtype', type(out))} "
+                            f"{tuple(getattr(out, 'shape', ()))}")  # fmt: skip
+        if out.device != device or (n > 1 and out.stride(1) != 1):
+            raise ValueError(f"out must be on {device} with unit column stride")
+    if device.type == "cuda":
+        ok, why = core.fp8_status(device)
+        if not ok:
+            raise RuntimeError(f"fusedenc.fp8.linear: FP8 GEMMs do not run here: {why}")
+        if out is None:
+            out = torch.empty((m, n), dtype=out_dtype, device=device)
+        if m == 0:
+            return out
+        a, w = x.q, weight.q
+        if a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16:
+            a = a.contiguous()
+        if w.stride(1) != 1 or w.stride(0) % 16 or w.data_ptr() % 16:
+            w = w.contiguous()
+        b = None if bias is None else bias.contiguous()
+        stream = current_stream(device)
+        core.fp8_gemm(
+            a.view(torch.uint8), x.scale.contiguous(), w.view(torch.uint8), weight.scale.contiguous(), b, out,
+            activation, bool(fast_accum), stream, core.workspace(device, stream),
+        )  # fmt: skip
+        return out
+    y = scaled_linear(x, weight, None, torch.float32)
+    if bias is not None:
+        y = y + bias.float()
+    y = apply_activation(y, activation).to(out_dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out

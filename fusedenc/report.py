@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from . import core, dtypes, gemm_routes, norm_fold
 from .activations import ACTIVATIONS
 
@@ -56,6 +58,20 @@ def capabilities() -> dict[str, Any]:
             if (dtypes.name(d), "none") in sm90 and core.sm90_residual_gemm_compiled(d)
         ],
     }
+    # FP8 (fusedenc.fp8): what this build holds, and whether the current GPU runs it.
+    compiled = core.fp8_compiled()
+    fp8: dict[str, Any] = {
+        "gemm": "cuBLASLt e4m3 GEMM, fp32 scale per activation row and per weight channel" if compiled else None,
+        "quantize": "fusedenc row-wise e4m3 kernel" if compiled else None,
+        "runs_here": False,
+        "reason": "",
+    }
+    if torch.cuda.is_available():
+        ok, why = core.fp8_status(torch.device("cuda", torch.cuda.current_device()))
+        fp8.update(runs_here=ok, reason=why)
+    else:
+        fp8["reason"] = "no GPU: fusedenc.fp8 runs its PyTorch reference"
+    report["fp8"] = fp8
     for dtype in _DTYPES:
         per_act = {}
         for act in ACTIVATIONS:

@@ -49,3 +49,44 @@ def test_bad_arguments():
         quantize_rows(torch.zeros(2, 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="x has 4 columns but the weight 5"):
         scaled_linear(quantize_rows(torch.ones(2, 4)), quantize_rows(torch.ones(3, 5)))
+
+
+# ------------------------------------------------------------- fp8.linear ----
+
+from fusedenc import fp8  # noqa: E402
+from fusedenc.activations import apply_activation  # noqa: E402
+
+
+@pytest.mark.parametrize("activation", ["none", "relu", "swish", "gelu"])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_linear_reference_is_scaled_linear_then_the_activation(activation, out_dtype, gen):
+    x = fp8.quantize_rows(randn((7, 48), torch.float32, gen=gen))
+    w = fp8.quantize_rows(randn((24, 48), torch.float32, gen=gen))
+    b = randn((24,), out_dtype, gen=gen)
+    out = fp8.linear(x, w, b, activation, out_dtype=out_dtype)
+    expect = apply_activation(scaled_linear(x, w, None, torch.float32) + b.float(), activation).to(out_dtype)
+    assert out.dtype == out_dtype and torch.equal(out, expect)
+
+
+def test_linear_bad_arguments(gen):
+    x = fp8.quantize_rows(randn((4, 32), torch.float32, gen=gen))
+    w = fp8.quantize_rows(randn((8, 32), torch.float32, gen=gen))
+    with pytest.raises(TypeError, match="Quantized"):
+        fp8.linear(x.q, w)
+    with pytest.raises(TypeError, match="x.q must be a 2-D"):
+        fp8.linear(fp8.Quantized(x.q.float(), x.scale), w)
+    with pytest.raises(TypeError, match="weight.scale must be float32 of shape"):
+        fp8.linear(x, fp8.Quantized(w.q, w.scale[:4]))
+    with pytest.raises(ValueError, match="x has 32 columns but the weight 48"):
+        fp8.linear(x, fp8.quantize_rows(torch.ones(8, 48)))
+    odd = fp8.quantize_rows(torch.ones(4, 40))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8.linear(odd, fp8.quantize_rows(torch.ones(8, 40)))
+    with pytest.raises(TypeError, match="out_dtype"):
+        fp8.linear(x, w, out_dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"bias must be torch.float16 of shape \(8,\)"):
+        fp8.linear(x, w, torch.zeros(8, dtype=torch.float32))
+    with pytest.raises(TypeError, match=r"bias must be torch.float16 of shape \(8,\)"):
+        fp8.linear(x, w, torch.zeros(7, dtype=torch.float16))
+    with pytest.raises(ValueError, match="activation"):
+        fp8.linear(x, w, activation="softplus")

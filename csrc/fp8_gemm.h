@@ -1,0 +1,49 @@
+// fp8_gemm: one BLASLt call for   D = act((A_q @ W_q^T) * a_scale[m] * w_scale[n] + bias)
+// on row-major float8 e4m3 operands with one fp32 scale per row of each (per activation
+// row, per weight output channel: cuBLASLt's outer-vector scaling), fp32 accumulation,
+// D in fp16 or bf16.  The reference math is fusedenc/fp8.py (scaled_linear).
+//
+// relu and the tanh GELU come from the library epilogue where it has them for FP8;
+// other activations run the bias_activation kernel after the GEMM (as gemm.h does).
+// CUDA only for now (vendor.h's FUSEDENC_HAS_FP8_GEMM); fp8_gemm_status() says why not.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+
+namespace fusedenc {
+
+struct Fp8GemmArgs {
+  int device = 0;
+  gpuStream_t stream = nullptr;
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;  // [m, k] e4m3, row stride lda (bytes = elements)
+  int64_t lda = 0;
+  const float* a_scale = nullptr;  // [m]
+  const void* w = nullptr;  // [n, k] e4m3, row stride ldw
+  int64_t ldw = 0;
+  const float* w_scale = nullptr;  // [n]
+  const void* bias = nullptr;  // [n] in out_dtype, or null
+  void* d = nullptr;  // [m, n] out_dtype, row stride ldd
+  int64_t ldd = 0;
+  DType out_dtype = DType::f16;  // f16 or bf16
+  Activation act = Activation::none;
+  bool fast_accum = false;  // Hopper's faster, less precise FP8 accumulation
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// Whether this build and `device` run fp8_gemm; when not, `why` says what is missing.
+bool fp8_gemm_status(int device, std::string* why);
+
+// Runs on args.stream.  Throws std::invalid_argument for arguments that break the
+// contract (sizes, 16-byte rows, dtypes) and std::runtime_error when the library
+// has no algorithm or fails.
+void fp8_gemm(const Fp8GemmArgs& args);
+
+void clear_fp8_plan_cache();
+
+}  // namespace fusedenc

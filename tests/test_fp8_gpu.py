@@ -1,0 +1,152 @@
+"""FP8 on the GPU (issue 21): the row-wise e4m3 quantization kernel against the reference
+math bit for bit, and the cuBLASLt FP8 GEMM with per-row scales against the same codes
+summed in float64, by the tolerance rule (``helpers.assert_close_rule``: the CPU reference
+``fusedenc.fp8.linear``, fp32 sums rounded once, is the same-dtype peer), into
+NaN-poisoned outputs.  Skipped where the GPU or the build has no FP8 path; on compute
+capability 9.0 with a build that holds it, the path must run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedenc import core, fp8
+from fusedenc.activations import apply_activation
+from helpers import assert_close_rule, poisoned, randn
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def _require():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    ok, why = core.fp8_status(torch.device(DEV, torch.cuda.current_device()))
+    if torch.cuda.get_device_capability() == (9, 0) and core.fp8_compiled():
+        assert ok, why  # an H100 with an FP8 build must run it
+    if not ok:
+        pytest.skip(f"no FP8 here: {why}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("rows, k", [(1, 16), (33, 40), (300, 768), (65, 4096), (3, 1)])
+def test_quantize_kernel_matches_the_reference_bit_for_bit(dtype, rows, k, gen):
+    _require()
+    x = randn((rows, k), torch.float32, gen=gen) * torch.logspace(-4, 4, rows)[:, None]  # every row size
+    x = x.to(dtype)
+    got = fp8.quantize_rows(x.to(DEV))
+    want = fp8.quantize_rows(x)  # CPU: the reference math
+    assert got.q.is_cuda and got.q.dtype == fp8.E4M3 and got.scale.dtype == torch.float32
+    assert torch.equal(got.scale.cpu(), want.scale), (got.scale.cpu() - want.scale).abs().max()
+    assert torch.equal(_bits(got.q), _bits(want.q))
+
+
+def test_quantize_kernel_special_rows_and_strided_input():
+    _require()
+    wide = torch.randn(6, 80, dtype=torch.float16)
+    wide[0] = 0  # zeros: scale 1, codes 0
+    wide[1, 3] = float("nan")  # NaN spoils its row
+    wide[2, 5] = float("inf")
+    wide[3, 7] = -float("inf")
+    x = wide[:, 8:72]  # a column slice: row stride 80
+    got = fp8.quantize_rows(wide.to(DEV)[:, 8:72])
+    assert got.q.is_cuda
+    want = fp8.quantize_rows(x)
+    assert torch.equal(got.scale.cpu().isnan(), want.scale.isnan())
+    ok = ~want.scale.isnan()
+    assert torch.equal(got.scale.cpu()[ok], want.scale[ok])
+    assert got.scale[0].item() == 1.0 and _bits(got.q)[0].eq(0).all()
+    assert torch.isnan(fp8.dequantize(got)[1:4]).all()
+    assert torch.equal(_bits(got.q)[4:], _bits(want.q)[4:])
+
+
+def _operands(m, n, k, gen, out_dtype, with_bias=True):
+    x = randn((m, k), torch.float32, gen=gen)
+    w = randn((n, k), torch.float32, gen=gen, scale=k**-0.5)
+    b = randn((n,), out_dtype, gen=gen, scale=0.5) if with_bias else None
+    return fp8.quantize_rows(x), fp8.quantize_rows(w), b
+
+
+def _ref64(x, w, b, activation):
+    y = (x.q.double() @ w.q.double().t()) * x.scale.double()[:, None] * w.scale.double()[None, :]
+    if b is not None:
+        y = y + b.double()
+    return apply_activation(y, activation)
+
+
+def _to_gpu(t: fp8.Quantized) -> fp8.Quantized:
+    return fp8.Quantized(t.q.to(DEV), t.scale.to(DEV))
+
+
+ACTS = ["none", "relu", "gelu_tanh", "swish", "mish", "gelu"]
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m, n, k", [(64, 96, 64), (1, 256, 128), (1000, 2304, 768), (333, 768, 2304)])
+def test_fp8_linear_matches_the_float64_sum_of_the_codes(activation, out_dtype, m, n, k, gen):
+    _require()
+    x, w, b = _operands(m, n, k, gen, out_dtype)
+    out = poisoned((m, n), out_dtype, DEV)
+    got = fp8.linear(_to_gpu(x), _to_gpu(w), b.to(DEV), activation, out_dtype=out_dtype, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    same = fp8.linear(x, w, b, activation, out_dtype=out_dtype)  # CPU reference: fp32 sums, one rounding
+    assert_close_rule(got, _ref64(x, w, b, activation), same, out_dtype, f"fp8 {activation} {m}x{n}x{k}")
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_fp8_linear_without_bias_fast_accum_and_empty(with_bias, gen):
+    _require()
+    m, n, k = 512, 1024, 1024
+    x, w, b = _operands(m, n, k, gen, torch.float16, with_bias)
+    bg = None if b is None else b.to(DEV)
+    ref = _ref64(x, w, b, "none")
+    same = fp8.linear(x, w, b)
+    got = fp8.linear(_to_gpu(x), _to_gpu(w), bg, out=poisoned((m, n), torch.float16, DEV))
+    assert_close_rule(got, ref, same, torch.float16, "fp8 plain")
+    # Fast accumulation keeps fewer bits inside the tensor cores: within the rule plus
+    # 2^-9 of the output's largest magnitude (K = 1024 products).
+    fast = fp8.linear(_to_gpu(x), _to_gpu(w), bg, fast_accum=True, out=poisoned((m, n), torch.float16, DEV))
+    slack = 2.0**-9 * ref.abs().max().item()
+    assert_close_rule(fast, ref, same, torch.float16, "fp8 fast_accum", atol=1e-3 + slack)
+    empty = fp8.linear(fp8.Quantized(x.q[:0].to(DEV), x.scale[:0].to(DEV)), _to_gpu(w), bg)
+    assert empty.shape == (0, n)
+
+
+def test_fp8_linear_refuses_bad_gpu_arguments(gen):
+    _require()
+    x, w, b = _operands(16, 32, 64, gen, torch.float16)
+    xg, wg = _to_gpu(x), _to_gpu(w)
+    with pytest.raises(ValueError, match="x is on"):
+        fp8.linear(x, wg)
+    with pytest.raises(ValueError, match="bias is on"):
+        fp8.linear(xg, wg, b)
+    with pytest.raises(ValueError, match="codes on"):
+        fp8.linear(fp8.Quantized(xg.q, x.scale), wg)
+    with pytest.raises(TypeError, match="out must be"):
+        fp8.linear(xg, wg, out=torch.empty((16, 32), dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="unit column stride"):
+        fp8.linear(xg, wg, out=torch.empty((32, 16), dtype=torch.float16, device=DEV).t())
+
+
+def test_fp8_linear_in_a_cuda_graph(gen):
+    _require()
+    x, w, b = _operands(256, 512, 256, gen, torch.float16)
+    xg, wg, bg = _to_gpu(x), _to_gpu(w), b.to(DEV)
+    out = poisoned((256, 512), torch.float16, DEV)
+    fp8.linear(xg, wg, bg, "swish", out=out)  # plan made outside the capture
+    expect = out.clone()
+    out.fill_(float("nan"))
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        fp8.linear(xg, wg, bg, "swish", out=out)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expect)
