@@ -103,7 +103,19 @@ std::vector<Epilogue> epilogues(Activation act, bool has_bias) {
   return out;
 }
 
-std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, const Epilogue& epi) {
+// The heuristic answers "no algorithm" for outer-vector scales unless the scale (and
+// bias) pointers are set, so the first call's pointers go into the descriptor here;
+// every call sets its own before it runs.
+void set_pointers(blasLtMatmulDesc_t desc, const Fp8GemmArgs& g, bool reads_bias) {
+  FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(desc, BLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scale, sizeof(g.w_scale)));
+  FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(desc, BLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.a_scale, sizeof(g.a_scale)));
+  if (reads_bias) {
+    FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(desc, BLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+  }
+}
+
+std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, const Epilogue& epi,
+                                  const Fp8GemmArgs& g) {
   auto plan = std::make_unique<Fp8Plan>();
   const blasDataType_t out_t = key.out_dtype == static_cast<int>(DType::bf16) ? BLAS_R_16BF : BLAS_R_16F;
   FUSEDENC_CHECK_BLAS(blasLtMatmulDescCreate(&plan->desc, BLAS_COMPUTE_32F, BLAS_R_32F));
@@ -123,6 +135,7 @@ std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, cons
     const int32_t bias_t = static_cast<int32_t>(out_t);
     FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_t, sizeof(bias_t)));
   }
+  set_pointers(plan->desc, g, epi.reads_bias);
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_w, BLAS_R_8F_E4M3, key.k, key.n, key.ldw));
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_a, BLAS_R_8F_E4M3, key.k, key.m, key.lda));
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_d, out_t, key.n, key.m, key.ldd));
@@ -146,9 +159,9 @@ std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, cons
   return plan;
 }
 
-std::shared_ptr<Fp8Plan> make_plan(blasLtHandle_t handle, const Fp8Key& key) {
+std::shared_ptr<Fp8Plan> make_plan(blasLtHandle_t handle, const Fp8Key& key, const Fp8GemmArgs& g) {
   for (const Epilogue& epi : epilogues(static_cast<Activation>(key.act), key.has_bias)) {
-    if (auto plan = try_plan(handle, key, epi)) return std::shared_ptr<Fp8Plan>(std::move(plan));
+    if (auto plan = try_plan(handle, key, epi, g)) return std::shared_ptr<Fp8Plan>(std::move(plan));
   }
   throw std::runtime_error(std::string("fusedenc fp8_gemm: ") + FUSEDENC_BLASLT_NAME +
                            " has no FP8 algorithm with per-row scales for m=" + std::to_string(key.m) +
@@ -205,7 +218,7 @@ void fp8_gemm(const Fp8GemmArgs& g) {
     if (it != plans().end()) plan = it->second;
   }
   if (!plan) {
-    plan = make_plan(handle, key);
+    plan = make_plan(handle, key, g);
     std::lock_guard<std::mutex> lock(g_plans_mu);
     if (plans().size() >= 256) plans().clear();  // bounded: shapes are few in practice
     plans().emplace(key, plan);
@@ -213,11 +226,7 @@ void fp8_gemm(const Fp8GemmArgs& g) {
   const float one = 1.f, zero = 0.f;
   {
     std::lock_guard<std::mutex> lock(plan->mu);
-    FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scale, sizeof(g.w_scale)));
-    FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.a_scale, sizeof(g.a_scale)));
-    if (plan->reads_bias) {
-      FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
-    }
+    set_pointers(plan->desc, g, plan->reads_bias);
     FUSEDENC_CHECK_BLAS(blasLtMatmul(handle, plan->desc, &one, g.w, plan->layout_w, g.a, plan->layout_a, &zero,
                                      g.d, plan->layout_d, g.d, plan->layout_d, &plan->algo, g.workspace,
                                      g.workspace_bytes, g.stream));

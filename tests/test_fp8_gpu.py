@@ -34,8 +34,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("rows, k", [(1, 16), (33, 40), (300, 768), (65, 4096), (3, 1)])
+@pytest.mark.parametrize("rows, k", [(1, 16), (33, 40), (300, 768), (17, 1024), (9, 2048), (65, 4096), (3, 1), (5, 4104)])
 def test_quantize_kernel_matches_the_reference_bit_for_bit(dtype, rows, k, gen):
+    """Both kernels: a warp per row from registers (16-byte rows up to 4096 fp16 / 2048 fp32
+    values) and a block per row for the rest (k = 1, 4104; fp32 past 2048)."""
     _require()
     x = randn((rows, k), torch.float32, gen=gen) * torch.logspace(-4, 4, rows)[:, None]  # every row size
     x = x.to(dtype)
@@ -50,9 +52,10 @@ def test_quantize_kernel_special_rows_and_strided_input():
     _require()
     wide = torch.randn(6, 80, dtype=torch.float16)
     wide[0] = 0  # zeros: scale 1, codes 0
-    wide[1, 3] = float("nan")  # NaN spoils its row
-    wide[2, 5] = float("inf")
-    wide[3, 7] = -float("inf")
+    wide[1, 10] = float("nan")  # NaN spoils its row
+    wide[2, 12] = float("inf")
+    wide[3, 14] = -float("inf")
+    wide[4, 3] = 1e4  # left of the slice: must not count
     x = wide[:, 8:72]  # a column slice: row stride 80
     got = fp8.quantize_rows(wide.to(DEV)[:, 8:72])
     assert got.q.is_cuda
@@ -61,8 +64,13 @@ def test_quantize_kernel_special_rows_and_strided_input():
     ok = ~want.scale.isnan()
     assert torch.equal(got.scale.cpu()[ok], want.scale[ok])
     assert got.scale[0].item() == 1.0 and _bits(got.q)[0].eq(0).all()
-    assert torch.isnan(fp8.dequantize(got)[1:4]).all()
+    assert torch.isnan(fp8.dequantize(got)[1:4]).all() and torch.isfinite(fp8.dequantize(got)[4:]).all()
     assert torch.equal(_bits(got.q)[4:], _bits(want.q)[4:])
+    # Rows that start off a 16-byte boundary take the block kernel: same bits.
+    odd = fp8.quantize_rows(wide.to(DEV)[:, 3:67])
+    ref = fp8.quantize_rows(wide[:, 3:67])
+    ok = ~ref.scale.isnan()
+    assert torch.equal(odd.scale.cpu()[ok], ref.scale[ok]) and torch.equal(_bits(odd.q)[4:], _bits(ref.q)[4:])
 
 
 def _operands(m, n, k, gen, out_dtype, with_bias=True):

@@ -48,6 +48,80 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(Fp8QuantizeArgs 
   for (int64_t i = threadIdx.x; i < args.k; i += kThreads) q[i] = gpu_to_e4m3(__fdiv_rn(load(x + i), s));
 }
 
+// The fast path: one warp per row, the row held in registers (16-byte loads, at most
+// kMaxVec of them per lane), so it is read once and no shared memory or block barrier
+// is needed.  Rows too long for the registers, or not 16-byte aligned, take the kernel above.
+constexpr int kRowsPerBlock = 4;
+constexpr int kMaxVec = 16;  // the longest row: 16 x 32 lanes x 16 bytes
+
+template <typename T>
+struct alignas(16) Vec16 {
+  T v[16 / sizeof(T)];
+};
+
+template <typename T, int kMaxVec>
+__global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_warp_kernel(Fp8QuantizeArgs args) {
+  constexpr int V = 16 / sizeof(T);
+  const int lane = threadIdx.x % FUSEDENC_WARP_SIZE;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / FUSEDENC_WARP_SIZE;
+  if (row >= args.rows) return;  // whole warps leave together: the shuffles below stay full
+  const int64_t nvec = args.k / V;
+  const Vec16<T>* x = reinterpret_cast<const Vec16<T>*>(static_cast<const T*>(args.x) + row * args.ldx);
+  Vec16<T> vals[kMaxVec];
+  float m = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMaxVec; ++j) {
+    const int64_t i = lane + static_cast<int64_t>(j) * FUSEDENC_WARP_SIZE;
+    if (i < nvec) {
+      vals[j] = x[i];
+#pragma unroll
+      for (int e = 0; e < V; ++e) m = amax_combine(m, fabsf(load(&vals[j].v[e])));
+    }
+  }
+  for (int off = FUSEDENC_WARP_SIZE / 2; off > 0; off /= 2) m = amax_combine(m, gpu_shfl_xor(m, off));
+  const float s = m == 0.f ? 1.f : __fdiv_rn(m, 448.f);
+  if (lane == 0) args.scale[row] = s;
+  struct alignas(V) Codes {
+    gpu_fp8_e4m3 c[V];
+  };
+  Codes* q = reinterpret_cast<Codes*>(args.q + row * args.ldq);
+#pragma unroll
+  for (int j = 0; j < kMaxVec; ++j) {
+    const int64_t i = lane + static_cast<int64_t>(j) * FUSEDENC_WARP_SIZE;
+    if (i < nvec) {
+      Codes out;
+#pragma unroll
+      for (int e = 0; e < V; ++e) out.c[e] = gpu_to_e4m3(__fdiv_rn(load(&vals[j].v[e]), s));
+      q[i] = out;
+    }
+  }
+}
+
+template <typename T>
+bool warp_path_fits(const Fp8QuantizeArgs& a) {
+  constexpr int V = 16 / sizeof(T);
+  return a.k % V == 0 && a.ldx % V == 0 && a.ldq % V == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(a.q) % V == 0 && a.k <= static_cast<int64_t>(V) * kMaxVec * FUSEDENC_WARP_SIZE;
+}
+
+template <typename T>
+void launch(const Fp8QuantizeArgs& a, gpuStream_t stream) {
+  if (warp_path_fits<T>(a)) {
+    // As few register slots as the row needs: fewer registers, more warps in flight.
+    const unsigned blocks = static_cast<unsigned>((a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
+    const int64_t per_lane = (a.k / (16 / sizeof(T)) + 31) / 32;
+    if (per_lane <= 4) {
+      fp8_quantize_warp_kernel<T, 4><<<blocks, kRowsPerBlock * 32, 0, stream>>>(a);
+    } else if (per_lane <= 8) {
+      fp8_quantize_warp_kernel<T, 8><<<blocks, kRowsPerBlock * 32, 0, stream>>>(a);
+    } else {
+      fp8_quantize_warp_kernel<T, 16><<<blocks, kRowsPerBlock * 32, 0, stream>>>(a);
+    }
+  } else {
+    fp8_quantize_kernel<T><<<static_cast<unsigned>(a.rows), kThreads, 0, stream>>>(a);
+  }
+}
+
 }  // namespace
 #endif
 
@@ -59,11 +133,10 @@ void fp8_quantize_rows(const Fp8QuantizeArgs& a, gpuStream_t stream) {
   if (!a.x || !a.q || !a.scale) bad("null pointer");
   if (a.rows > 0x7fffffff) bad("too many rows");
 #if FUSEDENC_HAS_FP8_GEMM
-  const dim3 grid(static_cast<unsigned>(a.rows));
   switch (a.dtype) {
-    case DType::f16: fp8_quantize_kernel<gpu_half><<<grid, kThreads, 0, stream>>>(a); break;
-    case DType::bf16: fp8_quantize_kernel<gpu_bf16><<<grid, kThreads, 0, stream>>>(a); break;
-    case DType::f32: fp8_quantize_kernel<float><<<grid, kThreads, 0, stream>>>(a); break;
+    case DType::f16: launch<gpu_half>(a, stream); break;
+    case DType::bf16: launch<gpu_bf16>(a, stream); break;
+    case DType::f32: launch<float>(a, stream); break;
   }
   FUSEDENC_CHECK_GPU(gpuGetLastError());
 #else
