@@ -36,8 +36,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("rows, k", [(1, 16), (33, 40), (300, 768), (17, 1024), (9, 2048), (65, 4096), (3, 1), (5, 4104)])
 def test_quantize_kernel_matches_the_reference_bit_for_bit(dtype, rows, k, gen):
-    """Both kernels: a warp per row from registers (16-byte rows up to 4096 fp16 / 2048 fp32
-    values) and a block per row for the rest (k = 1, 4104; fp32 past 2048)."""
+    """Both kernels: a warp per row from registers (16-byte rows up to 2048 fp16 / 1024 fp32
+    values) and a block per row for the rest (k = 1, 4096, 4104; fp32 past 1024)."""
     _require()
     x = randn((rows, k), torch.float32, gen=gen) * torch.logspace(-4, 4, rows)[:, None]  # every row size
     x = x.to(dtype)
