@@ -8,8 +8,10 @@ at each row count, device time per call, all columns of a row in one interleaved
 per rep):
 
   fp16            fusedenc.linear on fp16 operands (what the unfolded block runs today)
-  fp8 gemm        fusedenc.fp8.linear on operands already in e4m3 (cuBLASLt, per-row scales)
-  fp8 fast        the same with Hopper's fast FP8 accumulation
+  fp8 gemm        fusedenc.fp8.linear on operands already in e4m3: cuBLASLt with per-row
+                  scales, or for FFN1's activation the Hopper FP8 kernel with it in the epilogue
+  fp8 fast        the same with Hopper's fast FP8 accumulation (cuBLASLt only)
+  fp8 lt          with the Hopper kernels switched off: cuBLASLt (+ the activation pass)
   quantize        fusedenc's row-wise quantization kernel on the GEMM's fp16 input
   scaled_mm       torch._scaled_mm with the same row-wise scales (the torch peer's GEMM;
                   its bias added after, as torchao does where the kernel takes none)
@@ -28,12 +30,18 @@ import sys
 import torch
 
 import fusedenc
+import fusedenc.testing
 from fusedenc import core, fp8
 from fusedenc.tune.presets import PRESETS, block_gemms
 from fusedenc.tune.timing import time_interleaved
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import environment  # noqa: E402
+
+
+def _without_sm90(fn):
+    with fusedenc.testing.sm90_gemm_disabled():
+        return fn()
 
 
 def _peer_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +68,7 @@ def main() -> int:
     env = environment(device)
     lines = [f"fusedenc FP8 GEMMs against fp16 on {torch.cuda.get_device_name(device)}, torch {env['torch']}, "
              f"{env['blaslt']}, fusedenc {fusedenc.__version__} ({env['git_commit']}); device us per call"]  # fmt: skip
-    head = (f"{'preset':<10} {'gemm':<9} {'M x N x K':>20} {'fp16':>8} {'fp8 gemm':>9} {'fp8 fast':>9} "
+    head = (f"{'preset':<10} {'gemm':<9} {'M x N x K':>20} {'fp16':>8} {'fp8 gemm':>9} {'fp8 fast':>9} {'fp8 lt':>8} "
             f"{'quantize':>9} {'scaled_mm':>10} {'peer quant':>10} {'fp16/(q+gemm)':>14} {'fp16/gemm':>10}")  # fmt: skip
     side = torch.cuda.Stream(device)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -85,18 +93,19 @@ def main() -> int:
                     lambda: fusedenc.linear(x, w, b, act, out=out16),
                     lambda: fp8.linear(qx, qw, b, act, out=out8),
                     lambda: fp8.linear(qx, qw, b, act, fast_accum=True, out=out8),
+                    lambda: _without_sm90(lambda: fp8.linear(qx, qw, b, act, out=out8)),
                     lambda: fp8.quantize_rows(x),
                     lambda: torch._scaled_mm(px, qw.q.t(), scale_a=pscale, scale_b=sw, out_dtype=torch.bfloat16),
                     lambda: _peer_quantize(x),
                 ]
                 us, _ = time_interleaved(calls, args.reps, 3, side)
-                f16, g8, fast, q, smm, pq = us
+                f16, g8, fast, lt, q, smm, pq = us
                 totals.setdefault((preset, rows), [0.0, 0.0, 0.0])
                 t = totals[(preset, rows)]
                 t[0] += f16
                 t[1] += q + g8
                 t[2] += g8
-                lines.append(f"{preset:<10} {p.name:<9} {f'{p.m} x {p.n} x {p.k}':>20} {f16:8.1f} {g8:9.1f} {fast:9.1f} "
+                lines.append(f"{preset:<10} {p.name:<9} {f'{p.m} x {p.n} x {p.k}':>20} {f16:8.1f} {g8:9.1f} {fast:9.1f} {lt:8.1f} "
                              f"{q:9.1f} {smm:10.1f} {pq:10.1f} {f16 / (q + g8):14.2f}x {f16 / g8:9.2f}x")  # fmt: skip
     lines += ["", "block totals (four GEMMs): fp16 / (quantize + fp8 gemm), fp16 / fp8 gemm"]
     for (preset, rows), (f16, qg, g) in totals.items():

@@ -299,6 +299,26 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(ok, why);
   }, "(runs, why not) for the FP8 GEMM on this device.");
   m.def("fp8_gemm_compiled", [] { return FUSEDENC_HAS_FP8_GEMM != 0; });
+  m.def("sm90_fp8_gemm_applies", [](int device, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
+                                    uintptr_t a_scale, uintptr_t w, int64_t ldw, uintptr_t w_scale, uintptr_t bias,
+                                    uintptr_t d, int64_t ldd, int out_dtype, int act) {
+    Fp8GemmArgs g;
+    g.device = device; g.m = m; g.n = n; g.k = k;
+    g.a = ptr<const void>(a); g.lda = lda; g.a_scale = ptr<const float>(a_scale);
+    g.w = ptr<const void>(w); g.ldw = ldw; g.w_scale = ptr<const float>(w_scale);
+    g.bias = ptr<const void>(bias); g.d = ptr<void>(d); g.ldd = ldd;
+    g.out_dtype = to_dtype(out_dtype); g.act = to_activation(act);
+    const char* why = "";
+    const bool ok = sm90_fp8_gemm_applies(g, &why);
+    return py::make_tuple(ok, std::string(ok ? "" : why));
+  }, "Whether fp8_gemm would run the Hopper FP8 epilogue kernel for this call, and if not why.");
+  m.def("sm90_fp8_gemm_kernels", [] {
+    py::list out;
+    for (DType d : {DType::f16, DType::bf16}) {
+      if (sm90_fp8_gemm_compiled(d)) out.append(dtype_name(d));
+    }
+    return out;
+  }, "Output dtypes the Hopper FP8 epilogue GEMM was compiled for.");
   m.def("clear_fp8_plan_cache", &clear_fp8_plan_cache);
 
   m.def("gemm", &gemm_binding, py::arg("device"), py::arg("stream"), py::arg("m"), py::arg("n"),

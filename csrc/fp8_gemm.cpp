@@ -8,6 +8,7 @@
 
 #include "gemm.h"
 #include "kernels/bias_activation.h"
+#include "kernels/sm90_gemm.h"
 
 namespace fusedenc {
 
@@ -198,6 +199,9 @@ void fp8_gemm(const Fp8GemmArgs& g) {
   std::string why;
   if (!fp8_gemm_status(g.device, &why)) throw std::runtime_error("fusedenc fp8_gemm: " + why);
 #if FUSEDENC_HAS_FP8_GEMM
+  // An activation cuBLASLt cannot fuse: the Hopper kernel applies it in its epilogue
+  // instead of a pass over the output (as gemm() does for 16-bit GEMMs).
+  if (sm90_fp8_gemm_applies(g) && sm90_fp8_gemm(g)) return;
   DeviceGuard guard(g.device);
   Fp8Key key;
   key.device = g.device;

@@ -72,6 +72,8 @@ __all__ = [
     "sm90_fold_fits",
     "sm90_gemm_applies",
     "sm90_gemm_disabled",
+    "sm90_fp8_gemm_applies",
+    "sm90_fp8_gemm_kernels",
     "sm90_gemm_kernels",
     "sm90_norm_gemm",
     "sm90_residual_gemm_compiled",
@@ -405,6 +407,31 @@ def fp8_status(device: torch.device) -> tuple[bool, str]:
         return False, f"the native core is not active on {device} ({backend().reason})"
     ok, why = module.fp8_gemm_status(device.index)
     return bool(ok), str(why)
+
+
+def sm90_fp8_gemm_applies(
+    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor], out: torch.Tensor, activation: str,
+) -> tuple[bool, str]:  # fmt: skip
+    """Whether ``fp8_gemm`` with these operands runs the Hopper FP8 epilogue kernel (else
+    cuBLASLt), and if not why.  ``a``/``w``: e4m3 codes (or their uint8 views)."""
+    module = native_module()
+    if module is None:
+        return False, "no native core"
+    m, k = a.shape
+    n = w.shape[0]
+    ok, why = module.sm90_fp8_gemm_applies(
+        a.device.index, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
+        w_scale.data_ptr(), _ptr(bias), out.data_ptr(), out.stride(0), _DTYPE_CODES[out.dtype],
+        _ACTIVATION_IDS[activation],
+    )  # fmt: skip
+    return bool(ok), str(why)
+
+
+def sm90_fp8_gemm_kernels() -> list[str]:
+    """Output dtypes this build holds the Hopper FP8 epilogue GEMM for (empty: none)."""
+    module = native_module()
+    return [str(d) for d in module.sm90_fp8_gemm_kernels()] if module else []
 
 
 def fp8_quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, stream: int) -> None:

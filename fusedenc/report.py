@@ -63,6 +63,8 @@ def capabilities() -> dict[str, Any]:
     fp8: dict[str, Any] = {
         "gemm": "cuBLASLt e4m3 GEMM, fp32 scale per activation row and per weight channel" if compiled else None,
         "quantize": "fusedenc row-wise e4m3 kernel" if compiled else None,
+        # Output dtypes of the Hopper FP8 GEMM with the activation in its epilogue (sm90).
+        "sm90_epilogue_gemm": core.sm90_fp8_gemm_kernels() if compiled else [],
         "runs_here": False,
         "reason": "",
     }

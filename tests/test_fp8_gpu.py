@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedenc import core, fp8
+from fusedenc import core, dtypes, fp8
 from fusedenc.activations import apply_activation
 from helpers import assert_close_rule, poisoned, randn
 
@@ -158,3 +158,47 @@ def test_fp8_linear_in_a_cuda_graph(gen):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("activation", ["swish", "mish", "relu2", "sigmoid"])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_hopper_fp8_epilogue_kernel_and_its_cublaslt_twin(activation, out_dtype, with_bias, gen):
+    """Activations cuBLASLt cannot fuse run in the Hopper FP8 kernel's epilogue on problems
+    that fill the GPU; with it switched off, cuBLASLt + the activation pass.  Both within
+    the rule against the float64 sum of the codes."""
+    _require()
+    from fusedenc import testing
+
+    m, n, k = 2048, 2304, 768
+    x, w, b = _operands(m, n, k, gen, out_dtype, with_bias)
+    xg, wg = _to_gpu(x), _to_gpu(w)
+    bg = None if b is None else b.to(DEV)
+    out = poisoned((m, n), out_dtype, DEV)
+    runs, why = core.sm90_fp8_gemm_applies(xg.q, xg.scale, wg.q, wg.scale, bg, out, activation)
+    if torch.cuda.get_device_capability() == (9, 0) and dtypes.name(out_dtype) in core.sm90_fp8_gemm_kernels():
+        assert runs, why
+    if not runs:
+        pytest.skip(f"no Hopper FP8 kernel here: {why}")
+    ref = _ref64(x, w, b, activation)
+    same = fp8.linear(x, w, b, activation, out_dtype=out_dtype)
+    fp8.linear(xg, wg, bg, activation, out_dtype=out_dtype, out=out)
+    assert_close_rule(out, ref, same, out_dtype, f"sm90 fp8 {activation}")
+    twin = poisoned((m, n), out_dtype, DEV)
+    with testing.sm90_gemm_disabled():
+        assert not core.sm90_fp8_gemm_applies(xg.q, xg.scale, wg.q, wg.scale, bg, twin, activation)[0]
+        fp8.linear(xg, wg, bg, activation, out_dtype=out_dtype, out=twin)
+    assert_close_rule(twin, ref, same, out_dtype, f"cuBLASLt fp8 {activation}")
+
+
+def test_hopper_fp8_kernel_declines_what_it_cannot_run(gen):
+    _require()
+    x, w, b = _operands(2048, 2304, 768, gen, torch.float16)
+    xg, wg, bg = _to_gpu(x), _to_gpu(w), b.to(DEV)
+    out = torch.empty((2048, 2304), dtype=torch.float16, device=DEV)
+    for activation, reason in (("none", "cuBLASLt fuses"), ("relu", "cuBLASLt fuses"), ("gelu", "separate pass")):
+        ok, why = core.sm90_fp8_gemm_applies(xg.q, xg.scale, wg.q, wg.scale, bg, out, activation)
+        assert not ok and reason in why, (activation, why)
+    small = fp8.Quantized(xg.q[:64], xg.scale[:64])
+    ok, why = core.sm90_fp8_gemm_applies(small.q, small.scale, wg.q, wg.scale, bg, out[:64], "swish")
+    assert not ok and "fill the GPU" in why

@@ -21,7 +21,8 @@ namespace fusedenc {
 namespace sm90 {
 #define FUSEDENC_DECLARE(D)                                                     \
   bool norm_##D(const GemmArgs& g, const NormFold& f, int sm_count);           \
-  bool residual_##D(const GemmArgs& g, const ResidualNorm& r, int sm_count);
+  bool residual_##D(const GemmArgs& g, const ResidualNorm& r, int sm_count);   \
+  bool fp8_##D(const GemmArgs& g, const float* a_scale, const float* w_scale, int sm_count);
 FUSEDENC_SM90_DTYPES(FUSEDENC_DECLARE)
 #undef FUSEDENC_DECLARE
 }  // namespace sm90
@@ -31,18 +32,20 @@ namespace {
 
 using NormFn = bool (*)(const GemmArgs&, const NormFold&, int);
 using ResidualFn = bool (*)(const GemmArgs&, const ResidualNorm&, int);
+using Fp8Fn = bool (*)(const GemmArgs&, const float*, const float*, int);
 
-// The kernels this build holds for a dtype (both null: none).  The norm kernel takes
-// every activation as an argument.
+// The kernels this build holds for a dtype (all null: none).  The norm and fp8 kernels
+// take every activation as an argument; for fp8 the dtype is the output's.
 struct Kernels {
   NormFn norm = nullptr;
   ResidualFn residual = nullptr;
+  Fp8Fn fp8 = nullptr;
 };
 
 Kernels kernels_for(DType dtype) {
 #ifdef FUSEDENC_HAVE_SM90_GEMM
 #define FUSEDENC_CASE(D) \
-  if (dtype == DType::D) return {&sm90::norm_##D, &sm90::residual_##D};
+  if (dtype == DType::D) return {&sm90::norm_##D, &sm90::residual_##D, &sm90::fp8_##D};
   FUSEDENC_SM90_DTYPES(FUSEDENC_CASE)
 #undef FUSEDENC_CASE
 #else
@@ -136,6 +139,56 @@ bool sm90_gemm(const GemmArgs& g) {
   NormFn fn = kernels_for(g.dtype).norm;
   if (!fn) throw std::invalid_argument("fusedenc sm90 gemm: no kernel for this dtype and activation");
   return fn(g, NormFold{}, device_facts(g.device).sm_count);
+}
+
+namespace {
+
+// The FP8 call as the kernels' GemmArgs (A and W hold e4m3 codes; dtype is D's).
+GemmArgs fp8_as_gemm(const Fp8GemmArgs& f) {
+  GemmArgs g;
+  g.device = f.device; g.stream = f.stream;
+  g.m = f.m; g.n = f.n; g.k = f.k;
+  g.a = f.a; g.lda = f.lda; g.w = f.w; g.ldw = f.ldw;
+  g.bias = f.bias; g.d = f.d; g.ldd = f.ldd;
+  g.dtype = f.out_dtype; g.act = f.act;
+  g.workspace = f.workspace; g.workspace_bytes = f.workspace_bytes;
+  return g;
+}
+
+}  // namespace
+
+bool sm90_fp8_gemm_compiled(DType out_dtype) { return kernels_for(out_dtype).fp8 != nullptr; }
+
+bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
+  auto no = [&](const char* reason) {
+    if (why) *why = reason;
+    return false;
+  };
+  if (!kernels_for(f.out_dtype).fp8) return no("no FP8 kernel for this output dtype in this build");
+  if (f.act == Activation::none || native_epilogue_name(f.act, f.bias != nullptr))
+    return no("cuBLASLt fuses this activation itself");
+  if (!in_epilogue(f.act)) return no("this activation is faster as cuBLASLt's GEMM and a separate pass");
+  if (!g_enabled.load(std::memory_order_relaxed)) return no("switched off");
+  // e4m3 rows: k and the row strides in bytes (fp8_gemm checked them), D's in 16-bit elements.
+  if (f.k % 16 || f.lda % 16 || f.ldw % 16 || f.n % 8 || f.ldd % 8)
+    return no("k, n or a row stride not a multiple of 16 bytes");
+  if (!aligned(f.a) || !aligned(f.w) || !aligned(f.d) || (f.bias && !aligned(f.bias)) ||
+      reinterpret_cast<uintptr_t>(f.a_scale) % 4 || reinterpret_cast<uintptr_t>(f.w_scale) % 4)
+    return no("an operand not 16-byte aligned");
+  if (f.m >= (int64_t{1} << 31) || f.n >= (int64_t{1} << 31) || f.k >= (int64_t{1} << 31))
+    return no("a dimension of 2^31 or more");
+  const DeviceFacts facts = device_facts(f.device);
+  if (facts.cc_major != 9 || facts.cc_minor != 0) return no("not a compute capability 9.0 device");
+  const int64_t tiles = ((f.m + kStatsTileM - 1) / kStatsTileM) * ((f.n + kStatsTileN - 1) / kStatsTileN);
+  if (2 * tiles < facts.sm_count) return no("too few output tiles to fill the GPU");
+  return true;
+}
+
+bool sm90_fp8_gemm(const Fp8GemmArgs& f) {
+  Fp8Fn fn = kernels_for(f.out_dtype).fp8;
+  if (!fn) throw std::invalid_argument("fusedenc sm90 fp8 gemm: no kernel for this output dtype");
+  DeviceGuard guard(f.device);
+  return fn(fp8_as_gemm(f), f.a_scale, f.w_scale, device_facts(f.device).sm_count);
 }
 
 bool sm90_fold_applies(const GemmArgs& g, const char** why) {

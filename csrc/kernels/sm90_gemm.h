@@ -19,6 +19,7 @@
 // The next residual LN(z) is recomputed the same way in the next ResidualNorm epilogue.
 #pragma once
 
+#include "../fp8_gemm.h"
 #include "../gemm.h"
 
 namespace fusedenc {
@@ -78,6 +79,16 @@ bool sm90_residual_gemm_compiled(DType dtype);
 // `args`: the kernel is compiled and sm90_gemm_applies' shape and device rules hold
 // (not its occupancy rule: whether folding pays at a size is the caller's decision).
 bool sm90_fold_applies(const GemmArgs& args, const char** why = nullptr);
+
+// FP8 (fp8_gemm.h): D = act(a_scale[m] * w_scale[n] * (A W^T) + bias[n]) with A and W in
+// e4m3, for the activations the epilogue applies (sm90_gemm_applies' rule: not none, not
+// one cuBLASLt fuses, not one that runs faster as a pass) on problems that fill the GPU.
+// Its main loop is CUTLASS's accurate FP8 one (partial sums promoted to fp32) whatever
+// fast_accum says: an activation pass after cuBLASLt costs more than fast accumulation saves.
+bool sm90_fp8_gemm_applies(const Fp8GemmArgs& args, const char** why = nullptr);
+// Returns false, having launched nothing, where CUTLASS refuses the problem.
+bool sm90_fp8_gemm(const Fp8GemmArgs& args);
+bool sm90_fp8_gemm_compiled(DType out_dtype);
 
 // A/B switch (fusedenc.testing / FUSEDENC_SM90_GEMM=0): off sends every GEMM to cuBLASLt.
 void set_sm90_gemm_enabled(bool on);

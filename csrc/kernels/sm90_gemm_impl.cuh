@@ -2,7 +2,7 @@
 // its own translation unit (they are slow to compile; separate units build in
 // parallel).  Include only from those units.
 //
-// Two epilogues (visitor trees), both computed in fp32 and rounded once:
+// Three epilogues (visitor trees), all computed in fp32 and rounded once:
 //   norm:     D = act(rstd[m] * acc + (shift[m] * colsum[n] + bias[n]))
 //             With rstd, shift and colsum null this is act(alpha * acc + bias), the plain
 //             GEMM + bias + activation.  With them it is LayerNorm folded into the GEMM:
@@ -10,6 +10,8 @@
 //   residual: D = alpha * (acc + bias[n]) + R,  R = (C * rstd[m] + shift[m]) * gamma[n] + beta[n]
 //             (R = C when those are null), and per (row, 128-column tile) partial sums of
 //             D and D^2 for the LayerNorm that follows (no atomics: deterministic).
+//   fp8:      D = act(a_scale[m] * w_scale[n] * acc + bias[n]) with A and W in e4m3
+//             (fusedenc.fp8's per-row scales; fp8_gemm.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -135,13 +137,28 @@ using ResidualTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thre
                     RowVec<Tile, Element>,   // gamma (null: 1)
                     RowVec<Tile, Element>>>>>>;  // beta (null: 0)
 
-template <class Element, class Tree, bool WithC, class Cfg = DefaultConfig>
+// FP8 (fusedenc.fp8): act(a_scale[m] * (w_scale[n] * acc) + bias[n]) on e4m3 operands.
+template <class Tile, class Element>
+using Fp8Tree = fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, Element, float, kRound>,
+    fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+        ColVec<Tile>,  // a_scale
+        fusion::Sm90EVT<Op<cutlass::multiplies>, RowVec<Tile, float>, fusion::Sm90AccFetch>,  // w_scale * acc
+        RowVec<Tile, Element>>>;  // bias (null: 0)
+
+// FP8 tiles read 128 bytes of K per stage, like the 16-bit tiles' 64 elements.  The
+// accurate (non fast-accumulation) FP8 main loop: partial sums promoted to fp32
+// registers every few k-blocks.
+using Fp8Config = Config<cute::Shape<cute::_128, cute::_128, cute::_128>, cute::Shape<cute::_1, cute::_1, cute::_1>,
+                         cutlass::gemm::KernelTmaWarpSpecializedPingpong, cutlass::epilogue::TmaWarpSpecialized>;
+
+template <class Element, class Tree, bool WithC, class Cfg = DefaultConfig, class ElementAB = Element>
 struct Kernel {
   using ElementAcc = float;
   using LayoutA = cutlass::layout::RowMajor;     // activations [m, k]
   using LayoutB = cutlass::layout::ColumnMajor;  // weight [n, k]: B = W^T, k contiguous
   using LayoutD = cutlass::layout::RowMajor;     // output [m, n]
   static constexpr int kAlign = 16 / sizeof(Element);
+  static constexpr int kAlignAB = 16 / sizeof(ElementAB);
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   using ElementC = std::conditional_t<WithC, Element, void>;
@@ -150,8 +167,8 @@ struct Kernel {
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, ElementC, LayoutD, kAlign,
       Element, LayoutD, kAlign, typename Cfg::EpiSchedule, Tree>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
-      LayoutB, kAlign, ElementAcc, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB,
+      LayoutB, kAlignAB, ElementAcc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       typename Cfg::Schedule>::CollectiveOp;
@@ -248,6 +265,20 @@ bool run_residual(const GemmArgs& g, const ResidualNorm& r, int sm_count) {
   return launch<typename K::Gemm>(g, sm_count, t);
 }
 
+template <class Element>
+bool run_fp8(const GemmArgs& g, const float* a_scale, const float* w_scale, int sm_count) {
+  using K = Kernel<Element, Fp8Tree<typename Fp8Config::TileShape, Element>, false, Fp8Config, cutlass::float_e4m3_t>;
+  const auto bias = static_cast<const Element*>(g.bias);
+  typename K::EpilogueArgs t{
+      {                                    // a_scale * (w_scale * acc) + bias
+       {a_scale, 1.f, {}},                 //   a_scale
+       {{w_scale, 1.f, {}}, {}, {}},       //   w_scale * acc
+       {bias, Element(0), {}},             //   bias
+       {}},
+      {g.act}};                            // act
+  return launch<typename K::Gemm>(g, sm_count, t);
+}
+
 }  // namespace sm90
 }  // namespace fusedenc
 
@@ -260,3 +291,8 @@ bool run_residual(const GemmArgs& g, const ResidualNorm& r, int sm_count) {
   namespace fusedenc { namespace sm90 {                                                           \
   bool NAME(const GemmArgs& g, const ResidualNorm& r, int sm_count) { return run_residual<ELEMENT>(g, r, sm_count); } \
   } }
+#define FUSEDENC_SM90_FP8_INSTANCE(NAME, ELEMENT)                                                  \
+  namespace fusedenc { namespace sm90 {                                                           \
+  bool NAME(const GemmArgs& g, const float* a_scale, const float* w_scale, int sm_count) {        \
+    return run_fp8<ELEMENT>(g, a_scale, w_scale, sm_count);                                       \
+  } } }
