@@ -301,8 +301,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("fp8_gemm_compiled", [] { return FUSEDENC_HAS_FP8_GEMM != 0; });
   m.def("sm90_fp8_gemm_applies", [](int device, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
                                     uintptr_t a_scale, uintptr_t w, int64_t ldw, uintptr_t w_scale, uintptr_t bias,
-                                    uintptr_t d, int64_t ldd, int out_dtype, int act) {
+                                    uintptr_t d, int64_t ldd, int out_dtype, int act, bool fast_accum) {
     Fp8GemmArgs g;
+    g.fast_accum = fast_accum;
     g.device = device; g.m = m; g.n = n; g.k = k;
     g.a = ptr<const void>(a); g.lda = lda; g.a_scale = ptr<const float>(a_scale);
     g.w = ptr<const void>(w); g.ldw = ldw; g.w_scale = ptr<const float>(w_scale);

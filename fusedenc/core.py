@@ -411,7 +411,7 @@ def fp8_status(device: torch.device) -> tuple[bool, str]:
 
 def sm90_fp8_gemm_applies(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-    bias: Optional[torch.Tensor], out: torch.Tensor, activation: str,
+    bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool = False,
 ) -> tuple[bool, str]:  # fmt: skip
     """Whether ``fp8_gemm`` with these operands runs the Hopper FP8 epilogue kernel (else
     cuBLASLt), and if not why.  ``a``/``w``: e4m3 codes (or their uint8 views)."""
@@ -423,7 +423,7 @@ def sm90_fp8_gemm_applies(
     ok, why = module.sm90_fp8_gemm_applies(
         a.device.index, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
         w_scale.data_ptr(), _ptr(bias), out.data_ptr(), out.stride(0), _DTYPE_CODES[out.dtype],
-        _ACTIVATION_IDS[activation],
+        _ACTIVATION_IDS[activation], bool(fast_accum),
     )  # fmt: skip
     return bool(ok), str(why)
 

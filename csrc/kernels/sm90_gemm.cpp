@@ -168,6 +168,7 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
   if (f.act == Activation::none || native_epilogue_name(f.act, f.bias != nullptr))
     return no("cuBLASLt fuses this activation itself");
   if (!in_epilogue(f.act)) return no("this activation is faster as cuBLASLt's GEMM and a separate pass");
+  if (!f.fast_accum) return no("accurate accumulation asked for: the kernel accumulates fast");
   if (!g_enabled.load(std::memory_order_relaxed)) return no("switched off");
   // e4m3 rows: k and the row strides in bytes (fp8_gemm checked them), D's in 16-bit elements.
   if (f.k % 16 || f.lda % 16 || f.ldw % 16 || f.n % 8 || f.ldd % 8)

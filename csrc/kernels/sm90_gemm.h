@@ -83,8 +83,8 @@ bool sm90_fold_applies(const GemmArgs& args, const char** why = nullptr);
 // FP8 (fp8_gemm.h): D = act(a_scale[m] * w_scale[n] * (A W^T) + bias[n]) with A and W in
 // e4m3, for the activations the epilogue applies (sm90_gemm_applies' rule: not none, not
 // one cuBLASLt fuses, not one that runs faster as a pass) on problems that fill the GPU.
-// Its main loop is CUTLASS's accurate FP8 one (partial sums promoted to fp32) whatever
-// fast_accum says: an activation pass after cuBLASLt costs more than fast accumulation saves.
+// Its main loop accumulates fast (Hopper's FP8 accumulator, as cuBLASLt's fast_accum), so
+// only calls that ask for fast accumulation come here; accurate ones stay on cuBLASLt.
 bool sm90_fp8_gemm_applies(const Fp8GemmArgs& args, const char** why = nullptr);
 // Returns false, having launched nothing, where CUTLASS refuses the problem.
 bool sm90_fp8_gemm(const Fp8GemmArgs& args);
