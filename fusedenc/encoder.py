@@ -35,10 +35,10 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from . import activations, core, norm_fold, traced
+from . import activations, core, fp8, norm_fold, traced
 from .attention import plan_for
 from .checks import ALIGN_BYTES, LAYER_NORM_MAX_DIM
-from .executors import NativeExecutor, OpsExecutor
+from .executors import Fp8Executor, NativeExecutor, OpsExecutor
 from .graphs import GraphRunner
 from .norm import layer_norm
 
@@ -137,6 +137,8 @@ class EncoderBlock(nn.Module):
         self._plans: dict = {}
         self._plans_lock = threading.Lock()
         self._fold_cache = norm_fold.FoldCache()  # QKV and FFN1 weights with a LayerNorm folded in
+        self._fp8_config: Optional[tuple] = None  # (kept GEMMs, fast_accum) while quantized
+        self._fp8: Optional[fp8.QuantizedWeights] = None
 
     _PARAM_NAMES = (
         "qkv_weight", "qkv_bias", "out_weight", "out_bias", "norm1_weight", "norm1_bias",
@@ -224,6 +226,54 @@ class EncoderBlock(nn.Module):
                 dst.copy_(src)
         return block
 
+    # ------------------------------------------------------------------ FP8 ----
+
+    _GEMM_WEIGHTS = {"qkv": "qkv_weight", "out_proj": "out_weight", "ffn1": "ffn1_weight", "ffn2": "ffn2_weight"}
+
+    def quantize(self, mode: Optional[str] = "fp8", *, keep: Iterable[str] = (), fast_accum: bool = False) -> "EncoderBlock":
+        """Run the block's GEMMs in FP8 (``mode="fp8"``) or back in its own dtype (``None``).
+
+        FP8: each weight gets an e4m3 copy with one scale per output channel (re-made when
+        the weight changes), each GEMM input one scale per row, computed where the GEMM
+        runs (``fusedenc.fp8``); sums in fp32, outputs in the block's dtype.  ``keep``:
+        GEMMs that stay in the block's dtype, from ``fp8.BLOCK_GEMMS`` (e.g. ``("ffn2",)``:
+        about a quarter less error for a quarter of the GEMM work, bench/NOTES.md).
+        ``fast_accum``: Hopper's faster, less precise FP8 accumulation.  LayerNorm folding
+        is off for a quantized block.  Needs a float16/bfloat16 block, d_model and d_ff
+        multiples of 16, and on a GPU one that runs FP8 (``capabilities()["fp8"]``).
+        Returns the block."""
+        if mode is None:
+            self._fp8_config, self._fp8 = None, None
+            return self
+        if mode != "fp8":
+            raise ValueError(f"mode must be 'fp8' or None, got {mode!r}")
+        keep = tuple(keep) if not isinstance(keep, str) else (keep,)
+        unknown = [k for k in keep if k not in fp8.BLOCK_GEMMS]
+        if unknown:
+            raise ValueError(f"keep names GEMMs {unknown}; the block's are {list(fp8.BLOCK_GEMMS)}")
+        w = self.qkv_weight
+        if w.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"FP8 mode needs a float16 or bfloat16 block; this one is {w.dtype}")
+        if self.d_model % 16 or self.d_ff % 16:
+            raise ValueError(f"FP8 GEMMs need d_model and d_ff multiples of 16, got {self.d_model} and {self.d_ff}")
+        if w.device.type == "cuda":
+            ok, why = core.fp8_status(w.device)
+            if not ok:
+                raise RuntimeError(f"FP8 does not run on {w.device}: {why}")
+        self._fp8_config = (keep, bool(fast_accum))
+        self._fp8 = self._fp8_weights()
+        return self
+
+    @property
+    def quantized(self) -> Optional[str]:
+        """``"fp8"`` while ``quantize("fp8")`` is in effect, else None."""
+        return "fp8" if self._fp8_config is not None else None
+
+    def _fp8_weights(self) -> fp8.QuantizedWeights:
+        keep, fast_accum = self._fp8_config
+        chosen = {g: self._parameters[n] for g, n in self._GEMM_WEIGHTS.items() if g not in keep}
+        return fp8.QuantizedWeights(chosen, fast_accum)
+
     # ------------------------------------------------------------ forward ----
 
     def forward(
@@ -285,12 +335,15 @@ class EncoderBlock(nn.Module):
         state = self.__dict__.copy()
         del state["_plans_lock"]
         state["_plans"] = {}
+        state["_fp8"] = None  # its entries name this module's parameters: re-made from the config
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self._plans_lock = threading.Lock()
         self._handle = traced.register(self._eager_rows)  # a copy is a module of its own
+        if state.get("_fp8_config") is not None:
+            self._fp8 = self._fp8_weights()
 
     def _forward_rows(self, x2, batch, seq, attn_bias, key_padding_mask, executor=None):
         """The block on contiguous [T, D] rows; returns [T, D].  ``executor``: a
@@ -317,6 +370,8 @@ class EncoderBlock(nn.Module):
         if prepared is None:
             return torch.empty_like(x2)
         ex, plan = prepared
+        if self._fp8 is not None:
+            return self._run(Fp8Executor(ex, self._fp8), plan, x2, batch, seq, attn_bias, key_padding_mask)
         if norm_fold.applies([self], x2):
             pending = self._run_folded(ex, plan, x2, batch, seq, attn_bias, key_padding_mask)
             return norm_fold.materialize(pending, self.layer_norm_eps)
@@ -565,7 +620,7 @@ class EncoderStack(nn.Module):
         ex = executor
         if ex is None and _native_active(rows.device):
             ex = NativeExecutor(rows.device, rows.dtype)
-        if norm_fold.applies(self.blocks, rows):
+        if not any(b.quantized for b in self.blocks) and norm_fold.applies(self.blocks, rows):
             pending = rows
             for block in self.blocks:
                 pending = block.folded_rows(pending, batch, seq, attn_bias, key_padding_mask, ex)
@@ -577,6 +632,23 @@ class EncoderStack(nn.Module):
             n = self.final_norm
             rows = layer_norm(rows, n.weight, n.bias, n.eps)
         return rows
+
+    def quantize(
+        self, mode: Optional[str] = "fp8", *, keep: Iterable[str] = (), layers: Optional[Iterable[int]] = None,
+        fast_accum: bool = False,
+    ) -> "EncoderStack":  # fmt: skip
+        """``EncoderBlock.quantize`` on the blocks numbered ``layers`` (default all; negative
+        numbers count from the end, e.g. ``layers=range(1, n - 1)`` keeps the first and last
+        layer in the stack's dtype); the other blocks go back to their dtype.  Returns the stack."""
+        n = len(self.blocks)
+        chosen = set(range(n)) if layers is None else set()
+        for i in [] if layers is None else list(layers):
+            if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+                raise ValueError(f"layers: {i!r} is not a layer of this {n}-layer stack")
+            chosen.add(i % n)
+        for i, block in enumerate(self.blocks):
+            block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum)
+        return self
 
     def graph_runner(
         self,

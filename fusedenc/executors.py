@@ -21,13 +21,13 @@ from typing import Optional
 
 import torch
 
-from . import core
+from . import core, fp8
 from .attention import attention
 from .device import current_stream
 from .norm import layer_norm
 from .ops import linear
 
-__all__ = ["NativeExecutor", "OpsExecutor"]
+__all__ = ["Fp8Executor", "NativeExecutor", "OpsExecutor"]
 
 
 class OpsExecutor:
@@ -103,3 +103,32 @@ class NativeExecutor:
         # The next GEMM is told these are dense rows (lda = D): guarantee it
         # whatever layout a backend returns (a no-op for every backend today).
         return out if out.is_contiguous() else out.contiguous()
+
+
+class Fp8Executor:
+    """Another executor (ops or native) with the GEMMs of quantized weights in FP8
+    (``EncoderBlock.quantize``): each such GEMM's input rows are quantized (one scale per
+    row, ``fp8.quantize_rows``) and multiplied with the weight's e4m3 copy (``fp8.linear``);
+    everything else, and GEMMs whose weight stays in the block's dtype or that carry a
+    residual (the pre-LN FFN2), runs on the wrapped executor."""
+
+    __slots__ = ("base", "weights")
+
+    def __init__(self, base, weights: fp8.QuantizedWeights):
+        self.base = base
+        self.weights = weights
+
+    def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
+        q = self.weights.get(w)
+        if q is None or residual is not None or alpha != 1.0:
+            return self.base.linear(x, w, b, activation, residual, alpha)
+        return fp8.linear(fp8.quantize_rows(x), q, b, activation, out_dtype=x.dtype, fast_accum=self.weights.fast_accum)
+
+    def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
+        return self.base.layer_norm(x, w, b, eps, residual, alpha, x_bias)
+
+    def layer_norm_sum(self, x, w, b, eps, residual, alpha, x_bias):
+        return self.base.layer_norm_sum(x, w, b, eps, residual, alpha, x_bias)
+
+    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
+        return self.base.attention(plan, qkv, batch, seq, heads, attn_bias, key_padding_mask)

@@ -33,7 +33,8 @@ from . import core, dtypes
 from .activations import apply_activation, canonical_activation
 from .device import current_stream
 
-__all__ = ["E4M3", "E4M3_MAX", "Quantized", "dequantize", "linear", "quantize_rows", "scaled_linear"]
+__all__ = ["E4M3", "E4M3_MAX", "BLOCK_GEMMS", "Quantized", "QuantizedWeights", "dequantize", "linear", "quantize_rows",
+           "scaled_linear"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(E4M3).max
@@ -167,3 +168,29 @@ def linear(
         return y
     out.copy_(y)
     return out
+
+
+#: The GEMMs of an encoder block, by the name ``EncoderBlock.quantize(keep=...)`` takes.
+BLOCK_GEMMS = ("qkv", "out_proj", "ffn1", "ffn2")
+
+
+class QuantizedWeights:
+    """The e4m3 copies of a module's weights, each re-made when its parameter changes
+    (an in-place update, or ``.to()`` moving it): looked up by the parameter itself."""
+
+    def __init__(self, params: dict[str, torch.Tensor], fast_accum: bool = False):
+        self.names = tuple(params)
+        self.fast_accum = bool(fast_accum)
+        self._entries: dict[int, list] = {id(p): [p, None, None] for p in params.values()}
+
+    def get(self, weight: torch.Tensor) -> Optional[Quantized]:
+        """``weight``'s e4m3 copy, or None where that weight stays in its own dtype."""
+        entry = self._entries.get(id(weight))
+        if entry is None or entry[0] is not weight:
+            return None
+        stamp = (weight._version, weight.data_ptr(), weight.device)
+        if entry[1] != stamp:
+            with torch.no_grad():
+                entry[2] = quantize_rows(weight.detach())
+            entry[1] = stamp
+        return entry[2]
