@@ -38,6 +38,7 @@ attention and LayerNorm run in fp32 on those fp16 values.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Optional
 
@@ -196,6 +197,51 @@ def run_preset(name: str, batch: int, seed: int, device: torch.device) -> list[s
     return lines
 
 
+#: Lc0 FP8 configurations (Lc0Network.quantize arguments) against the fp16 net.
+LC0_CONFIGS = [
+    ("fp8", {}),
+    ("fp8, FFN2 fp16", {"keep": ("ffn2",)}),
+    ("fp8, ends fp16", {"ends": True}),
+]
+
+
+def run_lc0(preset: str, positions: int, seed: int, device: torch.device, chunk: int = 256) -> list[str]:
+    """Issue 21's Lc0 gate on a synthetic net of ``preset``'s shape: policy top-1 agreement
+    (argmax over the 1858 moves) and the WDL's largest absolute difference, each FP8
+    configuration against the same net in fp16, on ``positions`` random input planes.
+    Random weights and planes: an indication, not a real net's statistics."""
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from lc0_writer import random_planes, write_preset  # the tests' writer: synthetic nets are test material
+
+    from fusedenc.lc0 import load_network
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{preset}.pb.gz")
+        write_preset(path, preset, seed=seed)
+        net = load_network(path, dtype=torch.float16, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    planes = [random_planes(min(chunk, positions - i), gen).to(device, torch.float16) for i in range(0, positions, chunk)]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        outs = [net(p) for p in planes]
+        return torch.cat([o["policy"] for o in outs]).float(), torch.cat([o["wdl"] for o in outs]).float()
+
+    pol16, wdl16 = run()
+    n = len(net.blocks)
+    lines = [f"== Lc0 {preset}-shaped synthetic net: {n} layers, {positions} random positions, seed {seed}",
+             f"   {'configuration':24s} {'policy top-1 agreement':>23s} {'WDL max |diff|':>15s}"]  # fmt: skip
+    for label, cfg in LC0_CONFIGS:
+        layers = range(1, n - 1) if cfg.get("ends") else None
+        net.quantize("fp8", keep=cfg.get("keep", ()), layers=layers)
+        pol, wdl = run()
+        agree = (pol.argmax(-1) == pol16.argmax(-1)).float().mean().item()
+        lines.append(f"   {label:24s} {agree * 100:22.2f}% {(wdl - wdl16).abs().max().item():15.4f}")
+    net.quantize(None)
+    return lines
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="t82,bt4,bert-base")
@@ -203,6 +249,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the report here")
     ap.add_argument("--device", default="cpu", help="cpu (emulation only) or cuda (adds the torch._scaled_mm row on sm89+)")
+    ap.add_argument("--lc0", default="", help="also Lc0 synthetic nets of these shapes (tiny,t82,bt4): policy/WDL gates")
+    ap.add_argument("--positions", type=int, default=1024, help="positions for the Lc0 gates")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     device = torch.device(args.device)
@@ -217,6 +265,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     lines = [head, ""]
     for n in names:
         lines += run_preset(n, args.batch, args.seed, device) + [""]
+    for n in [n for n in args.lc0.split(",") if n]:
+        lines += run_lc0(n, args.positions, args.seed, device) + [""]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -42,7 +42,7 @@ from .executors import Fp8Executor, NativeExecutor, OpsExecutor
 from .graphs import GraphRunner
 from .norm import layer_norm
 
-__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]  # GraphRunner lives in graphs.py
+__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner", "quantize_blocks"]  # GraphRunner lives in graphs.py
 
 _QKV_KEYS = ("q_weight", "k_weight", "v_weight")
 _QKV_BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
@@ -534,6 +534,23 @@ class EncoderBlock(nn.Module):
 _MISSING = object()
 
 
+def quantize_blocks(
+    blocks: Sequence[EncoderBlock], mode: Optional[str], *, keep: Iterable[str] = (),
+    layers: Optional[Iterable[int]] = None, fast_accum: bool = False,
+) -> None:  # fmt: skip
+    """``EncoderBlock.quantize`` on ``blocks[i]`` for ``i`` in ``layers`` (default all, negative
+    from the end), ``quantize(None)`` on the others; checked before any block changes."""
+    n = len(blocks)
+    chosen = set(range(n)) if layers is None else set()
+    for i in [] if layers is None else list(layers):
+        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            raise ValueError(f"layers: {i!r} is not a layer of this {n}-layer body")
+        chosen.add(i % n)
+    keep = tuple(keep) if not isinstance(keep, str) else (keep,)
+    for i, block in enumerate(blocks):
+        block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum)
+
+
 # ------------------------------------------------------------ the stack ----
 
 
@@ -640,14 +657,7 @@ class EncoderStack(nn.Module):
         """``EncoderBlock.quantize`` on the blocks numbered ``layers`` (default all; negative
         numbers count from the end, e.g. ``layers=range(1, n - 1)`` keeps the first and last
         layer in the stack's dtype); the other blocks go back to their dtype.  Returns the stack."""
-        n = len(self.blocks)
-        chosen = set(range(n)) if layers is None else set()
-        for i in [] if layers is None else list(layers):
-            if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
-                raise ValueError(f"layers: {i!r} is not a layer of this {n}-layer stack")
-            chosen.add(i % n)
-        for i, block in enumerate(self.blocks):
-            block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum)
+        quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum)
         return self
 
     def graph_runner(

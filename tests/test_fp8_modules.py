@@ -131,7 +131,7 @@ def test_bad_quantize_arguments(gen):
         s.quantize("int8")
     with pytest.raises(ValueError, match=r"keep names GEMMs \['ffn3'\]"):
         s.quantize("fp8", keep=("ffn3",))
-    with pytest.raises(ValueError, match="not a layer of this 2-layer stack"):
+    with pytest.raises(ValueError, match="not a layer of this 2-layer body"):
         s.quantize("fp8", layers=[2])
     with pytest.raises(TypeError, match="float16 or bfloat16 block"):
         EncoderBlock(D, H, F_, dtype=torch.float32).quantize("fp8")
@@ -156,3 +156,24 @@ def test_a_quantized_stack_on_the_gpu_matches_the_reference_math(gen):
     gpu = copy.deepcopy(s).cuda().quantize("fp8")(x.cuda()).cpu()
     assert torch.isfinite(gpu).all()
     assert _rel(gpu, cpu) < 0.01 and _rel(gpu, ref) < 0.03, (_rel(gpu, cpu), _rel(gpu, ref))
+
+
+def test_an_lc0_net_quantizes_its_body(tmp_path, monkeypatch):
+    """``Lc0Network.quantize``: the body's four GEMMs a layer in FP8, heads and embedding not;
+    policy logits move, the WDL stays a distribution, and ``quantize(None)`` restores the net."""
+    from fusedenc.lc0 import load_network
+    from lc0_writer import random_planes, write_preset
+
+    path = tmp_path / "tiny.pb.gz"
+    write_preset(path, "tiny", seed=3)
+    net = load_network(str(path), dtype=torch.float16, device="cpu")
+    planes = random_planes(6, torch.Generator().manual_seed(1)).to(torch.float16)
+    base = net(planes)
+    calls = _count_fp8_gemms(monkeypatch)
+    out = net.quantize("fp8")(planes)
+    d, f = net.d_model, net.blocks[0].d_ff
+    assert calls == [(3 * d, d), (d, d), (f, d), (d, f)] * len(net.blocks)
+    assert not torch.equal(out["policy"], base["policy"]) and torch.isfinite(out["policy"]).all()
+    assert torch.allclose(out["wdl"].float().sum(-1), torch.ones(6), atol=1e-2)
+    net.quantize(None)
+    assert torch.equal(net(planes)["policy"], base["policy"])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .. import norm_fold
 from ..activations import apply_activation
 from ..checks import align_elems
-from ..encoder import EncoderBlock
+from ..encoder import EncoderBlock, quantize_blocks
 from ..graphs import BucketedGraphs
 from ..norm import layer_norm
 from ..norm_fold import NormedRows
@@ -251,7 +251,7 @@ class Lc0Network(nn.Module):
             return {name: planes.new_empty((0, n)) for name, n in empty.items()}
         x = self.embed(planes)
         rows = x.view(-1, x.shape[-1])
-        if norm_fold.applies(self.blocks, rows):
+        if not any(block.quantized for block in self.blocks) and norm_fold.applies(self.blocks, rows):
             # The body's LayerNorms folded into its GEMMs (norm_fold): each layer's input
             # stays pending, and smolgen's compress reads it through the fold too.
             pending = rows
@@ -262,6 +262,15 @@ class Lc0Network(nn.Module):
             for i in range(len(self.blocks)):
                 x = self.layer(i, x)
         return self.head_outputs(x)
+
+    def quantize(
+        self, mode: Optional[str] = "fp8", *, keep: Sequence[str] = (), layers: Optional[Sequence[int]] = None,
+        fast_accum: bool = False,
+    ) -> "Lc0Network":  # fmt: skip
+        """The body's GEMMs in FP8 (``EncoderStack.quantize``'s arguments; ``None``: back to the
+        net's dtype).  Embedding, smolgen and heads stay in the net's dtype.  Returns the net."""
+        quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum)
+        return self
 
     # The stages of ``forward``, public so that a benchmark can time each (``bench/lc0.py
     # --parts``); they take what ``forward`` passes and check nothing.
