@@ -3,7 +3,6 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
-#include <type_traits>
 #include <unordered_map>
 
 #include "gemm.h"
@@ -141,17 +140,11 @@ std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, cons
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_a, BLAS_R_8F_E4M3, key.k, key.m, key.lda));
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_d, out_t, key.n, key.m, key.ldd));
 
-  blasLtMatmulPreference_t pref = nullptr;
-  FUSEDENC_CHECK_BLAS(blasLtMatmulPreferenceCreate(&pref));
-  std::unique_ptr<std::remove_pointer_t<blasLtMatmulPreference_t>, blasStatus_t (*)(blasLtMatmulPreference_t)>
-      pref_owner(pref, blasLtMatmulPreferenceDestroy);
-  const uint64_t ws = key.workspace_bytes;
-  FUSEDENC_CHECK_BLAS(blasLtMatmulPreferenceSetAttribute(pref, BLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  FUSEDENC_CHECK_BLAS(blasLtSetAlignmentPreferences(pref, key.align_w, key.align_a, key.align_d, key.align_d));
+  const BlasLtPreference pref = make_preference(key.workspace_bytes, key.align_w, key.align_a, key.align_d, key.align_d);
   blasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const blasStatus_t st = blasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->layout_w, plan->layout_a,
-                                                       plan->layout_d, plan->layout_d, pref, 1, &result, &found);
+                                                       plan->layout_d, plan->layout_d, pref.get(), 1, &result, &found);
   if (st != BLAS_STATUS_SUCCESS || found == 0) return nullptr;
   plan->algo = result.algo;
   plan->reads_bias = epi.reads_bias;

@@ -169,13 +169,9 @@ std::unique_ptr<Plan> try_plan(blasLtHandle_t handle, const PlanKey& key, Epilog
     return nullptr;
   }
 
-  blasLtMatmulPreference_t pref = nullptr;
-  FUSEDENC_CHECK_BLAS(blasLtMatmulPreferenceCreate(&pref));
-  std::unique_ptr<std::remove_pointer_t<blasLtMatmulPreference_t>, blasStatus_t (*)(blasLtMatmulPreference_t)>
-      pref_owner(pref, blasLtMatmulPreferenceDestroy);
-  const uint64_t ws = key.workspace_bytes;
-  FUSEDENC_CHECK_BLAS(blasLtMatmulPreferenceSetAttribute(pref, BLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  FUSEDENC_CHECK_BLAS(blasLtSetAlignmentPreferences(pref, key.align_w, key.align_a, key.align_c, key.align_d));
+  const BlasLtPreference pref_owner =
+      make_preference(key.workspace_bytes, key.align_w, key.align_a, key.align_c, key.align_d);
+  blasLtMatmulPreference_t pref = pref_owner.get();
 
   int found = 0;
   blasStatus_t st = blasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->layout_w, plan->layout_a,
@@ -535,6 +531,17 @@ void check_count(int count) {
 }  // namespace
 
 blasLtHandle_t blaslt_handle(int device, gpuStream_t stream) { return handle_for(device, stream); }
+
+BlasLtPreference make_preference(size_t workspace_bytes, uint32_t align_w, uint32_t align_a, uint32_t align_c,
+                                 uint32_t align_d) {
+  blasLtMatmulPreference_t pref = nullptr;
+  FUSEDENC_CHECK_BLAS(blasLtMatmulPreferenceCreate(&pref));
+  BlasLtPreference owner(pref, blasLtMatmulPreferenceDestroy);
+  const uint64_t ws = workspace_bytes;
+  FUSEDENC_CHECK_BLAS(blasLtMatmulPreferenceSetAttribute(pref, BLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  FUSEDENC_CHECK_BLAS(blasLtSetAlignmentPreferences(pref, align_w, align_a, align_c, align_d));
+  return owner;
+}
 
 bool gemm(const GemmArgs& args) {
   check_args(args);

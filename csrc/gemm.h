@@ -12,7 +12,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -48,6 +50,13 @@ bool gemm(const GemmArgs& args);
 
 // The core's library handle for (device, stream): one per pair, for the process.
 blasLtHandle_t blaslt_handle(int device, gpuStream_t stream);
+
+// A heuristic preference owning its library object: the workspace limit and the
+// operands' real alignments (bytes), as every plan (16-bit and FP8) asks for them.
+using BlasLtPreference =
+    std::unique_ptr<std::remove_pointer_t<blasLtMatmulPreference_t>, blasStatus_t (*)(blasLtMatmulPreference_t)>;
+BlasLtPreference make_preference(size_t workspace_bytes, uint32_t align_w, uint32_t align_a, uint32_t align_c,
+                                 uint32_t align_d);
 
 // The library epilogue that fuses `act` (with or without bias), or nullptr when
 // the library has none and the activation kernel runs after the GEMM.

@@ -122,15 +122,24 @@ bool shape_fits(const GemmArgs& g, const char** why, bool check_occupancy) {
 
 }  // namespace
 
+namespace {
+
+// Why an activation is better served by cuBLASLt (nullptr: the epilogue should apply it).
+const char* activation_stays_on_cublaslt(Activation act, bool has_bias) {
+  if (act == Activation::none || native_epilogue_name(act, has_bias)) return "cuBLASLt fuses this activation itself";
+  if (!in_epilogue(act)) return "this activation is faster as cuBLASLt's GEMM and a separate pass";
+  return nullptr;
+}
+
+}  // namespace
+
 bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
   auto no = [&](const char* reason) {
     if (why) *why = reason;
     return false;
   };
   if (!kernels_for(g.dtype).norm) return no("no kernel for this dtype and activation in this build");
-  if (g.act == Activation::none || native_epilogue_name(g.act, g.bias != nullptr))
-    return no("cuBLASLt fuses this activation itself");
-  if (!in_epilogue(g.act)) return no("this activation is faster as cuBLASLt's GEMM and a separate pass");
+  if (const char* reason = activation_stays_on_cublaslt(g.act, g.bias != nullptr)) return no(reason);
   if (g.c) return no("a residual input");
   return shape_fits(g, why, true);
 }
@@ -165,24 +174,14 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
     return false;
   };
   if (!kernels_for(f.out_dtype).fp8) return no("no FP8 kernel for this output dtype in this build");
-  if (f.act == Activation::none || native_epilogue_name(f.act, f.bias != nullptr))
-    return no("cuBLASLt fuses this activation itself");
-  if (!in_epilogue(f.act)) return no("this activation is faster as cuBLASLt's GEMM and a separate pass");
+  if (const char* reason = activation_stays_on_cublaslt(f.act, f.bias != nullptr)) return no(reason);
   if (!f.fast_accum) return no("accurate accumulation asked for: the kernel accumulates fast");
-  if (!g_enabled.load(std::memory_order_relaxed)) return no("switched off");
-  // e4m3 rows: k and the row strides in bytes (fp8_gemm checked them), D's in 16-bit elements.
-  if (f.k % 16 || f.lda % 16 || f.ldw % 16 || f.n % 8 || f.ldd % 8)
-    return no("k, n or a row stride not a multiple of 16 bytes");
-  if (!aligned(f.a) || !aligned(f.w) || !aligned(f.d) || (f.bias && !aligned(f.bias)) ||
-      reinterpret_cast<uintptr_t>(f.a_scale) % 4 || reinterpret_cast<uintptr_t>(f.w_scale) % 4)
+  // e4m3 rows: k and the operands' row strides count bytes; shape_fits checks D's (and the
+  // rest: switch, pointers, sizes, device, occupancy) on the 16-bit view.
+  if (f.k % 16 || f.lda % 16 || f.ldw % 16) return no("k, n or a row stride not a multiple of 16 bytes");
+  if (reinterpret_cast<uintptr_t>(f.a_scale) % 4 || reinterpret_cast<uintptr_t>(f.w_scale) % 4)
     return no("an operand not 16-byte aligned");
-  if (f.m >= (int64_t{1} << 31) || f.n >= (int64_t{1} << 31) || f.k >= (int64_t{1} << 31))
-    return no("a dimension of 2^31 or more");
-  const DeviceFacts facts = device_facts(f.device);
-  if (facts.cc_major != 9 || facts.cc_minor != 0) return no("not a compute capability 9.0 device");
-  const int64_t tiles = ((f.m + kStatsTileM - 1) / kStatsTileM) * ((f.n + kStatsTileN - 1) / kStatsTileN);
-  if (2 * tiles < facts.sm_count) return no("too few output tiles to fill the GPU");
-  return true;
+  return shape_fits(fp8_as_gemm(f), why, true);
 }
 
 bool sm90_fp8_gemm(const Fp8GemmArgs& f) {
