@@ -322,3 +322,61 @@ def check_layer_norm(
                     raise ValueError("sum_out partially overlaps residual; it may only be the very same tensor")
                 raise ValueError(f"sum_out overlaps {name}: it must be a separate buffer or residual itself")
     return LayerNormProblem(x2d.shape[0], d, x2d, ldx, ldr, ldo, lds, tuple(x.shape))
+
+
+# ------------------------------------------------------------ encoder blocks ----
+
+
+def check_block_call(params, heads: int, x2: torch.Tensor, batch: int, seq: int, attn_bias, key_padding_mask) -> None:
+    """An EncoderBlock call's block-level rules with block-level messages: ``params`` its
+    ``(name, tensor)`` pairs (``qkv_weight`` first), ``x2`` its ``[T, D]`` rows."""
+    ref = params[0][1]
+    if x2.dtype != ref.dtype:
+        raise TypeError(f"x.dtype={x2.dtype} does not match the block's dtype {ref.dtype}")
+    if x2.device != ref.device:
+        raise ValueError(f"x is on {x2.device} but the block's parameters are on {ref.device}")
+    for name, p in params:
+        if p.dtype != ref.dtype or p.device != ref.device:
+            raise TypeError(f"parameter {name} is {p.dtype} on {p.device}; qkv_weight is {ref.dtype} on {ref.device}")
+        if not p.is_contiguous():
+            raise ValueError(f"parameter {name} must be contiguous")
+    h = heads
+    if attn_bias is not None:
+        if not isinstance(attn_bias, torch.Tensor):
+            raise TypeError(f"attn_bias must be a torch.Tensor or None, got {type(attn_bias).__name__}")
+        if attn_bias.dim() != 4 or attn_bias.shape[0] not in (1, batch) or tuple(attn_bias.shape[1:]) != (h, seq, seq):
+            raise ValueError(
+                f"attn_bias must have shape ({batch} or 1, {h}, {seq}, {seq}) [B or 1, H, S, S], "
+                f"got {tuple(attn_bias.shape)}"
+            )
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor):
+            raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(key_padding_mask).__name__}")
+        if tuple(key_padding_mask.shape) != (batch, seq):
+            raise ValueError(
+                f"key_padding_mask must have shape ({batch}, {seq}) [B, S], got {tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}")
+
+
+def check_block_operands(params, d_model: int, d_ff: int, x2: torch.Tensor) -> None:
+    """What the native core assumes of an EncoderBlock's operands (the ops' rules, checked once
+    per call signature): ``params`` its ``(name, tensor or None)`` pairs, ``x2`` its rows."""
+    if d_model > LAYER_NORM_MAX_DIM:
+        raise ValueError(f"d_model={d_model} exceeds the fused LayerNorm's limit of {LAYER_NORM_MAX_DIM}")
+    if x2.data_ptr() % ALIGN_BYTES:
+        raise ValueError(f"x data pointer is not {ALIGN_BYTES}-byte aligned (storage offset {x2.storage_offset()})")
+    d, f = d_model, d_ff
+    shapes = {
+        "qkv_weight": (3 * d, d), "qkv_bias": (3 * d,), "out_weight": (d, d), "out_bias": (d,),
+        "norm1_weight": (d,), "norm1_bias": (d,), "ffn1_weight": (f, d), "ffn1_bias": (f,),
+        "ffn2_weight": (d, f), "ffn2_bias": (d,), "norm2_weight": (d,), "norm2_bias": (d,),
+    }  # fmt: skip
+    for name, p in params:
+        if p is None:
+            continue
+        if tuple(p.shape) != shapes[name]:
+            raise ValueError(f"parameter {name} has shape {tuple(p.shape)}, expected {shapes[name]}")
+        if p.data_ptr() % ALIGN_BYTES:
+            raise ValueError(f"parameter {name} data pointer is not {ALIGN_BYTES}-byte aligned")

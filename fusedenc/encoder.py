@@ -37,12 +37,12 @@ import torch.nn as nn
 
 from . import activations, core, fp8, norm_fold, traced
 from .attention import plan_for
-from .checks import ALIGN_BYTES, LAYER_NORM_MAX_DIM
+from .checks import check_block_call, check_block_operands
 from .executors import Fp8Executor, NativeExecutor, OpsExecutor
 from .graphs import GraphRunner
 from .norm import layer_norm
 
-__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner", "quantize_blocks"]  # GraphRunner lives in graphs.py
+__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]  # GraphRunner lives in graphs.py
 
 _QKV_KEYS = ("q_weight", "k_weight", "v_weight")
 _QKV_BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
@@ -242,26 +242,8 @@ class EncoderBlock(nn.Module):
         is off for a quantized block.  Needs a float16/bfloat16 block, d_model and d_ff
         multiples of 16, and on a GPU one that runs FP8 (``capabilities()["fp8"]``).
         Returns the block."""
-        if mode is None:
-            self._fp8_config, self._fp8 = None, None
-            return self
-        if mode != "fp8":
-            raise ValueError(f"mode must be 'fp8' or None, got {mode!r}")
-        keep = tuple(keep) if not isinstance(keep, str) else (keep,)
-        unknown = [k for k in keep if k not in fp8.BLOCK_GEMMS]
-        if unknown:
-            raise ValueError(f"keep names GEMMs {unknown}; the block's are {list(fp8.BLOCK_GEMMS)}")
-        w = self.qkv_weight
-        if w.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"FP8 mode needs a float16 or bfloat16 block; this one is {w.dtype}")
-        if self.d_model % 16 or self.d_ff % 16:
-            raise ValueError(f"FP8 GEMMs need d_model and d_ff multiples of 16, got {self.d_model} and {self.d_ff}")
-        if w.device.type == "cuda":
-            ok, why = core.fp8_status(w.device)
-            if not ok:
-                raise RuntimeError(f"FP8 does not run on {w.device}: {why}")
-        self._fp8_config = (keep, bool(fast_accum))
-        self._fp8 = self._fp8_weights()
+        self._fp8_config = fp8.quantize_config(mode, keep, fast_accum, self.qkv_weight, self.d_model, self.d_ff)
+        self._fp8 = None if self._fp8_config is None else self._fp8_weights()
         return self
 
     @property
@@ -447,34 +429,7 @@ class EncoderBlock(nn.Module):
     def _validate(self, x2, batch, seq, attn_bias, key_padding_mask):
         """Block-level checks with block-level messages (the ops check their own operands too)."""
         params = [(n, p) for n, p in zip(self._PARAM_NAMES, self._parameters_in_order()) if p is not None]
-        ref = self.qkv_weight
-        if x2.dtype != ref.dtype:
-            raise TypeError(f"x.dtype={x2.dtype} does not match the block's dtype {ref.dtype}")
-        if x2.device != ref.device:
-            raise ValueError(f"x is on {x2.device} but the block's parameters are on {ref.device}")
-        for name, p in params:
-            if p.dtype != ref.dtype or p.device != ref.device:
-                raise TypeError(f"parameter {name} is {p.dtype} on {p.device}; qkv_weight is {ref.dtype} on {ref.device}")
-            if not p.is_contiguous():
-                raise ValueError(f"parameter {name} must be contiguous")
-        h = self.n_heads
-        if attn_bias is not None:
-            if not isinstance(attn_bias, torch.Tensor):
-                raise TypeError(f"attn_bias must be a torch.Tensor or None, got {type(attn_bias).__name__}")
-            if attn_bias.dim() != 4 or attn_bias.shape[0] not in (1, batch) or tuple(attn_bias.shape[1:]) != (h, seq, seq):
-                raise ValueError(
-                    f"attn_bias must have shape ({batch} or 1, {h}, {seq}, {seq}) [B or 1, H, S, S], "
-                    f"got {tuple(attn_bias.shape)}"
-                )
-        if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, torch.Tensor):
-                raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(key_padding_mask).__name__}")
-            if tuple(key_padding_mask.shape) != (batch, seq):
-                raise ValueError(
-                    f"key_padding_mask must have shape ({batch}, {seq}) [B, S], got {tuple(key_padding_mask.shape)}"
-                )
-            if key_padding_mask.dtype != torch.bool:
-                raise TypeError(f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}")
+        check_block_call(params, self.n_heads, x2, batch, seq, attn_bias, key_padding_mask)
 
     def _plan(self, x2, batch, seq, attn_bias, key_padding_mask):
         """Validate a native call once per signature; returns the attention plan (None: empty batch).
@@ -512,43 +467,10 @@ class EncoderBlock(nn.Module):
 
     def _check_native_operands(self, x2):
         """What the core assumes of every operand on the native path (the ops' rules, checked once)."""
-        if self.d_model > LAYER_NORM_MAX_DIM:
-            raise ValueError(f"d_model={self.d_model} exceeds the fused LayerNorm's limit of {LAYER_NORM_MAX_DIM}")
-        if x2.data_ptr() % ALIGN_BYTES:
-            raise ValueError(f"x data pointer is not {ALIGN_BYTES}-byte aligned (storage offset {x2.storage_offset()})")
-        d, f = self.d_model, self.d_ff
-        shapes = {
-            "qkv_weight": (3 * d, d), "qkv_bias": (3 * d,), "out_weight": (d, d), "out_bias": (d,),
-            "norm1_weight": (d,), "norm1_bias": (d,), "ffn1_weight": (f, d), "ffn1_bias": (f,),
-            "ffn2_weight": (d, f), "ffn2_bias": (d,), "norm2_weight": (d,), "norm2_bias": (d,),
-        }  # fmt: skip
-        for name, p in zip(self._PARAM_NAMES, self._parameters_in_order()):
-            if p is None:
-                continue
-            if tuple(p.shape) != shapes[name]:
-                raise ValueError(f"parameter {name} has shape {tuple(p.shape)}, expected {shapes[name]}")
-            if p.data_ptr() % ALIGN_BYTES:
-                raise ValueError(f"parameter {name} data pointer is not {ALIGN_BYTES}-byte aligned")
+        check_block_operands(zip(self._PARAM_NAMES, self._parameters_in_order()), self.d_model, self.d_ff, x2)
 
 
 _MISSING = object()
-
-
-def quantize_blocks(
-    blocks: Sequence[EncoderBlock], mode: Optional[str], *, keep: Iterable[str] = (),
-    layers: Optional[Iterable[int]] = None, fast_accum: bool = False,
-) -> None:  # fmt: skip
-    """``EncoderBlock.quantize`` on ``blocks[i]`` for ``i`` in ``layers`` (default all, negative
-    from the end), ``quantize(None)`` on the others; checked before any block changes."""
-    n = len(blocks)
-    chosen = set(range(n)) if layers is None else set()
-    for i in [] if layers is None else list(layers):
-        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
-            raise ValueError(f"layers: {i!r} is not a layer of this {n}-layer body")
-        chosen.add(i % n)
-    keep = tuple(keep) if not isinstance(keep, str) else (keep,)
-    for i, block in enumerate(blocks):
-        block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum)
 
 
 # ------------------------------------------------------------ the stack ----
@@ -657,7 +579,7 @@ class EncoderStack(nn.Module):
         """``EncoderBlock.quantize`` on the blocks numbered ``layers`` (default all; negative
         numbers count from the end, e.g. ``layers=range(1, n - 1)`` keeps the first and last
         layer in the stack's dtype); the other blocks go back to their dtype.  Returns the stack."""
-        quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum)
+        fp8.quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum)
         return self
 
     def graph_runner(

@@ -25,7 +25,7 @@ quietly.  +-inf in a row likewise (inf / inf).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -33,8 +33,8 @@ from . import core, dtypes
 from .activations import apply_activation, canonical_activation
 from .device import current_stream
 
-__all__ = ["E4M3", "E4M3_MAX", "BLOCK_GEMMS", "Quantized", "QuantizedWeights", "dequantize", "linear", "quantize_rows",
-           "scaled_linear"]
+__all__ = ["E4M3", "E4M3_MAX", "BLOCK_GEMMS", "Quantized", "QuantizedWeights", "dequantize", "linear",
+           "quantize_blocks", "quantize_config", "quantize_rows", "scaled_linear"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(E4M3).max
@@ -194,3 +194,45 @@ class QuantizedWeights:
                 entry[2] = quantize_rows(weight.detach())
             entry[1] = stamp
         return entry[2]
+
+
+def quantize_config(
+    mode: Optional[str], keep: Iterable[str], fast_accum: bool, weight: torch.Tensor, d_model: int, d_ff: int
+) -> Optional[tuple[tuple[str, ...], bool]]:
+    """``EncoderBlock.quantize``'s arguments checked against the block (its ``weight``'s dtype
+    and device, its widths): ``(kept GEMMs, fast_accum)``, or None for ``mode=None``."""
+    if mode is None:
+        return None
+    if mode != "fp8":
+        raise ValueError(f"mode must be 'fp8' or None, got {mode!r}")
+    keep = tuple(keep) if not isinstance(keep, str) else (keep,)
+    unknown = [k for k in keep if k not in BLOCK_GEMMS]
+    if unknown:
+        raise ValueError(f"keep names GEMMs {unknown}; the block's are {list(BLOCK_GEMMS)}")
+    if weight.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"FP8 mode needs a float16 or bfloat16 block; this one is {weight.dtype}")
+    if d_model % 16 or d_ff % 16:
+        raise ValueError(f"FP8 GEMMs need d_model and d_ff multiples of 16, got {d_model} and {d_ff}")
+    if weight.device.type == "cuda":
+        ok, why = core.fp8_status(weight.device)
+        if not ok:
+            raise RuntimeError(f"FP8 does not run on {weight.device}: {why}")
+    return keep, bool(fast_accum)
+
+
+def quantize_blocks(
+    blocks: Sequence[Any], mode: Optional[str], *, keep: Iterable[str] = (),
+    layers: Optional[Iterable[int]] = None, fast_accum: bool = False,
+) -> None:  # fmt: skip
+    """``quantize(mode, ...)`` on ``blocks[i]`` (EncoderBlocks) for ``i`` in ``layers`` (default
+    all, negative from the end), ``quantize(None)`` on the others; ``layers`` is checked
+    before any block changes.  What ``EncoderStack.quantize`` and ``Lc0Network.quantize`` do."""
+    n = len(blocks)
+    chosen = set(range(n)) if layers is None else set()
+    for i in [] if layers is None else list(layers):
+        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            raise ValueError(f"layers: {i!r} is not a layer of this {n}-layer body")
+        chosen.add(i % n)
+    keep = tuple(keep) if not isinstance(keep, str) else (keep,)
+    for i, block in enumerate(blocks):
+        block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum)

@@ -163,7 +163,7 @@ def test_no_private_name_crosses_modules():
     assert sorted(set(found)) == [], f"private names used across modules: {sorted(set(found))}"
 
 
-@pytest.mark.parametrize("allowed", [{"fusedenc.core"}])
+@pytest.mark.parametrize("allowed", [{"fusedenc.core", "fusedenc.core.fp8", "fusedenc.core.hopper"}])
 def test_core_is_the_only_caller_of_the_native_core(allowed):
     """Only ``core`` imports ``_C``, calls ``native_module()`` or looks up a Triton route."""
     found = []
@@ -177,4 +177,4 @@ def test_core_is_the_only_caller_of_the_native_core(allowed):
             if isinstance(node, ast.Attribute) and node.attr in ("native_module", "lookup"):
                 if isinstance(node.value, ast.Name) and node.value.id in ("core", "gemm_routes"):
                     found.append(f"{module}:{node.lineno} calls {node.value.id}.{node.attr}")
-    assert found == [], f"native-core calls outside core.py: {found}"
+    assert found == [], f"native-core calls outside the core package: {found}"

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from .. import norm_fold
 from ..activations import apply_activation
 from ..checks import align_elems
-from ..encoder import EncoderBlock, quantize_blocks
+from ..encoder import EncoderBlock
+from ..fp8 import quantize_blocks
 from ..graphs import BucketedGraphs
 from ..norm import layer_norm
 from ..norm_fold import NormedRows

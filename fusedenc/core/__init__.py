@@ -7,6 +7,11 @@ same problem always runs the same plan: a GEMM that a tuning file routes to the
 Triton FFN1 kernel (``gemm_routes``) is routed here, for every caller, and
 nothing else in the package calls ``_C``.
 
+The kernels with a job of their own have a submodule of this package each:
+``core.fp8`` (the FP8 GEMM and quantization) and ``core.hopper`` (the sm90 CUTLASS
+GEMMs that fold LayerNorm, and the A/B switch); their functions are re-exported here,
+so callers write ``core.fp8_gemm`` like ``core.gemm``.
+
 The core is optional: without it, or without a GPU that matches it, every op
 runs its PyTorch reference.  ``backend()`` says which path is active and why;
 nothing here is decided per call.  The core links no libtorch: Python owns
@@ -28,16 +33,18 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from . import dtypes, gemm_routes, gemm_tuning
-from .activations import ACTIVATIONS
-from .device import device_arch, torch_vendor
+from .. import dtypes, gemm_routes, gemm_tuning
+from ..activations import ACTIVATIONS
+from ..device import device_arch, torch_vendor
 
 try:  # written by CMake at build time; absent in a plain source checkout
-    from . import _build_info
+    from .. import _build_info
 except ImportError:  # pragma: no cover - only without an install
     _build_info = None
 
 __all__ = [
+    "ACTIVATION_IDS",
+    "DTYPE_CODES",
     "GEMM_TUNING_ENV",
     "PLAN_CACHE_LIMIT_ENV",
     "WORKSPACE_BYTES",
@@ -66,6 +73,7 @@ __all__ = [
     "native_epilogues",
     "native_module",
     "plan_cache_info",
+    "pointer",
     "set_plan_cache_limit",
     "norm_stats",
     "sm90_fold_applies",
@@ -93,8 +101,9 @@ PLAN_CACHE_LIMIT_ENV = "FUSEDENC_PLAN_CACHE_LIMIT"
 #: "0", "off", "false" or "no": do not load GEMM tuning files at start (A/B runs).
 GEMM_TUNING_ENV = "FUSEDENC_GEMM_TUNING"
 
-_ACTIVATION_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
-_DTYPE_CODES = {dtype: dtypes.code(dtype) for dtype in dtypes.SUPPORTED}
+#: The core's codes for activations and dtypes (the submodules pass them too).
+ACTIVATION_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
+DTYPE_CODES = {dtype: dtypes.code(dtype) for dtype in dtypes.SUPPORTED}
 #: The loaded core once ``_load`` succeeded: the launches read it without a call.
 _module: Optional[ModuleType] = None
 
@@ -151,7 +160,7 @@ def _load() -> tuple[ModuleType | None, str]:
     if core == "cuda":
         _preload_cublaslt()
     try:
-        from . import _C
+        from .. import _C
     except ImportError as exc:
         return None, f"the {core} core is built but failed to import: {exc}"
     limit = plan_cache_limit_from_env()
@@ -281,7 +290,7 @@ def _gemm_args(
     return (
         a.device.index, stream, m, n, k, a.data_ptr(), lda, w.data_ptr(), ldw,
         0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(), ldr,
-        out.data_ptr(), ldo, _DTYPE_CODES[a.dtype], _ACTIVATION_IDS[activation], alpha, beta,
+        out.data_ptr(), ldo, DTYPE_CODES[a.dtype], ACTIVATION_IDS[activation], alpha, beta,
         workspace.data_ptr(), workspace.numel(),
     )  # fmt: skip
 
@@ -317,9 +326,9 @@ def gemm(
     per new plan.  The hot path of every GEMM: kept to a few attribute reads.
     """
     if residual is None and alpha == 1.0 and lda == k and ldw == k and ldo == n and gemm_routes.installed():
-        route = gemm_routes.lookup(a, a.device.index, m, n, k, _DTYPE_CODES[a.dtype], activation, bias is not None)
+        route = gemm_routes.lookup(a, a.device.index, m, n, k, DTYPE_CODES[a.dtype], activation, bias is not None)
         if route is not None:  # measured faster than the library here (tune gemm)
-            from . import triton_gemm  # imports Triton: only once a route exists
+            from .. import triton_gemm  # imports Triton: only once a route exists
 
             triton_gemm.launch(a, w, bias, out, activation, route)
             return
@@ -359,7 +368,8 @@ def max_gemm_candidates() -> int:
     return native_module().MAX_GEMM_CANDIDATES
 
 
-def _ptr(t: Optional[torch.Tensor]) -> int:
+def pointer(t: Optional[torch.Tensor]) -> int:
+    """A tensor's address for the core, 0 for None."""
     return 0 if t is None else t.data_ptr()
 
 
@@ -385,212 +395,9 @@ def layer_norm(
     """``out = LayerNorm(alpha * (x + x_bias) + residual) * weight + bias`` over ``rows`` rows of
     ``cols``; ``sum_out`` (optional) gets the pre-norm sum.  One kernel on ``stream``."""
     (_module or native_module()).layer_norm(
-        x.device.index, stream, rows, cols, x.data_ptr(), ldx, _ptr(residual), ldr, _ptr(x_bias),
-        _ptr(weight), _ptr(bias), out.data_ptr(), ldo, _ptr(sum_out), lds, _DTYPE_CODES[x.dtype], eps, alpha,
+        x.device.index, stream, rows, cols, x.data_ptr(), ldx, pointer(residual), ldr, pointer(x_bias),
+        pointer(weight), pointer(bias), out.data_ptr(), ldo, pointer(sum_out), lds, DTYPE_CODES[x.dtype], eps, alpha,
     )  # fmt: skip
-
-
-# ------------------------------------------------------------------ FP8 ----
-# (fp8.py says what these compute and checks the tensors.)
-
-
-def fp8_compiled() -> bool:
-    """Whether this build of the core holds the FP8 GEMM and quantization kernel."""
-    module = native_module()
-    return bool(module is not None and module.fp8_gemm_compiled())
-
-
-def fp8_status(device: torch.device) -> tuple[bool, str]:
-    """Whether the FP8 kernels run on ``device``, and if not why."""
-    module = native_module()
-    if module is None or not active_on(device):
-        return False, f"the native core is not active on {device} ({backend().reason})"
-    ok, why = module.fp8_gemm_status(device.index)
-    return bool(ok), str(why)
-
-
-def sm90_fp8_gemm_applies(
-    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-    bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool = False,
-) -> tuple[bool, str]:  # fmt: skip
-    """Whether ``fp8_gemm`` with these operands runs the Hopper FP8 epilogue kernel (else
-    cuBLASLt), and if not why.  ``a``/``w``: e4m3 codes (or their uint8 views)."""
-    module = native_module()
-    if module is None:
-        return False, "no native core"
-    m, k = a.shape
-    n = w.shape[0]
-    ok, why = module.sm90_fp8_gemm_applies(
-        a.device.index, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
-        w_scale.data_ptr(), _ptr(bias), out.data_ptr(), out.stride(0), _DTYPE_CODES[out.dtype],
-        _ACTIVATION_IDS[activation], bool(fast_accum),
-    )  # fmt: skip
-    return bool(ok), str(why)
-
-
-def sm90_fp8_gemm_kernels() -> list[str]:
-    """Output dtypes this build holds the Hopper FP8 epilogue GEMM for (empty: none)."""
-    module = native_module()
-    return [str(d) for d in module.sm90_fp8_gemm_kernels()] if module else []
-
-
-def fp8_quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, stream: int) -> None:
-    """Rows of 2-D ``x`` (unit column stride) into e4m3 codes ``q`` (uint8 view) and fp32 ``scale``."""
-    rows, k = x.shape
-    (_module or native_module()).fp8_quantize_rows(
-        x.device.index, stream, rows, k, x.data_ptr(), x.stride(0), _DTYPE_CODES[x.dtype],
-        q.data_ptr(), q.stride(0), scale.data_ptr(),
-    )  # fmt: skip
-
-
-def fp8_gemm(
-    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-    bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool, stream: int,
-    workspace: torch.Tensor,
-) -> None:  # fmt: skip
-    """``out = act((a @ w^T) * a_scale[:, None] * w_scale[None, :] + bias)`` on e4m3 ``a`` [M, K] and ``w`` [N, K]."""
-    m, k = a.shape
-    n = w.shape[0]
-    (_module or native_module()).fp8_gemm(
-        a.device.index, stream, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
-        w_scale.data_ptr(), _ptr(bias), out.data_ptr(), out.stride(0), _DTYPE_CODES[out.dtype],
-        _ACTIVATION_IDS[activation], fast_accum, workspace.data_ptr(), workspace.numel(),
-    )  # fmt: skip
-
-
-# ------------------------------------------- LayerNorm folded into GEMMs ----
-# (norm_fold.py says what these compute; the callers have checked shapes and dtypes.)
-
-
-def sm90_fold_applies(
-    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, c: Optional[torch.Tensor] = None
-) -> tuple[bool, str]:
-    """Whether the Hopper norm GEMM (``c`` None) or residual GEMM (``c`` given) runs
-    row-major ``a`` [M, K] by ``w`` [N, K] into ``out`` [M, N], and if not why."""
-    module = _module or native_module()
-    if module is None:
-        return False, "no native core"
-    m, k = a.shape
-    n = w.shape[0]
-    return tuple(module.sm90_fold_applies(
-        a.device.index, m, n, k, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), 0,
-        _ptr(c), 0 if c is None else c.stride(0), out.data_ptr(), out.stride(0), _DTYPE_CODES[a.dtype],
-    ))  # fmt: skip
-
-
-_fold_fits: dict = {}
-
-
-def sm90_fold_fits(device: int, dtype: torch.dtype, m: int, n: int, k: int, residual: bool) -> bool:
-    """``sm90_fold_applies`` for dense row-major operands freshly allocated (aligned):
-    the size, dtype and device rules alone, remembered per problem."""
-    module = _module or native_module()
-    if module is None:
-        return False
-    key = (device, dtype, m, n, k, residual, module.sm90_gemm_enabled())
-    found = _fold_fits.get(key)
-    if found is None:
-        found = bool(module.sm90_fold_applies(
-            device, m, n, k, 256, k, 256, k, 0, 256 if residual else 0, n, 256, n, _DTYPE_CODES[dtype],
-        )[0])  # fmt: skip
-        if len(_fold_fits) > 4096:
-            _fold_fits.clear()
-        _fold_fits[key] = found
-    return found
-
-
-def sm90_residual_gemm_compiled(dtype: torch.dtype) -> bool:
-    """Whether this build holds the Hopper residual GEMM for ``dtype``."""
-    module = _module or native_module()
-    return module is not None and bool(module.sm90_residual_gemm_compiled(_DTYPE_CODES[dtype]))
-
-
-def stats_tile() -> tuple[int, int]:
-    """(rows, columns) of the tile the residual GEMM's partial row sums are per."""
-    module = _module or native_module()
-    return module.STATS_TILE_M, module.STATS_TILE_N
-
-
-def sm90_norm_gemm(a, w, out, bias, activation, rstd, shift, colsum, stream, workspace) -> bool:
-    """``out = act(rstd * a @ w^T + shift * colsum + bias)``; False: nothing ran (CUTLASS refused)."""
-    m, k = a.shape
-    n = w.shape[0]
-    return (_module or native_module()).sm90_norm_gemm(
-        a.device.index, stream, m, n, k, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), _ptr(bias),
-        out.data_ptr(), out.stride(0), _DTYPE_CODES[a.dtype], _ACTIVATION_IDS[activation], 1.0,
-        _ptr(rstd), _ptr(shift), _ptr(colsum), workspace.data_ptr(), workspace.numel(),
-    )  # fmt: skip
-
-
-def sm90_residual_gemm(a, w, out, bias, c, alpha, pending, row_sum, row_sumsq, stream, workspace) -> bool:
-    """``out = alpha * (a @ w^T + bias) + R`` with ``R = c`` or, for ``pending``
-    (a ``norm_fold.NormedRows`` over ``c``), its LayerNorm; partial row sums of ``out`` and
-    ``out^2`` into ``row_sum``/``row_sumsq``.  False: nothing ran (CUTLASS refused)."""
-    m, k = a.shape
-    n = w.shape[0]
-    rstd = shift = gamma = beta = None
-    if pending is not None:
-        rstd, shift, gamma, beta = pending.rstd, pending.shift, pending.gamma, pending.beta
-    return (_module or native_module()).sm90_residual_gemm(
-        a.device.index, stream, m, n, k, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), _ptr(bias),
-        c.data_ptr(), c.stride(0), out.data_ptr(), out.stride(0), _DTYPE_CODES[a.dtype], alpha,
-        _ptr(rstd), _ptr(shift), _ptr(gamma), _ptr(beta), _ptr(row_sum), _ptr(row_sumsq),
-        workspace.data_ptr(), workspace.numel(),
-    )  # fmt: skip
-
-
-def norm_stats(row_sum, row_sumsq, cols, eps, rstd, shift, stream) -> None:
-    """``rstd`` and ``shift = -mean * rstd`` per row from the residual GEMM's partial sums
-    ``[tiles, ld]`` of rows ``cols`` wide."""
-    tiles, ld = row_sum.shape
-    (_module or native_module()).norm_stats(
-        row_sum.device.index, stream, rstd.numel(), cols, tiles, ld, row_sum.data_ptr(), row_sumsq.data_ptr(),
-        rstd.data_ptr(), shift.data_ptr(), eps,
-    )  # fmt: skip
-
-
-# ------------------------------------------------------------ reports ----
-
-
-def sm90_gemm_kernels() -> list[tuple[str, str]]:
-    """(dtype, activation) pairs of the Hopper epilogue GEMM this build holds (CUTLASS
-    kernels that apply activations cuBLASLt cannot fuse); empty without them."""
-    module = native_module()
-    return [tuple(p) for p in module.sm90_gemm_kernels()] if module else []
-
-
-def sm90_gemm_applies(
-    a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, activation: str
-) -> tuple[bool, str]:
-    """Whether ``gemm`` of row-major 2-D ``a`` [M, K] by ``w`` [N, K] into ``out`` [M, N]
-    with ``activation`` (canonical name) runs on the Hopper epilogue kernel, and if not why."""
-    module = native_module()
-    if module is None:
-        return False, "no native core"
-    m, k = a.shape
-    n = w.shape[0]
-    return tuple(module.sm90_gemm_applies(
-        a.device.index, m, n, k, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0),
-        0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-        _DTYPE_CODES[a.dtype], _ACTIVATION_IDS[activation],
-    ))  # fmt: skip
-
-
-@contextlib.contextmanager
-def sm90_gemm_disabled() -> Iterator[None]:
-    """Send every GEMM to cuBLASLt (+ the activation pass) inside: the A/B switch for the
-    Hopper epilogue kernel (``FUSEDENC_SM90_GEMM=0`` does it for a whole process).
-    Public as ``fusedenc.testing.sm90_gemm_disabled``."""
-    module = native_module()
-    if module is None:
-        yield
-        return
-    was = module.sm90_gemm_enabled()
-    module.set_sm90_gemm_enabled(False)
-    try:
-        yield
-    finally:
-        module.set_sm90_gemm_enabled(was)
 
 
 def native_epilogues() -> Optional[dict[str, Any]]:
@@ -762,3 +569,26 @@ def load_gemm_tuning_at_start(module: ModuleType) -> None:
             gemm_tuning.GemmTuningWarning,
             stacklevel=3,
         )
+
+
+# The kernels with a seam of their own (imported last: they use the names above).
+from .fp8 import (  # noqa: E402
+    fp8_compiled,
+    fp8_gemm,
+    fp8_quantize_rows,
+    fp8_status,
+    sm90_fp8_gemm_applies,
+    sm90_fp8_gemm_kernels,
+)
+from .hopper import (  # noqa: E402
+    norm_stats,
+    sm90_fold_applies,
+    sm90_fold_fits,
+    sm90_gemm_applies,
+    sm90_gemm_disabled,
+    sm90_gemm_kernels,
+    sm90_norm_gemm,
+    sm90_residual_gemm,
+    sm90_residual_gemm_compiled,
+    stats_tile,
+)

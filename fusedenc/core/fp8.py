@@ -1,0 +1,78 @@
+"""The FP8 kernels' seam (``fusedenc.fp8`` checks the tensors and says what they compute):
+cuBLASLt's e4m3 GEMM with per-row scales, the Hopper FP8 epilogue kernel, the row-wise
+quantization kernel.  Part of ``core``, the one seam to the native core."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import ACTIVATION_IDS, DTYPE_CODES, active_on, backend, native_module, pointer
+
+# ------------------------------------------------------------------ FP8 ----
+# (fp8.py says what these compute and checks the tensors.)
+
+
+def fp8_compiled() -> bool:
+    """Whether this build of the core holds the FP8 GEMM and quantization kernel."""
+    module = native_module()
+    return bool(module is not None and module.fp8_gemm_compiled())
+
+
+def fp8_status(device: torch.device) -> tuple[bool, str]:
+    """Whether the FP8 kernels run on ``device``, and if not why."""
+    module = native_module()
+    if module is None or not active_on(device):
+        return False, f"the native core is not active on {device} ({backend().reason})"
+    ok, why = module.fp8_gemm_status(device.index)
+    return bool(ok), str(why)
+
+
+def sm90_fp8_gemm_applies(
+    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool = False,
+) -> tuple[bool, str]:  # fmt: skip
+    """Whether ``fp8_gemm`` with these operands runs the Hopper FP8 epilogue kernel (else
+    cuBLASLt), and if not why.  ``a``/``w``: e4m3 codes (or their uint8 views)."""
+    module = native_module()
+    if module is None:
+        return False, "no native core"
+    m, k = a.shape
+    n = w.shape[0]
+    ok, why = module.sm90_fp8_gemm_applies(
+        a.device.index, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
+        w_scale.data_ptr(), pointer(bias), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype],
+        ACTIVATION_IDS[activation], bool(fast_accum),
+    )  # fmt: skip
+    return bool(ok), str(why)
+
+
+def sm90_fp8_gemm_kernels() -> list[str]:
+    """Output dtypes this build holds the Hopper FP8 epilogue GEMM for (empty: none)."""
+    module = native_module()
+    return [str(d) for d in module.sm90_fp8_gemm_kernels()] if module else []
+
+
+def fp8_quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, stream: int) -> None:
+    """Rows of 2-D ``x`` (unit column stride) into e4m3 codes ``q`` (uint8 view) and fp32 ``scale``."""
+    rows, k = x.shape
+    native_module().fp8_quantize_rows(
+        x.device.index, stream, rows, k, x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype],
+        q.data_ptr(), q.stride(0), scale.data_ptr(),
+    )  # fmt: skip
+
+
+def fp8_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool, stream: int,
+    workspace: torch.Tensor,
+) -> None:  # fmt: skip
+    """``out = act((a @ w^T) * a_scale[:, None] * w_scale[None, :] + bias)`` on e4m3 ``a`` [M, K] and ``w`` [N, K]."""
+    m, k = a.shape
+    n = w.shape[0]
+    native_module().fp8_gemm(
+        a.device.index, stream, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
+        w_scale.data_ptr(), pointer(bias), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype],
+        ACTIVATION_IDS[activation], fast_accum, workspace.data_ptr(), workspace.numel(),
+    )  # fmt: skip
