@@ -45,6 +45,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+import fusedenc
 from fusedenc import EncoderStack
 from fusedenc.activations import apply_activation
 from fusedenc.fp8 import dequantize, quantize_rows, scaled_linear
@@ -267,8 +268,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bad:
         ap.error(f"unknown preset(s) {bad}; choose from {sorted(PRESETS)}")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    head = (f"fusedenc FP8 accuracy (emulated: fusedenc.fp8's e4m3 codes and scales, fp32 sums), on {where}, torch "
-            f"{torch.__version__}; per-layer numbers are percent relative error against the fp32 run")
+    how = ("the Lc0 gates run the modules' FP8 mode (the kernels)" if device.type == "cuda" else
+           "the Lc0 gates run the modules' FP8 mode (its CPU reference math)")
+    head = (f"fusedenc FP8 accuracy on {where}, torch {torch.__version__}, fusedenc {fusedenc.__version__}: stacks "
+            f"emulated (fusedenc.fp8's e4m3 codes and scales, fp32 sums; per-layer numbers are percent relative "
+            f"error against the fp32 run); {how}")
     lines = [head, ""]
     for n in names:
         lines += run_preset(n, args.batch, args.seed, device) + [""]

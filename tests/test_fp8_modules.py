@@ -143,19 +143,26 @@ def test_bad_quantize_arguments(gen):
 @pytest.mark.gpu
 def test_a_quantized_stack_on_the_gpu_matches_the_reference_math(gen):
     """The kernels (quantization bit-identical, cuBLASLt's FP8 GEMM) against the CPU's FP8
-    reference on the same weights: the GEMMs' fp32 sums differ in order, and a rounding
-    that flips one e4m3 code downstream moves an element by up to 1/16 of its row's scale."""
+    reference on the same weights.  The GEMMs' fp32 sums differ in order, and a rounding that
+    flips one e4m3 code moves an element by up to 1/16 of its row's scale, so the two runs
+    drift apart layer by layer (2.7% after four layers, measured on the H100, each ~4% from
+    fp32).  One block has no time to drift: there the two must agree closely.  After four
+    layers the GPU must be as accurate as the reference math, not equal to it."""
     from fusedenc import core
 
     if not torch.cuda.is_available() or not core.fp8_status(torch.device("cuda", 0))[0]:
         pytest.skip("no FP8 GPU")
-    s = _stack(4, gen)
     x = randn((16, 64, D), torch.float16, gen=gen)
+    one = _stack(1, gen)
+    cpu1 = copy.deepcopy(one).quantize("fp8")(x)
+    gpu1 = copy.deepcopy(one).cuda().quantize("fp8")(x.cuda()).cpu()
+    assert torch.isfinite(gpu1).all() and _rel(gpu1, cpu1) < 0.01, _rel(gpu1, cpu1)
+    s = _stack(4, gen)
     ref = stack_formula(s.blocks, x.float(), dtype=torch.float32)
     cpu = copy.deepcopy(s).quantize("fp8")(x)
     gpu = copy.deepcopy(s).cuda().quantize("fp8")(x.cuda()).cpu()
     assert torch.isfinite(gpu).all()
-    assert _rel(gpu, cpu) < 0.01 and _rel(gpu, ref) < 0.03, (_rel(gpu, cpu), _rel(gpu, ref))
+    assert _rel(gpu, ref) < 1.25 * _rel(cpu, ref), (_rel(gpu, ref), _rel(cpu, ref), _rel(gpu, cpu))
 
 
 def test_an_lc0_net_quantizes_its_body(tmp_path, monkeypatch):
