@@ -148,7 +148,8 @@ void bias_activation_binding(int device, uintptr_t stream, uintptr_t d, int64_t 
 void layer_norm_binding(int device, uintptr_t stream, int64_t rows, int64_t cols, uintptr_t x,
                         int64_t ldx, uintptr_t residual, int64_t ldr, uintptr_t x_bias,
                         uintptr_t weight, uintptr_t bias, uintptr_t out, int64_t ldo,
-                        uintptr_t sum_out, int64_t lds, int dtype, double eps, double alpha) {
+                        uintptr_t sum_out, int64_t lds, int dtype, double eps, double alpha,
+                        uintptr_t q_out, int64_t ldq, uintptr_t q_scale) {
   LayerNormArgs a;
   a.rows = rows; a.cols = cols;
   a.x = ptr<const void>(x); a.ldx = ldx;
@@ -158,6 +159,8 @@ void layer_norm_binding(int device, uintptr_t stream, int64_t rows, int64_t cols
   a.bias = ptr<const void>(bias);
   a.out = ptr<void>(out); a.ldo = ldo;
   a.sum_out = ptr<void>(sum_out); a.lds = lds;
+  a.q_out = ptr<uint8_t>(q_out); a.ldq = ldq;
+  a.q_scale = ptr<float>(q_scale);
   a.dtype = to_dtype(dtype);
   a.eps = static_cast<float>(eps);
   a.alpha = static_cast<float>(alpha);
@@ -337,8 +340,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cols"), py::arg("x"), py::arg("ldx"), py::arg("residual"), py::arg("ldr"),
         py::arg("x_bias"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("ldo"),
         py::arg("sum_out"), py::arg("lds"), py::arg("dtype"), py::arg("eps"), py::arg("alpha"),
+        py::arg("q_out") = 0, py::arg("ldq") = 0, py::arg("q_scale") = 0,
         "out = LayerNorm(alpha * (x + x_bias) + residual) * weight + bias over rows of cols "
-        "elements; sum_out (optional) gets the pre-norm sum. Null (0) pointers: absent.");
+        "elements; sum_out (optional) gets the pre-norm sum; q_out / q_scale (optional) the "
+        "e4m3 codes of out with one scale per row. Null (0) pointers: absent.");
 
   m.def("plan_cache_info", [] {
     PlanCacheInfo i = plan_cache_info();

@@ -54,9 +54,12 @@ class NativeExecutor:
     """Calls the native core directly on dense rows: no per-call argument checks (done once per signature).
 
     One executor serves every block of a stack's forward (same device, stream and dtype).
+    ``fp8_rows``: ``(out, fp8.Quantized)``, the last LayerNorm output written in FP8 too
+    (``layer_norm_fp8``), so the FP8 GEMM that reads it next, in this block or the next
+    one, skips the quantization pass.
     """
 
-    __slots__ = ("device", "stream", "workspace", "dtype")
+    __slots__ = ("device", "stream", "workspace", "dtype", "fp8_rows")
 
     def __init__(self, device: torch.device, dtype: torch.dtype, workspace: Optional[torch.Tensor] = None):
         self.device = device
@@ -70,6 +73,7 @@ class NativeExecutor:
         # ``workspace``: the caller's own scratch instead (the compiled graph's op: see encoder.py).
         self.workspace = core.workspace(device, self.stream) if workspace is None else workspace
         self.dtype = dtype
+        self.fp8_rows = None
 
     def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
         m, k = x.shape
@@ -81,13 +85,26 @@ class NativeExecutor:
         )  # fmt: skip
         return out
 
-    def _layer_norm(self, x, w, b, eps, residual, alpha, x_bias, sum_out):
+    def _layer_norm(self, x, w, b, eps, residual, alpha, x_bias, sum_out, quantized=None):
         rows, cols = x.shape
         out = torch.empty((rows, cols), dtype=self.dtype, device=self.device)
+        q, scale = quantized if quantized is not None else (None, None)
         core.layer_norm(
             x=x, ldx=cols, rows=rows, cols=cols, out=out, ldo=cols, weight=w, bias=b, residual=residual, ldr=cols,
             x_bias=x_bias, sum_out=sum_out, lds=cols, eps=eps, alpha=alpha, stream=self.stream,
+            q_out=None if q is None else q.view(torch.uint8), q_scale=scale,
         )  # fmt: skip
+        return out
+
+    def layer_norm_fp8(self, x, w, b, eps, residual, alpha, x_bias, sum_out):
+        """``_layer_norm`` whose kernel also writes its output's e4m3 copy (``fp8_rows``)."""
+        rows, cols = x.shape
+        quantized = fp8.Quantized(
+            torch.empty((rows, cols), dtype=fp8.E4M3, device=self.device),
+            torch.empty(rows, dtype=torch.float32, device=self.device),
+        )  # fmt: skip
+        out = self._layer_norm(x, w, b, eps, residual, alpha, x_bias, sum_out, quantized)
+        self.fp8_rows = (out, quantized)
         return out
 
     def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
@@ -110,24 +127,37 @@ class Fp8Executor:
     (``EncoderBlock.quantize``): each such GEMM's input rows are quantized (one scale per
     row, ``fp8.quantize_rows``) and multiplied with the weight's e4m3 copy (``fp8.linear``);
     everything else, and GEMMs whose weight stays in the block's dtype or that carry a
-    residual (the pre-LN FFN2), runs on the wrapped executor."""
+    residual (the pre-LN FFN2), runs on the wrapped executor.
 
-    __slots__ = ("base", "weights")
+    On the GPU the LayerNorms write their outputs in FP8 too (``NativeExecutor.layer_norm_fp8``,
+    the codes ``quantize_rows`` would make), and a GEMM reading such an output takes that copy
+    instead of quantizing: QKV and FFN1 read LayerNorm outputs in both layouts, so only the
+    out-projection's and FFN2's inputs (and a stack's first input) get a quantization pass."""
+
+    __slots__ = ("base", "weights", "produce")
 
     def __init__(self, base, weights: fp8.QuantizedWeights):
         self.base = base
         self.weights = weights
+        self.produce = isinstance(base, NativeExecutor) and fp8.producers_write_fp8(base.device)
 
     def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
         q = self.weights.get(w)
         if q is None or residual is not None or alpha != 1.0:
             return self.base.linear(x, w, b, activation, residual, alpha)
-        return fp8.linear(fp8.quantize_rows(x), q, b, activation, out_dtype=x.dtype, fast_accum=self.weights.fast_accum)
+        handed = self.base.fp8_rows if self.produce else None
+        qx = handed[1] if handed is not None and handed[0] is x else fp8.quantize_rows(x)
+        return fp8.linear(qx, q, b, activation, out_dtype=x.dtype, fast_accum=self.weights.fast_accum)
 
     def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
+        if self.produce:
+            return self.base.layer_norm_fp8(x, w, b, eps, residual, alpha, x_bias, None)
         return self.base.layer_norm(x, w, b, eps, residual, alpha, x_bias)
 
     def layer_norm_sum(self, x, w, b, eps, residual, alpha, x_bias):
+        if self.produce:
+            h = torch.empty_like(x)
+            return h, self.base.layer_norm_fp8(x, w, b, eps, residual, alpha, x_bias, h)
         return self.base.layer_norm_sum(x, w, b, eps, residual, alpha, x_bias)
 
     def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):

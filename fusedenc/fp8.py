@@ -25,7 +25,9 @@ quietly.  +-inf in a row likewise (inf / inf).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+import contextlib
+import os
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -34,7 +36,8 @@ from .activations import apply_activation, canonical_activation
 from .device import current_stream
 
 __all__ = ["E4M3", "E4M3_MAX", "BLOCK_GEMMS", "Quantized", "QuantizedWeights", "dequantize", "linear",
-           "quantize_blocks", "quantize_config", "quantize_rows", "scaled_linear"]
+           "producers_disabled", "producers_write_fp8", "quantize_blocks", "quantize_config", "quantize_rows",
+           "scaled_linear"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(E4M3).max
@@ -61,6 +64,29 @@ def quantize_rows(x: torch.Tensor) -> Quantized:
     amax = xf.abs().amax(dim=1) if x.shape[1] else xf.new_zeros(x.shape[0])  # NaN/inf propagate
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
     return Quantized((xf / scale[:, None]).to(E4M3), scale)
+
+
+# The A/B switch for FP8 written by its producers (``FUSEDENC_FP8_PRODUCERS=0`` for a process).
+_producers = os.environ.get("FUSEDENC_FP8_PRODUCERS", "").lower() not in ("0", "off")
+
+
+def producers_write_fp8(device: torch.device) -> bool:
+    """Whether the FP8 mode's LayerNorm kernels write their outputs in e4m3 too on ``device``
+    (the codes ``quantize_rows`` would make, so this changes speed, never results)."""
+    return _producers and device.type == "cuda" and core.fp8_status(device)[0]
+
+
+@contextlib.contextmanager
+def producers_disabled() -> Iterator[None]:
+    """Inside, every FP8 GEMM input is quantized by its own pass: the A/B baseline of
+    ``producers_write_fp8``.  Public as ``fusedenc.testing.fp8_producers_disabled``."""
+    global _producers
+    was = _producers
+    _producers = False
+    try:
+        yield
+    finally:
+        _producers = was
 
 
 def dequantize(t: Quantized) -> torch.Tensor:

@@ -34,6 +34,7 @@
 #include "vectors.cuh"
 
 #include <cmath>
+#include <stdexcept>
 #include <string>
 
 namespace fusedenc {
@@ -49,7 +50,7 @@ constexpr int kMaxWarpsPerBlock = kMaxBlockThreads / 32;  // bound for any warp 
 // that the read-only ones can be __restrict__).
 struct Shape {
   int64_t rows;
-  int64_t ldx, ldr, ldo, lds;
+  int64_t ldx, ldr, ldo, lds, ldq;
   int cols;
   int vecs;         // cols / elements per vector
   int group_shift;  // G = 1 << group_shift threads per row
@@ -87,6 +88,44 @@ __device__ __forceinline__ void group_sum(float (&v)[N], int group_shift, float*
   }
 }
 
+// The larger magnitude, NaN winning over everything (fp8_quantize.cu's rule).
+__device__ __forceinline__ float amax_combine(float m, float a) { return (a > m || a != a) ? a : m; }
+
+// group_sum's shape for the row's largest magnitude (amax_combine instead of +).
+__device__ __forceinline__ void group_amax(float& v, int group_shift, float* scratch) {
+  constexpr int kWarp = FUSEDENC_WARP_SIZE;
+  const int group = 1 << group_shift;
+  const int width = group < kWarp ? group : kWarp;
+  for (int offset = width / 2; offset > 0; offset /= 2) v = amax_combine(v, gpu_shfl_xor(v, offset));
+  if (group > kWarp) {
+    const int warp = threadIdx.x / kWarp;
+    const int first = (threadIdx.x >> group_shift) * (group / kWarp);
+    if (threadIdx.x % kWarp == 0) scratch[warp] = v;
+    __syncthreads();
+    float m = 0.f;
+    for (int w = 0; w < group / kWarp; ++w) m = amax_combine(m, scratch[first + w]);
+    v = m;
+  }
+}
+
+// One vector's e4m3 codes: x / scale, IEEE division, rounded to nearest even (the
+// quantization kernel's math, so the codes are bit-identical to quantizing `out`).
+template <int kV>
+struct alignas(kV) Codes {
+  uint8_t c[kV];
+};
+template <typename V>
+__device__ __forceinline__ Codes<V::size> fp8_codes(const V& o, float scale) {
+  Codes<V::size> q;
+#if FUSEDENC_HAS_FP8_GEMM
+#pragma unroll
+  for (int j = 0; j < V::size; ++j) q.c[j] = gpu_to_e4m3(__fdiv_rn(to_float(o.v[j]), scale)).__x;
+#else
+  (void)o; (void)scale;  // never launched: the host refuses q_out without FP8
+#endif
+  return q;
+}
+
 // residual and sum_out are not __restrict__: sum_out may be residual itself.
 // Each thread reads its residual vectors (first loop) before it writes the
 // same vectors of sum_out (after the first reduction), so that is safe.
@@ -99,14 +138,15 @@ constexpr int max_block_threads() {
 }
 static_assert(max_block_threads<float>() == kMaxBlockThreads, "fp32 rows of D = 16384 need 1024 threads");
 
-template <typename T, int kChunks>
+template <typename T, int kChunks, bool kFp8>
 __global__ void __launch_bounds__(max_block_threads<T>())
 layer_norm_kernel(const T* __restrict__ x, const T* residual, const T* __restrict__ x_bias,
                   const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ out,
-                  T* sum_out, const Shape s) {
+                  T* sum_out, uint8_t* __restrict__ q_out, float* __restrict__ q_scale, const Shape s) {
   using V = Vec<T>;
   constexpr int kV = V::size;
-  __shared__ float scratch[3 * kMaxWarpsPerBlock];  // [0, W): sum(h); [W, 3W): sum(d), sum(d^2)
+  // [0, W): sum(h); [W, 3W): sum(d), sum(d^2); [3W, 4W): amax of the output (kFp8)
+  __shared__ float scratch[(kFp8 ? 4 : 3) * kMaxWarpsPerBlock];
 
   const int lane = threadIdx.x & ((1 << s.group_shift) - 1);
   const int64_t row =
@@ -187,23 +227,36 @@ layer_norm_kernel(const T* __restrict__ x, const T* residual, const T* __restric
   const float rstd = 1.f / sqrtf(var + s.eps);
 
   // 5. Normalize, scale, shift, round once.
-  if (!live) return;  // no barrier or shuffle below
+  if (!kFp8 && !live) return;  // no barrier or shuffle below (the FP8 copy needs one more)
+  V o[kChunks];
+  float amax = 0.f;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     if (has[c]) {
       V wv, bv;
       if (weight) wv = load_vec(weight + column(c));
       if (bias) bv = load_vec(bias + column(c));
-      V o;
 #pragma unroll
       for (int j = 0; j < kV; ++j) {
         float y = ((h[c][j] - mean0) - shift) * rstd;
         if (weight) y *= to_float(wv.v[j]);
         if (bias) y += to_float(bv.v[j]);
-        o.v[j] = from_float<T>(y);
+        o[c].v[j] = from_float<T>(y);
+        if (kFp8) amax = amax_combine(amax, fabsf(to_float(o[c].v[j])));
       }
-      store_vec(out + row * s.ldo + column(c), o);
+      store_vec(out + row * s.ldo + column(c), o[c]);
     }
+  }
+  if (!kFp8) return;
+
+  // 6. The FP8 copy: the row's scale from the rounded outputs, then their codes.
+  group_amax(amax, s.group_shift, scratch + 3 * kMaxWarpsPerBlock);
+  if (!live) return;
+  const float scale = amax == 0.f ? 1.f : __fdiv_rn(amax, 448.f);
+  if (lane == 0) q_scale[row] = scale;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (has[c]) *reinterpret_cast<Codes<kV>*>(q_out + row * s.ldq + column(c)) = fp8_codes(o[c], scale);
   }
 }
 
@@ -228,10 +281,12 @@ Config choose_config(int vecs) {
 template <typename T, int kChunks>
 void launch_chunks(const LayerNormArgs& a, const Shape& s, int64_t blocks, int threads,
                    gpuStream_t stream) {
-  layer_norm_kernel<T, kChunks><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+  auto kernel = a.q_out ? layer_norm_kernel<T, kChunks, true> : layer_norm_kernel<T, kChunks, false>;
+  kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.residual),
       static_cast<const T*>(a.x_bias), static_cast<const T*>(a.weight),
-      static_cast<const T*>(a.bias), static_cast<T*>(a.out), static_cast<T*>(a.sum_out), s);
+      static_cast<const T*>(a.bias), static_cast<T*>(a.out), static_cast<T*>(a.sum_out), a.q_out,
+      a.q_scale, s);
 }
 
 template <typename T>
@@ -246,7 +301,7 @@ void launch(const LayerNormArgs& a, gpuStream_t stream) {
                                 " rows are more than one launch can cover");
   Shape s;
   s.rows = a.rows;
-  s.ldx = a.ldx; s.ldr = a.ldr; s.ldo = a.ldo; s.lds = a.lds;
+  s.ldx = a.ldx; s.ldr = a.ldr; s.ldo = a.ldo; s.lds = a.lds; s.ldq = a.ldq;
   s.cols = static_cast<int>(a.cols);
   s.vecs = vecs;
   s.group_shift = cfg.group_shift;
@@ -323,6 +378,30 @@ void layer_norm(const LayerNormArgs& a, gpuStream_t stream) {
     if (a.residual && overlap(sum_span, span(a.residual, a.rows, a.cols, a.ldr, es)) &&
         !(a.sum_out == a.residual && a.lds == a.ldr))
       bad("sum_out partially overlaps residual; it may only be residual itself");
+  }
+
+  if (!a.q_out != !a.q_scale) bad("q_out and q_scale come together");
+  if (a.q_out) {
+#if !FUSEDENC_HAS_FP8_GEMM
+    throw std::runtime_error(std::string("layer_norm: no FP8 output: ") + FUSEDENC_FP8_MISSING);
+#endif
+    // Codes are stored a vector's worth (per_vec bytes) at a time.
+    if (a.ldq < a.cols || a.ldq % per_vec)
+      bad("q_out row stride " + std::to_string(a.ldq) + " must be >= D=" + std::to_string(a.cols) +
+          " and a multiple of " + std::to_string(per_vec));
+    if (!aligned16(a.q_out) || reinterpret_cast<uintptr_t>(a.q_scale) % 4)
+      bad("q_out must be 16-byte aligned and q_scale 4-byte aligned");
+    const Span q_span = span(a.q_out, a.rows, a.cols, a.ldq, 1);
+    const Span qs_span = span(a.q_scale, 1, a.rows, a.rows, 4);
+    Span taken[9] = {out_span, q_span, qs_span};  // + sum_out, residual, x and 3 vectors
+    int n_taken = 3;
+    if (a.sum_out) taken[n_taken++] = span(a.sum_out, a.rows, a.cols, a.lds, es);
+    if (a.residual) taken[n_taken++] = span(a.residual, a.rows, a.cols, a.ldr, es);
+    for (int i = 0; i < n_inputs; ++i) taken[n_taken++] = inputs[i];
+    for (int i = 0; i < n_taken; ++i) {
+      if (i != 1 && overlap(q_span, taken[i])) bad("q_out overlaps another operand");
+      if (i != 2 && overlap(qs_span, taken[i])) bad("q_scale overlaps another operand");
+    }
   }
 
   switch (a.dtype) {

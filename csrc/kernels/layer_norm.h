@@ -31,6 +31,14 @@ struct LayerNormArgs {
   int64_t ldo = 0;
   void* sum_out = nullptr;         // optional, row stride lds; may be `residual` itself
   int64_t lds = 0;
+  // Optional FP8 copy of `out` for the GEMMs that read it (fusedenc's FP8 mode): e4m3
+  // codes of the rounded output with one fp32 scale per row, exactly what
+  // fp8_quantize_rows makes of `out` (scale = amax / 448, 1 for a zero row; NaN wins),
+  // written by the kernel that already holds the row, so no quantization pass runs.
+  // Both or neither; CUDA builds with FP8 only (vendor.h's FUSEDENC_HAS_FP8_GEMM).
+  uint8_t* q_out = nullptr;        // [rows, cols] codes, row stride ldq
+  int64_t ldq = 0;
+  float* q_scale = nullptr;        // [rows]
   DType dtype = DType::f16;
   float eps = 1e-5f;
   float alpha = 1.f;
@@ -41,7 +49,8 @@ struct LayerNormArgs {
 // negative eps, non-finite alpha), then launches asynchronously on `stream`
 // (current device).  `out` must not overlap any input; `sum_out` may be exactly
 // `residual` (same pointer and row stride: each element is read before the same
-// thread writes it), otherwise it must not overlap anything either.
+// thread writes it), otherwise it must not overlap anything either; nor may q_out
+// and q_scale.
 void layer_norm(const LayerNormArgs& args, gpuStream_t stream);
 
 }  // namespace fusedenc

@@ -390,13 +390,18 @@ def layer_norm(
     lds: int = 0,
     eps: float,
     alpha: float = 1.0,
+    q_out: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None,
     stream: int,
 ) -> None:
     """``out = LayerNorm(alpha * (x + x_bias) + residual) * weight + bias`` over ``rows`` rows of
-    ``cols``; ``sum_out`` (optional) gets the pre-norm sum.  One kernel on ``stream``."""
+    ``cols``; ``sum_out`` (optional) gets the pre-norm sum; ``q_out`` (uint8 ``[rows, cols]``,
+    dense) and ``q_scale`` (fp32 ``[rows]``), optional, the e4m3 codes of ``out`` with one
+    scale per row (``fusedenc.fp8.quantize_rows(out)``, bit for bit).  One kernel on ``stream``."""
     (_module or native_module()).layer_norm(
         x.device.index, stream, rows, cols, x.data_ptr(), ldx, pointer(residual), ldr, pointer(x_bias),
         pointer(weight), pointer(bias), out.data_ptr(), ldo, pointer(sum_out), lds, DTYPE_CODES[x.dtype], eps, alpha,
+        pointer(q_out), cols if q_out is not None else 0, pointer(q_scale),
     )  # fmt: skip
 
 

@@ -25,8 +25,14 @@ def fp8_status(device: torch.device) -> tuple[bool, str]:
     module = native_module()
     if module is None or not active_on(device):
         return False, f"the native core is not active on {device} ({backend().reason})"
-    ok, why = module.fp8_gemm_status(device.index)
-    return bool(ok), str(why)
+    status = _status_by_index.get(device.index)
+    if status is None:  # a property of the device and the build: asked once (every FP8 call asks)
+        ok, why = module.fp8_gemm_status(device.index)
+        status = _status_by_index[device.index] = (bool(ok), str(why))
+    return status
+
+
+_status_by_index: dict[int, tuple[bool, str]] = {}
 
 
 def sm90_fp8_gemm_applies(
