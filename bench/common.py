@@ -89,10 +89,13 @@ DEFAULT_RESULTS_DIR = "fusedenc-results"
 RESULTS_DIR_ENV = "FUSEDENC_RESULTS_DIR"
 
 
-def add_common_args(ap: argparse.ArgumentParser, reps_help: str) -> None:
-    """The options nps.py and ops.py share besides ``--preset`` (see ``check_common_args``)."""
-    ap.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), default=None,
-                    help="override the presets' float16 (default float32 on CPU)")  # fmt: skip
+def add_common_args(ap: argparse.ArgumentParser, reps_help: str, extra_dtypes: Optional[dict[str, str]] = None) -> None:
+    """The options nps.py and ops.py share besides ``--preset`` (see ``check_common_args``).
+    ``extra_dtypes``: further ``--dtype`` choices one script understands (name -> what it means)."""
+    extra = extra_dtypes or {}
+    ap.add_argument("--dtype", choices=sorted(dtypes.BY_NAME) + sorted(extra), default=None,
+                    help="override the presets' float16 (default float32 on CPU)"
+                         + "".join(f"; {name}: {what}" for name, what in sorted(extra.items())))  # fmt: skip
     ap.add_argument("--reps", type=int, default=None,
                     help=f"{reps_help}, median taken (>= {MIN_REPS}; default 30, {MIN_REPS} on CPU)")
     ap.add_argument("--seed", type=int, default=0)
@@ -115,11 +118,12 @@ def check_common_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     args.preset = [p for item in (args.preset or []) for p in comma_list(item)]
 
 
-def result_base_path(args: argparse.Namespace, runs, env: dict, script: str) -> str:
-    """``<out-dir>/<script>_<tag>`` (the directory made): ``--tag``, else presets, dtype and device."""
+def result_base_path(args: argparse.Namespace, runs, env: dict, script: str, precision: Optional[str] = None) -> str:
+    """``<out-dir>/<script>_<tag>`` (the directory made): ``--tag``, else presets, dtype (or
+    ``precision``, e.g. fp8, where that names the run better) and device."""
     tag = args.tag or "_".join((
         "-".join(args.preset or dict.fromkeys(r.name for r in runs)),
-        str(runs[0].dtype).replace("torch.", ""),
+        precision or str(runs[0].dtype).replace("torch.", ""),
         slug(env["device_name"]),
     ))  # fmt: skip
     os.makedirs(args.out_dir, exist_ok=True)

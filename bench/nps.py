@@ -4,6 +4,7 @@
     python3 bench/nps.py --preset t82 --batch-sizes 1,16,256 --impl torch,torch-compile,fusedenc-graph
     python3 bench/nps.py --compile-modes max-autotune-no-cudagraphs,reduce-overhead
     python3 bench/nps.py --preset t82 --net NET.pb.gz   # a whole lc0 net beside the presets (bench/lc0.py)
+    python3 bench/nps.py --preset t82 --dtype fp8 --batch-sizes 256,1024   # FP8 rows beside fp16 (issue 21)
 
 Presets (fusedenc/tune/presets.py): t82, bt4 (Lc0-style post-LN with alpha = (2L)^-0.25,
 64 tokens per position), bert-base (sequence 128 and 512; ``bert-base-s512``
@@ -66,6 +67,24 @@ status 3, naming the step.  On an H100 one preset takes about 1.5 minutes
 
 On CPU (no GPU): tiny preset, float32 (fp16 matmuls are slow on CPU),
 torch-compile, fusedenc-compile and fusedenc-graph skipped unless asked for with --impl.
+
+FP8 (issue 21), ``--dtype fp8``: the model is built in float16 and the FP8
+implementations of bench/fp8_peers.py run beside the fp16 ones, so one run gives
+every ratio: torch-fp8 and torch-fp8-compile (the torchao-style row-wise
+``torch._scaled_mm`` peer on the torch model's weights), fusedenc-fp8 (eager),
+fusedenc-fp8-graph and fusedenc-fp8-fast (fast accumulation), both graph runners.
+They cannot meet the fp16 rule; theirs is measured against what FP8 itself costs on
+this net: the same fp32 reference net with every GEMM in emulated FP8
+(fusedenc.fp8's reference math; the rest fp32) has relative error
+e_fp8 = ||emulated - ref|| / ||ref||, and an FP8 implementation passes when
+
+    ||out - ref|| / ||ref|| <= slack * e_fp8 + 0.002
+
+(float64 norms, slack = --check-slack).  The tables add, per batch size, each FP8
+row's speed against the fastest fp16 fusedenc row and the fastest torch-fp8 row.
+Implementations that cannot run here are listed as skipped with the reason
+(torch._scaled_mm with row-wise scales needs an sm89+ GPU or a torch whose CPU
+build takes it; the graph runners need a GPU).
 """
 
 from __future__ import annotations
@@ -85,6 +104,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: import the sibling modules
 
 import common  # noqa: E402
+import fp8_peers  # noqa: E402
 import lc0 as lc0_bench  # noqa: E402  (bench/lc0.py: whole lc0 networks)
 from nps_report import plot, report_lines, write_outputs  # noqa: E402
 from peers import (  # noqa: E402
@@ -104,6 +124,9 @@ from fusedenc.tune.timing import rotation_sets, sync, time_calls  # noqa: E402
 
 GPU_ONLY_BY_DEFAULT = ("torch-compile", "fusedenc-compile", "fusedenc-graph")
 DEFAULT_BATCHES = (1, 16, 64, 256, 1024)
+#: The FP8 rule's absolute term: relative-error noise a different but valid order of
+#: rounding can add on top of FP8's own error (fp16 storage between the ops, other sums).
+FP8_FLOOR = 2e-3
 
 
 # ------------------------------------------------------------ checking ----
@@ -127,6 +150,36 @@ def check_impl(impl: Impl, x: torch.Tensor, ref: torch.Tensor, base: float, atol
     if not impl.checked:
         result["passed"] = None  # a stand-in computes other math: reported, not judged
     return result
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (inf for NaN)."""
+    o, r = out.double(), ref.double()
+    err = ((o - r).norm() / r.norm()).item()
+    return math.inf if math.isnan(err) else err
+
+
+def check_fp8_impl(impl: Impl, x: torch.Tensor, ref: torch.Tensor, emulated: float, slack: float) -> dict:
+    """The FP8 rule: relative error within ``slack`` times emulated FP8's on the same net, plus FP8_FLOOR."""
+    out = impl.call(x)
+    if impl.output_is_view:
+        out = out.clone()
+    if tuple(out.shape) != tuple(ref.shape):
+        return {"passed": False, "reason": f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}"}
+    err = rel_err(out, ref)
+    bound = slack * emulated + FP8_FLOOR
+    result = {"rel_err": err, "bound": bound, "finite": bool(torch.isfinite(out).all()),
+              "x_emulated": err / emulated if emulated > 0 else None, "max_abs_err": max_abs_err(out, ref)}  # fmt: skip
+    result["passed"] = bool(result["finite"] and err <= bound)
+    return result
+
+
+def _check_text(c: dict) -> str:
+    if "rel_err" in c:
+        return (f"{c.get('reason') or ''}||out-ref||/||ref|| = {c['rel_err']:.3g} > bound {c['bound']:.3g} "
+                f"(finite: {c.get('finite')})")  # fmt: skip
+    return (f"{c.get('reason') or ''}max|out-ref| = {c.get('max_abs_err', math.nan):.3g} > bound "
+            f"{c.get('bound', math.nan):.3g} (finite: {c.get('finite')})")  # fmt: skip
 
 
 # ------------------------------------------------------------ one run ----
@@ -168,11 +221,24 @@ def run_preset(run: Run, args, device: torch.device, ceilings: dict, progress: c
         "torch_same_dtype_err": base, "atol": atol, "slack": args.check_slack,
         "rule": "max|out - ref| <= slack * 2 * max|torch - ref| + atol",
     }  # fmt: skip
+    if args.fp8:
+        progress.step(f"{run.name}: emulated FP8 reference")
+        emulated = reference_forward(block_state_dicts(model), check_x, run, ref_dtype, fp8_peers.emulated_linear)
+        rec["check"]["fp8"] = {
+            "emulated_rel_err": rel_err(emulated, ref), "slack": args.check_slack, "floor": FP8_FLOOR,
+            "rule": "||out - ref|| / ||ref|| <= slack * e_fp8 + floor, e_fp8 = ||emulated - ref|| / ||ref||",
+            "emulated": "every GEMM in fusedenc.fp8's reference math (e4m3 rows / output channels, fp32 sums), "
+                        "the rest fp32",
+        }  # fmt: skip
+        del emulated
 
     for name, reason in args.skipped.items():
         rec["skipped"][name] = reason
-    for name, build in builders(args.impls, run, device, batches, check_x, args.compile_modes,
-                                  args.compile_dynamic).items():
+    table = builders(args.impls, run, device, batches, check_x, args.compile_modes, args.compile_dynamic)
+    if args.fp8:
+        table.update(fp8_peers.builders(args.impls, run, device, batches, args.compile_modes, args.compile_dynamic,
+                                        args.scaled_mm_out))  # fmt: skip
+    for name, build in table.items():
         progress.step(f"{run.name}: {name}: build + check")
         entry: dict[str, Any] = {"points": {}}
         try:
@@ -182,7 +248,12 @@ def run_preset(run: Run, args, device: torch.device, ceilings: dict, progress: c
             entry["setup_s"] = time.perf_counter() - t0
             entry["label"], entry["checked"], entry["notes"], entry["info"] = impl.name, impl.checked, impl.notes, impl.info
             t0 = time.perf_counter()
-            entry["check"] = check_impl(impl, check_x, ref, base, atol, args.check_slack)
+            if fp8_peers.is_fp8(name):
+                entry["precision"] = "fp8"
+                emulated = rec["check"]["fp8"]["emulated_rel_err"]
+                entry["check"] = check_fp8_impl(impl, check_x, ref, emulated, args.check_slack)
+            else:
+                entry["check"] = check_impl(impl, check_x, ref, base, atol, args.check_slack)
             sync(device)
             entry["check"]["first_call_s"] = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - one broken implementation must not stop the others
@@ -196,12 +267,7 @@ def run_preset(run: Run, args, device: torch.device, ceilings: dict, progress: c
             continue
         rec["impls"][name] = entry
         if entry["check"]["passed"] is False:
-            c = entry["check"]
-            progress.write(
-                f"!! CHECK FAILED {run.name}: {name}: {c.get('reason') or ''}max|out-ref| = "
-                f"{c.get('max_abs_err', math.nan):.3g} > bound {c.get('bound', math.nan):.3g} "
-                f"(finite: {c.get('finite')}); NOT TIMED"
-            )
+            progress.write(f"!! CHECK FAILED {run.name}: {name}: {_check_text(entry['check'])}; NOT TIMED")
             for _ in batches:
                 progress.step(f"{run.name}: {name}: not timed")
         else:
@@ -226,7 +292,7 @@ def run_preset(run: Run, args, device: torch.device, ceilings: dict, progress: c
         roof_ms = run.flops(b) / (ceilings["gemm"]["tflops"] * 1e12) * 1e3
         rec["reference_lines"][str(b)] = {"gemm_floor": floor, "roofline_ms": roof_ms}
         _free(device)
-    _derive(rec, run)
+    derive(rec, run)
     del model
     _free(device)
     return rec
@@ -250,7 +316,7 @@ def _time_point(impl: Impl, run: Run, batch: int, device: torch.device, args) ->
         _free(device)
 
 
-def _derive(rec: dict[str, Any], run: Run) -> None:
+def derive(rec: dict[str, Any], run: Run) -> None:
     """Rates, ratios to torch and torch-compile, and % of the GEMM floor, per point."""
     for b in rec["batch_sizes"]:
         key = str(b)
@@ -273,6 +339,30 @@ def _derive(rec: dict[str, Any], run: Run) -> None:
             pt["x_torch"] = torch_ms / pt["ms"] if (torch_ms and comparable) else None
             pt["x_compile"] = compile_ms / pt["ms"] if (compile_ms and comparable) else None
             pt["pct_gemm_floor"] = 100.0 * floor_ms / pt["ms"] if floor_ms else None
+        if "fp8" in rec["check"]:
+            _derive_fp8(rec, key, ms_of)
+
+
+#: The fp16 fusedenc rows, and the FP8 peer rows, the FP8 rows are compared with (the fastest of each).
+FUSEDENC_FP16 = ("fusedenc", "fusedenc-compile", "fusedenc-graph")
+
+
+def _derive_fp8(rec: dict[str, Any], key: str, ms_of) -> None:
+    """Each FP8 row's speed against the fastest fp16 fusedenc row and the fastest torch-fp8 row
+    at batch ``key`` (issue 21's ratios), and which rows those were."""
+    names = rec["impls"]
+    best = {}
+    for label, group in (("fusedenc_fp16", [n for n in names if n in FUSEDENC_FP16]),
+                         ("torch_fp8", [n for n in names if n == "torch-fp8" or n.startswith("torch-fp8-compile")])):
+        timed = [(ms_of(n), n) for n in group if ms_of(n)]
+        best[label] = min(timed) if timed else (None, None)
+        rec["reference_lines"][key][f"best_{label}"] = {"impl": best[label][1], "ms": best[label][0]}
+    for name, entry in names.items():
+        pt = entry.get("points", {}).get(key)
+        if entry.get("precision") != "fp8" or not pt or "ms" not in pt:
+            continue
+        for label, (ms, _) in best.items():
+            pt[f"x_{label}"] = ms / pt["ms"] if ms else None
 
 
 # ------------------------------------------------------------ command line ----
@@ -298,7 +388,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                     help="positions or sequences per call (default 1,16,64,256,1024)")  # fmt: skip
     ap.add_argument("--impl", action="append", default=None,
                     help=f"repeatable or comma list of {', '.join(IMPLS)} (default: all; on CPU without "
-                         f"{' and '.join(GPU_ONLY_BY_DEFAULT)})")  # fmt: skip
+                         f"{' and '.join(GPU_ONLY_BY_DEFAULT)}); with --dtype fp8 also "
+                         f"{', '.join(fp8_peers.FP8_IMPLS)} (default: those that run here)")  # fmt: skip
     ap.add_argument("--compile-modes", type=common.comma_list, default=[],
                     help="extra torch.compile modes to time besides default, e.g. "
                          "max-autotune-no-cudagraphs,reduce-overhead")  # fmt: skip
@@ -310,18 +401,56 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--net", action="append", default=[],
                     help="an lc0 network file (.pb.gz), repeatable: its whole network (planes in, heads out) "
                          "goes into the table beside the presets, timed as bench/lc0.py times it")  # fmt: skip
-    common.add_common_args(ap, "timed calls per point")
+    common.add_common_args(ap, "timed calls per point",
+                           extra_dtypes={"fp8": "a float16 model with the FP8 implementations beside the fp16 ones"})
     args = ap.parse_args(argv)
     common.check_common_args(ap, args)
     if args.check_slack < 1.0:
         ap.error("--check-slack must be >= 1")
+    # fp8 is a mode, not a dtype: the model, the check's reference and the fp16 rows stay float16.
+    args.fp8 = args.dtype == "fp8"
+    if args.fp8:
+        args.dtype = "float16"
     impls = [i for item in (args.impl or []) for i in common.comma_list(item)]
-    bad = [i for i in impls if i not in IMPLS]
+    bad = [i for i in impls if i not in IMPLS + fp8_peers.FP8_IMPLS]
     if bad:
-        ap.error(f"unknown --impl {', '.join(bad)}; choose from {', '.join(IMPLS)}")
+        ap.error(f"unknown --impl {', '.join(bad)}; choose from {', '.join(IMPLS + fp8_peers.FP8_IMPLS)}")
+    fp8_named = [i for i in impls if i in fp8_peers.FP8_IMPLS]
+    if fp8_named and not args.fp8:
+        ap.error(f"--impl {', '.join(fp8_named)} needs --dtype fp8")
     args.impl = impls
     args.batch_sizes = sorted(set(args.batch_sizes))
     return args
+
+
+def _fp8_wanted(args: argparse.Namespace, wanted: list[str], device: torch.device, notes: list[str]) -> list[str]:
+    """``wanted`` with the FP8 rows: those named in --impl, else (the default) every one that
+    runs here; the others go to ``args.skipped`` with the reason.  Sets ``args.scaled_mm_out``."""
+    on_gpu = device.type == "cuda"
+    if not args.impl:
+        wanted = wanted + list(fp8_peers.FP8_IMPLS)
+        if not on_gpu:  # as torch-compile: compiling on CPU is slow and not what the row is about
+            wanted.remove("torch-fp8-compile")
+            args.skipped["torch-fp8-compile"] = "not run on CPU by default (name it in --impl to run it)"
+    if not on_gpu:
+        for name in [i for i in fp8_peers.GRAPH_IMPLS if i in wanted]:
+            wanted.remove(name)
+            args.skipped[name] = "needs a GPU (CUDA graphs)"
+    if any(i.startswith("torch-fp8") for i in wanted):
+        ok, args.scaled_mm_out, why = fp8_peers.scaled_mm_status(device)
+        if not ok:
+            for name in [i for i in wanted if i.startswith("torch-fp8")]:
+                wanted.remove(name)
+                args.skipped[name] = why
+        elif args.scaled_mm_out != torch.float16:
+            notes.append(f"torch._scaled_mm takes row-wise scales with a {args.scaled_mm_out} output only in this "
+                         "torch: the torch-fp8 rows cast its output to float16")  # fmt: skip
+    ok, why = fp8_peers.fusedenc_fp8_status(device)
+    if not ok:
+        for name in [i for i in wanted if i.startswith("fusedenc-fp8")]:
+            wanted.remove(name)
+            args.skipped[name] = f"fusedenc's FP8 mode does not run on {device}: {why}"
+    return wanted
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -345,6 +474,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not on_gpu and ("fusedenc-graph" in wanted or not args.impl):
         wanted = [i for i in wanted if i != "fusedenc-graph"]
         args.skipped["fusedenc-graph"] = "needs a GPU (CUDA graphs)"
+    args.scaled_mm_out = None
+    if args.fp8:
+        wanted = _fp8_wanted(args, wanted, device, notes)
     if any(i.startswith("fusedenc") for i in wanted):
         try:
             importlib.import_module("fusedenc.encoder")  # (an import statement here would make fusedenc local)
@@ -355,15 +487,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.impls = wanted
 
     backend = fusedenc.backend()
+    if args.fp8:
+        notes.append("--dtype fp8: float16 model; FP8 rows beside the fp16 ones, checked by the FP8 rule "
+                     f"(||out - ref|| / ||ref|| <= {args.check_slack} * emulated FP8's + {FP8_FLOOR:g}); "
+                     "roofline and GEMM floor stay fp16")  # fmt: skip
     if on_gpu and backend.name == "reference":
         notes.append(f"WARNING: fusedenc has no active native core ({backend}); fusedenc rows time its PyTorch "
                      "reference, not the fused kernels")  # fmt: skip
 
     env = common.environment(device)
-    base_path = common.result_base_path(args, runs, env, "nps")
+    base_path = common.result_base_path(args, runs, env, "nps", precision="fp8" if args.fp8 else None)
 
-    n_impl_rows = len(wanted) + (len(args.compile_modes) if "torch-compile" in wanted else 0)
-    total = 1 + len(runs) * (1 + n_impl_rows * (1 + len(args.batch_sizes)) + len(args.batch_sizes)) + len(args.net)
+    n_impl_rows = len(wanted) + sum(len(args.compile_modes) for i in ("torch-compile", "torch-fp8-compile") if i in wanted)
+    per_run = 1 + int(args.fp8) + n_impl_rows * (1 + len(args.batch_sizes)) + len(args.batch_sizes)
+    total = 1 + len(runs) * per_run + len(args.net)
     progress = common.Progress(total, "nps", enabled=not args.no_progress, step_timeout=args.step_timeout)
     records: list[dict[str, Any]] = []
     with torch.inference_mode():

@@ -14,7 +14,7 @@ import common
 
 from fusedenc.tune.presets import Run
 
-__all__ = ["SCHEMA", "plot", "report_lines", "write_outputs"]
+__all__ = ["SCHEMA", "fp8_lines", "plot", "report_lines", "write_outputs"]
 
 SCHEMA = "fusedenc.bench.nps/1"
 
@@ -37,6 +37,10 @@ def report_lines(rec: dict[str, Any], run: Run) -> list[str]:
         f"   check at batch {c['batch']} against a {c['reference_dtype']} reference: {c['rule']} "
         f"(torch error {c['torch_same_dtype_err']:.3g}, slack {c['slack']}, atol {c['atol']:g})"
     )
+    if "fp8" in c:
+        f8 = c["fp8"]
+        out.append(f"   FP8 rows: {f8['rule']} (e_fp8 {f8['emulated_rel_err']:.3g}: {f8['emulated']}; "
+                   f"slack {f8['slack']}, floor {f8['floor']:g})")  # fmt: skip
     for name, e in rec["impls"].items():
         label = e.get("label", name)
         if "error" in e:
@@ -45,6 +49,8 @@ def report_lines(rec: dict[str, Any], run: Run) -> list[str]:
         ch = e["check"]
         verdict = {True: "ok", False: "FAILED: NOT TIMED", None: "not judged (stand-in)"}[ch["passed"]]
         err = f"err {ch['max_abs_err']:.3g} <= {ch['bound']:.3g}" if "max_abs_err" in ch else ch.get("reason", "")
+        if "rel_err" in ch:
+            err = f"rel err {ch['rel_err']:.3g} <= {ch['bound']:.3g} ({_fmt(ch['x_emulated'], '.2f', 'x')} e_fp8)"
         if ch["passed"] is None and "max_abs_err" in ch:
             err = f"err {ch['max_abs_err']:.3g} (other math)"
         out.append(f"   {label:42s} {err:32s} {verdict}; setup {e['setup_s']:.2f} s")
@@ -93,6 +99,32 @@ def report_lines(rec: dict[str, Any], run: Run) -> list[str]:
             out.append(f"   {label:42s} " + " ".join(f"{_fmt_rate(v):>10}" for v in vals))
     out.append("   x torch / x compile: speed relative to torch / torch-compile at that batch size (stand-ins "
                "excluded); % floor: GEMM-floor time / this time; first call: compile, autotune and planning, untimed")  # fmt: skip
+    if "fp8" in c:
+        out += fp8_lines(rec)
+    return out
+
+
+def fp8_lines(rec: dict[str, Any]) -> list[str]:
+    """The FP8 rows against the fastest fp16 fusedenc row and the fastest torch-fp8 row, per batch."""
+    names = [n for n, e in rec["impls"].items() if e.get("precision") == "fp8" and e.get("points")]
+    out = ["", "   FP8 rows: speed against the fastest fp16 fusedenc row (x fusedenc16) and the fastest "
+           "torch-fp8 row (x torch-fp8) at that batch size",
+           f"   {'batch':>5}  {'implementation':42s} {'ms/batch':>10} {'x fusedenc16':>12} {'x torch-fp8':>11}"]  # fmt: skip
+    out.append("   " + "-" * (len(out[-1]) - 3))
+    for b in rec["batch_sizes"]:
+        key = str(b)
+        lines = rec["reference_lines"][key]
+        for name in names:
+            e = rec["impls"][name]
+            pt = e["points"].get(key)
+            if pt is None or "ms" not in pt:
+                continue
+            out.append(f"   {b:>5}  {e.get('label', name):42s} {pt['ms']:>10.3f} "
+                       f"{_fmt(pt.get('x_fusedenc_fp16'), '.2f', 'x'):>12} {_fmt(pt.get('x_torch_fp8'), '.2f', 'x'):>11}")  # fmt: skip
+        against = [f"{what} {best['impl']} {best['ms']:.3f} ms" for what, best in
+                   (("fp16 fusedenc:", lines.get("best_fusedenc_fp16", {})), ("torch-fp8:", lines.get("best_torch_fp8", {})))
+                   if best.get("ms")]  # fmt: skip
+        out.append(f"   {b:>5}  fastest {'; '.join(against) if against else '(none timed)'}")
     return out
 
 
@@ -175,6 +207,9 @@ def write_outputs(
             "roofline": "all matmul FLOPs (GEMMs + attention QK^T and PV) at the measured GEMM rate",
             "compile_dynamic": args.compile_dynamic,
             "check": f"max|out - ref| <= {args.check_slack} * 2 * max|torch - ref| + atol, before timing",
+            **({"check_fp8": f"||out - ref|| / ||ref|| <= {args.check_slack} * e_fp8 + floor, e_fp8 the same "
+                             "measure of the net with every GEMM in emulated FP8, before timing"}
+               if getattr(args, "fp8", False) else {}),
         },  # fmt: skip
         "notes": notes,
         "check_passed": not failures,

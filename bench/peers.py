@@ -9,6 +9,7 @@ preset), torch-compile (one row per mode), fusedenc (EncoderStack, eager) and
 fusedenc-graph (EncoderStack.graph_runner).  bench/nps.py's docstring says what
 each one is.  Also here: ``reference_forward``, the fp32/fp64 oracle of the
 correctness check, and ``gemm_floor``, the four GEMMs of every layer alone.
+The FP8 rows of ``--dtype fp8`` are bench/fp8_peers.py's (they build on these).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "builders",
     "fastpath_serves",
     "gemm_floor",
+    "load_fusedenc_stack",
     "make_compile",
     "make_fastpath",
     "make_fusedenc",
@@ -120,6 +122,10 @@ def block_state_dicts(model: TorchEncoder) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def _dense_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return x @ w.t() + b
+
+
 @contextlib.contextmanager
 def _full_precision_matmuls():
     """No TF32 (or other reduced precision) in the reference's fp32 matmuls."""
@@ -133,23 +139,31 @@ def _full_precision_matmuls():
         torch.set_float32_matmul_precision(old[1])
 
 
-def reference_forward(sds: list[dict[str, torch.Tensor]], x: torch.Tensor, run: Run, dtype: torch.dtype):
-    """The block's math written out in ``dtype`` (fp32, or fp64 for fp32 runs): the check's oracle."""
+def reference_forward(
+    sds: list[dict[str, torch.Tensor]], x: torch.Tensor, run: Run, dtype: torch.dtype,
+    linear: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:  # fmt: skip
+    """The block's math written out in ``dtype`` (fp32, or fp64 for fp32 runs): the check's oracle.
+
+    ``linear(x, w, b)``: the arithmetic of the four GEMMs (default ``x @ w^T + b`` in
+    ``dtype``); the FP8 check passes FP8's emulated GEMM (bench/fp8_peers.py) to measure
+    what FP8 alone costs on this net, everything else unchanged."""
     p = run.preset
     b, s, d = x.shape
     h_, dh = p.heads, run.head_dim
     x = x.to(dtype)
+    lin = linear or _dense_linear
     with _full_precision_matmuls():
         for sd in sds:
             w = {k: v.to(dtype) for k, v in sd.items()}
-            qkv = x @ w["qkv_weight"].t() + w["qkv_bias"]
+            qkv = lin(x, w["qkv_weight"], w["qkv_bias"])
             q, k, v = qkv.view(b, s, 3, h_, dh).permute(2, 0, 3, 1, 4)
             probs = torch.softmax((q @ k.transpose(-1, -2)) * dh**-0.5, dim=-1)
             a = (probs @ v).transpose(1, 2).reshape(b, s, d)
-            y = a @ w["out_weight"].t() + w["out_bias"]
+            y = lin(a, w["out_weight"], w["out_bias"])
             h = F.layer_norm(x + p.alpha * y, (d,), w["norm1_weight"], w["norm1_bias"], p.eps)
-            f = apply_activation(h @ w["ffn1_weight"].t() + w["ffn1_bias"], p.activation)
-            g = f @ w["ffn2_weight"].t() + w["ffn2_bias"]
+            f = apply_activation(lin(h, w["ffn1_weight"], w["ffn1_bias"]), p.activation)
+            g = lin(f, w["ffn2_weight"], w["ffn2_bias"])
             x = F.layer_norm(h + p.alpha * g, (d,), w["norm2_weight"], w["norm2_bias"], p.eps)
     return x
 
@@ -293,7 +307,8 @@ def _raise_recompile_limits(limit: int = 256) -> None:
             setattr(cfg, name, max(getattr(cfg, name), limit))
 
 
-def make_compile(model: TorchEncoder, mode: str, dynamic: bool) -> Impl:
+def make_compile(model: nn.Module, mode: str, dynamic: bool, name: str = "torch-compile") -> Impl:
+    """``torch.compile(model)`` in ``mode``: row ``name`` (default mode) or ``name:mode``."""
     import torch._dynamo
 
     _raise_recompile_limits()
@@ -307,7 +322,7 @@ def make_compile(model: TorchEncoder, mode: str, dynamic: bool) -> Impl:
             torch.compiler.cudagraph_mark_step_begin()
         return compiled(x)
 
-    name = "torch-compile" if mode == "default" else f"torch-compile:{mode}"
+    name = name if mode == "default" else f"{name}:{mode}"
     impl = Impl(name, call, output_is_view=cudagraphs, cleanup=torch._dynamo.reset)
     impl.notes.append(
         f"mode {mode}, {'one dynamic-shape graph' if dynamic else 'one static graph per batch size'}; "
@@ -317,7 +332,8 @@ def make_compile(model: TorchEncoder, mode: str, dynamic: bool) -> Impl:
     return impl
 
 
-def _load_fusedenc_stack(model: TorchEncoder, run: Run, device: torch.device):
+def load_fusedenc_stack(model: TorchEncoder, run: Run, device: torch.device):
+    """A fusedenc EncoderStack holding the torch model's weights (what every fusedenc row runs)."""
     from fusedenc.encoder import EncoderBlock, EncoderStack
 
     p = run.preset
@@ -350,7 +366,7 @@ def _attention_choice(run: Run, batch: int, device: torch.device) -> Optional[st
 
 
 def make_fusedenc(model: TorchEncoder, run: Run, device: torch.device, batches: list[int]) -> Impl:
-    stack = _load_fusedenc_stack(model, run, device)
+    stack = load_fusedenc_stack(model, run, device)
     impl = Impl("fusedenc", stack)
     impl.info = {"attention_backend": {b: _attention_choice(run, b, device) for b in (min(batches), max(batches))}}
     impl.notes.append(
@@ -365,7 +381,7 @@ def make_fusedenc_compile(model: TorchEncoder, run: Run, device: torch.device, d
     import torch._dynamo
 
     _raise_recompile_limits()
-    stack = _load_fusedenc_stack(model, run, device)
+    stack = load_fusedenc_stack(model, run, device)
     compiled = torch.compile(stack, fullgraph=True, dynamic=True if dynamic else False)
     impl = Impl("fusedenc-compile", compiled, cleanup=torch._dynamo.reset)
     impl.notes.append("torch.compile(EncoderStack, fullgraph=True), default mode; compile time outside the timed region")
@@ -373,7 +389,7 @@ def make_fusedenc_compile(model: TorchEncoder, run: Run, device: torch.device, d
 
 
 def make_fusedenc_graph(model: TorchEncoder, run: Run, device: torch.device, batches: list[int]) -> Impl:
-    stack = _load_fusedenc_stack(model, run, device)
+    stack = load_fusedenc_stack(model, run, device)
     runner = stack.graph_runner(run.seq_len, batch_sizes=tuple(sorted(set(batches))))
     capture_s = runner.capture_all()
     impl = Impl("fusedenc-graph", runner, output_is_view=True)

@@ -89,6 +89,45 @@ def test_nps_tiny(tmp_path):
         assert (tmp_path / "nps_smoke.png").stat().st_size > 0
 
 
+def test_nps_fp8_tiny(tmp_path):
+    """``--dtype fp8`` on the CPU: a float16 model, the FP8 rows beside the fp16 ones;
+    fusedenc-fp8 runs the package's reference math and passes the FP8 rule (its relative
+    error within slack x emulated FP8's); the rows that need a GPU are skipped with reasons."""
+    if not _has_encoder():
+        pytest.skip("fusedenc.encoder is not importable")
+    r = _run("nps.py", ["--preset", "tiny", "--dtype", "fp8", "--batch-sizes", "2", "--reps", "20"], tmp_path)
+    assert r["check_passed"] is True and r["errors"] == [], r["errors"]
+    assert "check_fp8" in r["methodology"]
+    (run,) = r["runs"]
+    assert run["config"]["dtype"] == "float16"
+    f8 = run["check"]["fp8"]
+    assert 1e-3 < f8["emulated_rel_err"] < 0.1 and f8["slack"] == 1.5, f8
+    impls, skipped = run["impls"], run["skipped"]
+    assert {"unfused", "torch", "fusedenc", "fusedenc-fp8"} <= set(impls), sorted(impls)
+    for name in ("torch-fp8-compile", "fusedenc-fp8-graph", "fusedenc-fp8-fast"):
+        assert skipped.get(name), (name, skipped)  # not run on CPU, and the table says why
+    ran = ["fusedenc-fp8"]
+    if "torch-fp8" in impls:  # this torch takes row-wise scales in torch._scaled_mm on the CPU
+        ran.append("torch-fp8")
+    else:
+        assert "_scaled_mm" in skipped["torch-fp8"], skipped
+    fusedenc_ms = impls["fusedenc"]["points"]["2"]["ms"]
+    for name in ran:
+        e = impls[name]
+        c = e["check"]
+        assert e["precision"] == "fp8" and c["passed"] is True, (name, c)
+        assert c["rel_err"] <= c["bound"] == pytest.approx(1.5 * f8["emulated_rel_err"] + f8["floor"]), (name, c)
+        assert 0.5 < c["x_emulated"] < 1.5, (name, c)  # FP8's error, not fp16's: the GEMMs really ran in FP8
+        pt = e["points"]["2"]
+        assert pt["ms"] > 0 and pt["x_fusedenc_fp16"] == pytest.approx(fusedenc_ms / pt["ms"]), (name, pt)
+    for name in ("torch", "fusedenc"):  # the fp16 rows keep the fp16 rule
+        c = impls[name]["check"]
+        assert c["passed"] is True and "rel_err" not in c and c["max_abs_err"] <= c["bound"], (name, c)
+        assert "x_fusedenc_fp16" not in impls[name]["points"]["2"]
+    text = (tmp_path / "nps_smoke.txt").read_text(encoding="utf-8")
+    assert "x fusedenc16" in text and "fusedenc-fp8-graph" in text and "CHECK FAILED" not in r["_stdout"]
+
+
 def test_ops_tiny(tmp_path):
     r = _run("ops.py", ["--preset", "tiny", "--tokens", "256", "--reps", "20"], tmp_path)
     assert r["schema"] == "fusedenc.bench.ops/1"
