@@ -214,7 +214,10 @@ class QuantizedWeights:
         entry = self._entries.get(id(weight))
         if entry is None or entry[0] is not weight:
             return None
-        stamp = (weight._version, weight.data_ptr(), weight.device)
+        # An inference tensor has no version counter: its copy is re-made when it moves,
+        # not when it is written in place (inside inference mode, the only place it can be).
+        version = -1 if weight.is_inference() else weight._version
+        stamp = (version, weight.data_ptr(), weight.device)
         if entry[1] != stamp:
             with torch.no_grad():
                 entry[2] = quantize_rows(weight.detach())

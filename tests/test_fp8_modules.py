@@ -184,3 +184,15 @@ def test_an_lc0_net_quantizes_its_body(tmp_path, monkeypatch):
     assert torch.allclose(out["wdl"].float().sum(-1), torch.ones(6), atol=1e-2)
     net.quantize(None)
     assert torch.equal(net(planes)["policy"], base["policy"])
+
+
+def test_a_stack_made_under_inference_mode_quantizes(gen):
+    """Inference tensors have no version counter: the weight copies still work (and follow
+    a move), as for a stack built inside ``torch.inference_mode``."""
+    with torch.inference_mode():
+        s = _stack(2, gen)
+        x = randn((2, 64, D), torch.float16, gen=gen)
+        y16 = s(x)
+        y8 = s.quantize("fp8")(x)
+    assert torch.isfinite(y8).all() and not torch.equal(y8, y16)
+    assert _rel(y8, y16) < 0.06
