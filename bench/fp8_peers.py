@@ -173,11 +173,7 @@ def make_fusedenc_fp8(
     model: TorchEncoder, run: Run, device: torch.device, batches: list[int], graph: bool, fast_accum: bool
 ) -> Impl:
     """The fusedenc rows' EncoderStack (same weights), ``.quantize("fp8")``; eager or graphs."""
-    # Built outside inference mode (nps.py runs under it): the stack's FP8 weight cache
-    # (fusedenc.fp8.QuantizedWeights) reads each weight's version counter, which inference
-    # tensors do not have ("Inference tensors do not track version counter").
-    with torch.inference_mode(False):
-        stack = load_fusedenc_stack(model, run, device).quantize("fp8", fast_accum=fast_accum)
+    stack = load_fusedenc_stack(model, run, device).quantize("fp8", fast_accum=fast_accum)
     name = "fusedenc-fp8-fast" if fast_accum else ("fusedenc-fp8-graph" if graph else "fusedenc-fp8")
     how = 'EncoderStack.quantize("fp8"' + (", fast_accum=True)" if fast_accum else ")")
     if not graph:
