@@ -14,6 +14,8 @@
                       (accurate accumulation, the library default), eager.
   fusedenc-fp8-graph  the same through the stack's CUDA-graph runner.
   fusedenc-fp8-fast   ``.quantize("fp8", fast_accum=True)`` through the graph runner.
+  fusedenc-fp8-static the same with ``calibration=`` 64 random sequences (not the checked
+                      input): FFN1 writes FFN2's input in e4m3 with static column scales.
 
 The FP8 check's oracle is here too: ``emulated_linear``, FP8's GEMM in fusedenc.fp8's
 reference math, for ``peers.reference_forward`` to run the same net with every GEMM in
@@ -51,9 +53,10 @@ __all__ = [
 ]
 
 #: The FP8 implementations, in the order they run (after the fp16 ones).
-FP8_IMPLS = ("torch-fp8", "torch-fp8-compile", "fusedenc-fp8", "fusedenc-fp8-graph", "fusedenc-fp8-fast")
+FP8_IMPLS = ("torch-fp8", "torch-fp8-compile", "fusedenc-fp8", "fusedenc-fp8-graph", "fusedenc-fp8-fast",
+             "fusedenc-fp8-static")
 #: The ones that replay CUDA graphs (need a GPU).
-GRAPH_IMPLS = ("fusedenc-fp8-graph", "fusedenc-fp8-fast")
+GRAPH_IMPLS = ("fusedenc-fp8-graph", "fusedenc-fp8-fast", "fusedenc-fp8-static")
 #: TorchBlock's four GEMM modules, in the order a layer runs them.
 GEMM_MODULES = ("in_proj", "out_proj", "ffn1", "ffn2")
 
@@ -170,12 +173,19 @@ def fusedenc_fp8_status(device: torch.device) -> tuple[bool, str]:
 
 
 def make_fusedenc_fp8(
-    model: TorchEncoder, run: Run, device: torch.device, batches: list[int], graph: bool, fast_accum: bool
+    model: TorchEncoder, run: Run, device: torch.device, batches: list[int], graph: bool, fast_accum: bool,
+    static: bool = False,
 ) -> Impl:
     """The fusedenc rows' EncoderStack (same weights), ``.quantize("fp8")``; eager or graphs."""
-    stack = load_fusedenc_stack(model, run, device).quantize("fp8", fast_accum=fast_accum)
-    name = "fusedenc-fp8-fast" if fast_accum else ("fusedenc-fp8-graph" if graph else "fusedenc-fp8")
-    how = 'EncoderStack.quantize("fp8"' + (", fast_accum=True)" if fast_accum else ")")
+    calibration = None
+    if static:  # its own random sequences: the checked input is not what the scales saw
+        g = torch.Generator().manual_seed(1234)
+        calibration = torch.randn(64, run.seq_len, run.preset.d_model, generator=g).to(device, run.dtype)
+    stack = load_fusedenc_stack(model, run, device).quantize("fp8", fast_accum=fast_accum, calibration=calibration)
+    name = "fusedenc-fp8-static" if static else (
+        "fusedenc-fp8-fast" if fast_accum else ("fusedenc-fp8-graph" if graph else "fusedenc-fp8"))
+    how = 'EncoderStack.quantize("fp8"' + (", fast_accum=True" if fast_accum else "") + (
+        ", calibration=64 random sequences)" if static else ")")
     if not graph:
         impl = Impl(name, stack)
         impl.notes.append(f"{how}, eager")
@@ -206,8 +216,10 @@ def builders(
                 out[key] = lambda m, mode=mode: make_compile(torch_fp8_model(m, out_dtype), mode, compile_dynamic,
                                                              name="torch-fp8-compile")  # fmt: skip
         else:
-            graph, fast = name in GRAPH_IMPLS, name == "fusedenc-fp8-fast"
-            out[name] = lambda m, graph=graph, fast=fast: make_fusedenc_fp8(m, run, device, batches, graph, fast)
+            graph, static = name in GRAPH_IMPLS, name == "fusedenc-fp8-static"
+            fast = static or name == "fusedenc-fp8-fast"
+            out[name] = lambda m, graph=graph, fast=fast, static=static: make_fusedenc_fp8(
+                m, run, device, batches, graph, fast, static)
     return out
 
 

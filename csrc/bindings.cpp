@@ -285,8 +285,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("fp8_gemm", [](int device, uintptr_t stream, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
                        uintptr_t a_scale, uintptr_t w, int64_t ldw, uintptr_t w_scale, uintptr_t bias, uintptr_t d,
                        int64_t ldd, int out_dtype, int act, bool fast_accum, uintptr_t workspace,
-                       size_t workspace_bytes) {
+                       size_t workspace_bytes, uintptr_t out_scale) {
     Fp8GemmArgs g;
+    g.out_scale = ptr<const float>(out_scale);
     g.device = device; g.stream = reinterpret_cast<gpuStream_t>(stream);
     g.m = m; g.n = n; g.k = k;
     g.a = ptr<const void>(a); g.lda = lda; g.a_scale = ptr<const float>(a_scale);
@@ -295,7 +296,12 @@ PYBIND11_MODULE(_C, m) {
     g.out_dtype = to_dtype(out_dtype); g.act = to_activation(act); g.fast_accum = fast_accum;
     g.workspace = ptr<void>(workspace); g.workspace_bytes = workspace_bytes;
     fp8_gemm(g);
-  }, "D = act((A_q @ W_q^T) * a_scale * w_scale + bias) on e4m3 operands (fp8_gemm.h).");
+  }, py::arg("device"), py::arg("stream"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("a"), py::arg("lda"),
+     py::arg("a_scale"), py::arg("w"), py::arg("ldw"), py::arg("w_scale"), py::arg("bias"), py::arg("d"),
+     py::arg("ldd"), py::arg("out_dtype"), py::arg("act"), py::arg("fast_accum"), py::arg("workspace"),
+     py::arg("workspace_bytes"), py::arg("out_scale") = 0,
+     "D = act((A_q @ W_q^T) * a_scale * w_scale + bias) on e4m3 operands; with out_scale, D in e4m3 "
+     "(fp8_gemm.h).");
   m.def("fp8_gemm_status", [](int device) {
     std::string why;
     const bool ok = fp8_gemm_status(device, &why);
@@ -304,9 +310,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("fp8_gemm_compiled", [] { return FUSEDENC_HAS_FP8_GEMM != 0; });
   m.def("sm90_fp8_gemm_applies", [](int device, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
                                     uintptr_t a_scale, uintptr_t w, int64_t ldw, uintptr_t w_scale, uintptr_t bias,
-                                    uintptr_t d, int64_t ldd, int out_dtype, int act, bool fast_accum) {
+                                    uintptr_t d, int64_t ldd, int out_dtype, int act, bool fast_accum,
+                                    uintptr_t out_scale) {
     Fp8GemmArgs g;
     g.fast_accum = fast_accum;
+    g.out_scale = ptr<const float>(out_scale);
     g.device = device; g.m = m; g.n = n; g.k = k;
     g.a = ptr<const void>(a); g.lda = lda; g.a_scale = ptr<const float>(a_scale);
     g.w = ptr<const void>(w); g.ldw = ldw; g.w_scale = ptr<const float>(w_scale);
@@ -315,7 +323,10 @@ PYBIND11_MODULE(_C, m) {
     const char* why = "";
     const bool ok = sm90_fp8_gemm_applies(g, &why);
     return py::make_tuple(ok, std::string(ok ? "" : why));
-  }, "Whether fp8_gemm would run the Hopper FP8 epilogue kernel for this call, and if not why.");
+  }, py::arg("device"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("a"), py::arg("lda"), py::arg("a_scale"),
+     py::arg("w"), py::arg("ldw"), py::arg("w_scale"), py::arg("bias"), py::arg("d"), py::arg("ldd"),
+     py::arg("out_dtype"), py::arg("act"), py::arg("fast_accum"), py::arg("out_scale") = 0,
+     "Whether fp8_gemm would run the Hopper FP8 epilogue kernel for this call, and if not why.");
   m.def("sm90_fp8_gemm_kernels", [] {
     py::list out;
     for (DType d : {DType::f16, DType::bf16}) {

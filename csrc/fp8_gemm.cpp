@@ -183,7 +183,7 @@ void fp8_gemm(const Fp8GemmArgs& g) {
   if (g.m < 0 || g.n <= 0 || g.k <= 0) bad("sizes must be m >= 0, n > 0, k > 0");
   if (g.k % 16 || g.lda % 16 || g.ldw % 16) bad("k and the operands' row strides must be multiples of 16 (16-byte FP8 rows)");
   if (g.lda < g.k || g.ldw < g.k || g.ldd < g.n) bad("leading dimension smaller than the row");
-  if (g.out_dtype != DType::f16 && g.out_dtype != DType::bf16) bad("the output must be float16 or bfloat16");
+  if (g.out_dtype != DType::f16 && g.out_dtype != DType::bf16) bad("the output (or, with out_scale, the bias) must be float16 or bfloat16");
   if (static_cast<int>(g.act) < 0 || static_cast<int>(g.act) >= kNumActivations) bad("unknown activation");
   if (g.workspace_bytes && !g.workspace) bad("workspace size without a workspace");
   if (g.m == 0) return;
@@ -194,6 +194,12 @@ void fp8_gemm(const Fp8GemmArgs& g) {
 #if FUSEDENC_HAS_FP8_GEMM
   // An activation cuBLASLt cannot fuse: the Hopper kernel applies it in its epilogue
   // instead of a pass over the output (as gemm() does for 16-bit GEMMs).
+  if (g.out_scale) {  // e4m3 output: that kernel or nothing (fusedenc.fp8 asks first)
+    const char* no = "";
+    if (!sm90_fp8_gemm_applies(g, &no)) bad(std::string("e4m3 output does not run here: ") + no);
+    if (!sm90_fp8_gemm(g)) bad("e4m3 output: CUTLASS refused the problem");
+    return;
+  }
   if (sm90_fp8_gemm_applies(g) && sm90_fp8_gemm(g)) return;
   DeviceGuard guard(g.device);
   Fp8Key key;

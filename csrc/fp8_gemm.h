@@ -29,7 +29,12 @@ struct Fp8GemmArgs {
   const void* bias = nullptr;  // [n] in out_dtype, or null
   void* d = nullptr;  // [m, n] out_dtype, row stride ldd
   int64_t ldd = 0;
-  DType out_dtype = DType::f16;  // f16 or bf16
+  // With out_scale ([n] fp32), D holds e4m3 codes instead: e4m3(out_scale[n] * act(...)),
+  // saturating, row stride ldd bytes (the next GEMM's input with static per-column scales
+  // folded into its weight).  Only the Hopper FP8 kernel writes them (fast_accum, an
+  // activation its epilogue has, fp16 bias); sm90_fp8_gemm_applies says whether it runs.
+  const float* out_scale = nullptr;
+  DType out_dtype = DType::f16;  // f16 or bf16 (with out_scale: the bias's dtype)
   Activation act = Activation::none;
   bool fast_accum = false;  // Hopper's faster, less precise FP8 accumulation
   void* workspace = nullptr;

@@ -38,7 +38,7 @@ import torch.nn as nn
 from . import activations, core, fp8, norm_fold, traced
 from .attention import plan_for
 from .checks import check_block_call, check_block_operands
-from .executors import Fp8Executor, NativeExecutor, OpsExecutor
+from .executors import Fp8Executor, NativeExecutor, ObservingExecutor, OpsExecutor
 from .graphs import GraphRunner
 from .norm import layer_norm
 
@@ -139,6 +139,7 @@ class EncoderBlock(nn.Module):
         self._fold_cache = norm_fold.FoldCache()  # QKV and FFN1 weights with a LayerNorm folded in
         self._fp8_config: Optional[tuple] = None  # (kept GEMMs, fast_accum) while quantized
         self._fp8: Optional[fp8.QuantizedWeights] = None
+        self.fp8_observer: Optional[fp8.Calibration] = None  # set while fp8.calibrating runs the block
 
     _PARAM_NAMES = (
         "qkv_weight", "qkv_bias", "out_weight", "out_bias", "norm1_weight", "norm1_bias",
@@ -230,19 +231,20 @@ class EncoderBlock(nn.Module):
 
     _GEMM_WEIGHTS = {"qkv": "qkv_weight", "out_proj": "out_weight", "ffn1": "ffn1_weight", "ffn2": "ffn2_weight"}
 
-    def quantize(self, mode: Optional[str] = "fp8", *, keep: Iterable[str] = (), fast_accum: bool = False) -> "EncoderBlock":
+    def quantize(
+        self, mode: Optional[str] = "fp8", *, keep: Iterable[str] = (), fast_accum: bool = False, calibration=None
+    ) -> "EncoderBlock":  # fmt: skip
         """Run the block's GEMMs in FP8 (``mode="fp8"``) or back in its own dtype (``None``).
 
-        FP8: each weight gets an e4m3 copy with one scale per output channel (re-made when
-        the weight changes), each GEMM input one scale per row, computed where the GEMM
-        runs (``fusedenc.fp8``); sums in fp32, outputs in the block's dtype.  ``keep``:
-        GEMMs that stay in the block's dtype, from ``fp8.BLOCK_GEMMS`` (e.g. ``("ffn2",)``:
-        about a quarter less error for a quarter of the GEMM work, bench/NOTES.md).
-        ``fast_accum``: Hopper's faster, less precise FP8 accumulation.  LayerNorm folding
-        is off for a quantized block.  Needs a float16/bfloat16 block, d_model and d_ff
-        multiples of 16, and on a GPU one that runs FP8 (``capabilities()["fp8"]``).
-        Returns the block."""
-        self._fp8_config = fp8.quantize_config(mode, keep, fast_accum, self.qkv_weight, self.d_model, self.d_ff)
+        FP8: e4m3 weight copies with one scale per output channel (re-made when a weight
+        changes), GEMM inputs with one scale per row (``fusedenc.fp8``); fp32 sums, outputs
+        in the block's dtype.  ``keep``: GEMMs that stay in the block's dtype (names in
+        ``fp8.BLOCK_GEMMS``).  ``fast_accum``: Hopper's faster, less precise accumulation.
+        ``calibration`` (post-LN, both FFN GEMMs in FP8): sample inputs or an
+        ``fp8.Calibration``; FFN1 then writes FFN2's input in e4m3 with static per-column
+        scales.  LayerNorm folding is off while quantized.  Needs a float16/bfloat16 block,
+        widths multiples of 16, and a GPU that runs FP8 (``capabilities()["fp8"]``)."""
+        self._fp8_config = fp8.quantize_config(self, mode, keep, fast_accum, calibration)
         self._fp8 = None if self._fp8_config is None else self._fp8_weights()
         return self
 
@@ -252,9 +254,9 @@ class EncoderBlock(nn.Module):
         return "fp8" if self._fp8_config is not None else None
 
     def _fp8_weights(self) -> fp8.QuantizedWeights:
-        keep, fast_accum = self._fp8_config
+        keep, fast_accum, scales = self._fp8_config
         chosen = {g: self._parameters[n] for g, n in self._GEMM_WEIGHTS.items() if g not in keep}
-        return fp8.QuantizedWeights(chosen, fast_accum)
+        return fp8.QuantizedWeights(chosen, fast_accum, None if scales is None else ("ffn1", "ffn2", scales))
 
     # ------------------------------------------------------------ forward ----
 
@@ -352,6 +354,8 @@ class EncoderBlock(nn.Module):
         if prepared is None:
             return torch.empty_like(x2)
         ex, plan = prepared
+        if self.fp8_observer is not None:
+            return self._run(ObservingExecutor(ex, self.fp8_observer, self), plan, x2, batch, seq, attn_bias, key_padding_mask)
         if self._fp8 is not None:
             return self._run(Fp8Executor(ex, self._fp8), plan, x2, batch, seq, attn_bias, key_padding_mask)
         if norm_fold.applies([self], x2):
@@ -574,12 +578,14 @@ class EncoderStack(nn.Module):
 
     def quantize(
         self, mode: Optional[str] = "fp8", *, keep: Iterable[str] = (), layers: Optional[Iterable[int]] = None,
-        fast_accum: bool = False,
+        fast_accum: bool = False, calibration: Optional[torch.Tensor] = None,
     ) -> "EncoderStack":  # fmt: skip
         """``EncoderBlock.quantize`` on the blocks numbered ``layers`` (default all; negative
         numbers count from the end, e.g. ``layers=range(1, n - 1)`` keeps the first and last
-        layer in the stack's dtype); the other blocks go back to their dtype.  Returns the stack."""
-        fp8.quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum)
+        layer in the stack's dtype); the other blocks go back to their dtype.  ``calibration``:
+        sample inputs of the stack (run once, see ``EncoderBlock.quantize``).  Returns the stack."""
+        cal = None if calibration is None or mode is None else fp8.calibrate(self.blocks, self, calibration)
+        fp8.quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum, calibration=cal)
         return self
 
     def graph_runner(

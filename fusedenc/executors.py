@@ -27,7 +27,7 @@ from .device import current_stream
 from .norm import layer_norm
 from .ops import linear
 
-__all__ = ["Fp8Executor", "NativeExecutor", "OpsExecutor"]
+__all__ = ["Fp8Executor", "NativeExecutor", "ObservingExecutor", "OpsExecutor"]
 
 
 class OpsExecutor:
@@ -145,9 +145,13 @@ class Fp8Executor:
         q = self.weights.get(w)
         if q is None or residual is not None or alpha != 1.0:
             return self.base.linear(x, w, b, activation, residual, alpha)
-        handed = self.base.fp8_rows if self.produce else None
-        qx = handed[1] if handed is not None and handed[0] is x else fp8.quantize_rows(x)
-        return fp8.linear(qx, q, b, activation, out_dtype=x.dtype, fast_accum=self.weights.fast_accum)
+        if x.dtype == fp8.E4M3:  # FFN1's codes with static column scales, which FFN2's copy holds
+            qx = fp8.Quantized(x, torch.ones(x.shape[0], dtype=torch.float32, device=x.device))
+        else:
+            handed = self.base.fp8_rows if self.produce else None
+            qx = handed[1] if handed is not None and handed[0] is x else fp8.quantize_rows(x)
+        return fp8.linear(qx, q, b, activation, out_dtype=self.weights.dtype, fast_accum=self.weights.fast_accum,
+                          out_scale=self.weights.out_scale(w))  # fmt: skip
 
     def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
         if self.produce:
@@ -162,3 +166,28 @@ class Fp8Executor:
 
     def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
         return self.base.attention(plan, qkv, batch, seq, heads, attn_bias, key_padding_mask)
+
+
+class ObservingExecutor:
+    """Another executor, reporting the block's FFN1 output to a calibration
+    (``fp8.calibrating``: what static FP8 scales are made from)."""
+
+    __slots__ = ("base", "calibration", "block")
+
+    def __init__(self, base, calibration: fp8.Calibration, block):
+        self.base, self.calibration, self.block = base, calibration, block
+
+    def linear(self, x, w, b, activation="none", residual=None, alpha=1.0):
+        y = self.base.linear(x, w, b, activation, residual, alpha)
+        if w is self.block.ffn1_weight:
+            self.calibration.observe(self.block, y)
+        return y
+
+    def layer_norm(self, *args, **kw):
+        return self.base.layer_norm(*args, **kw)
+
+    def layer_norm_sum(self, *args, **kw):
+        return self.base.layer_norm_sum(*args, **kw)
+
+    def attention(self, *args, **kw):
+        return self.base.attention(*args, **kw)

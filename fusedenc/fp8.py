@@ -31,11 +31,12 @@ from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import core, dtypes
+from . import core, dtypes, norm_fold
 from .activations import apply_activation, canonical_activation
 from .device import current_stream
 
-__all__ = ["E4M3", "E4M3_MAX", "BLOCK_GEMMS", "Quantized", "QuantizedWeights", "dequantize", "linear",
+__all__ = ["E4M3", "E4M3_MAX", "BLOCK_GEMMS", "CALIBRATION_HEADROOM", "Calibration", "Quantized", "QuantizedWeights",
+           "calibrate", "dequantize", "linear",
            "producers_disabled", "producers_write_fp8", "quantize_blocks", "quantize_config", "quantize_rows",
            "scaled_linear"]
 
@@ -130,6 +131,7 @@ def linear(
     out_dtype: torch.dtype = torch.float16,
     fast_accum: bool = False,
     out: Optional[torch.Tensor] = None,
+    out_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``act(x W^T + bias)`` from e4m3 operands with per-row scales (``quantize_rows`` of the
     activations ``[M, K]`` and of the weight ``[N, K]``): fp32 sums, ``[M, N]`` in
@@ -139,26 +141,19 @@ def linear(
     K must be a multiple of 16 (FP8 GEMMs read 16-byte rows), on every device, so a shape
     that runs here runs on the GPU too.  ``out``: an ``[M, N]`` tensor of ``out_dtype`` with
     unit column stride to write into (returned).
+
+    ``out_scale`` (``[N]`` fp32): the output in e4m3 instead, ``e4m3(act(...) * out_scale)``
+    saturating at +-448: the next GEMM's input with static per-column scales (calibration;
+    the next weight carries ``1 / out_scale``).  On Hopper with ``fast_accum``, fp16 and an
+    activation its epilogue has, the GEMM writes the codes itself; elsewhere a 16-bit result
+    is scaled and converted after it (rounded to 16 bits once more than the kernel's).
     """
-    _check_operand(x, "x")
-    _check_operand(weight, "weight")
     activation = canonical_activation(activation)
-    if out_dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
-    m, k = x.q.shape
-    n, kw = weight.q.shape
-    if k != kw:
-        raise ValueError(f"x has {k} columns but the weight {kw}")
-    if k == 0 or k % 16:
-        raise ValueError(f"K={k}: FP8 GEMMs need K a positive multiple of 16")
-    if x.q.device != weight.q.device:
-        raise ValueError(f"x is on {x.q.device}, the weight on {weight.q.device}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.dtype != out_dtype or tuple(bias.shape) != (n,):
-            raise TypeError(f"bias must be {out_dtype} of shape ({n},), got {getattr(bias, 'dtype', type(bias))} "
-                            f"{tuple(getattr(bias, 'shape', ()))}")  # fmt: skip
-        if bias.device != x.q.device:
-            raise ValueError(f"bias is on {bias.device}, the operands on {x.q.device}")
+    m, n = _check_linear(x, weight, bias, out_dtype)
+    if out_scale is not None:
+        if out is not None:
+            raise ValueError("out= writes 16-bit results; with out_scale= the result is new e4m3 codes")
+        return _linear_e4m3(x, weight, bias, activation, out_dtype, fast_accum, out_scale)
     device = x.q.device
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != out_dtype or tuple(out.shape) != (m, n):
@@ -196,18 +191,145 @@ def linear(
     return out
 
 
+def _check_linear(x: Quantized, weight: Quantized, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> tuple[int, int]:
+    """``linear``'s operand checks; returns (M, N)."""
+    _check_operand(x, "x")
+    _check_operand(weight, "weight")
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
+    m, k = x.q.shape
+    n, kw = weight.q.shape
+    if k != kw:
+        raise ValueError(f"x has {k} columns but the weight {kw}")
+    if k == 0 or k % 16:
+        raise ValueError(f"K={k}: FP8 GEMMs need K a positive multiple of 16")
+    if x.q.device != weight.q.device:
+        raise ValueError(f"x is on {x.q.device}, the weight on {weight.q.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype != out_dtype or tuple(bias.shape) != (n,):
+            raise TypeError(f"bias must be {out_dtype} of shape ({n},), got {getattr(bias, 'dtype', type(bias))} "
+                            f"{tuple(getattr(bias, 'shape', ()))}")  # fmt: skip
+        if bias.device != x.q.device:
+            raise ValueError(f"bias is on {bias.device}, the operands on {x.q.device}")
+    return m, n
+
+
+def _linear_e4m3(x, weight, bias, activation, out_dtype, fast_accum, out_scale) -> torch.Tensor:
+    """``linear(..., out_scale=)`` (arguments checked but ``out_scale``): the e4m3 codes."""
+    m, n, device = x.q.shape[0], weight.q.shape[0], x.q.device
+    if (not isinstance(out_scale, torch.Tensor) or out_scale.dtype != torch.float32
+            or tuple(out_scale.shape) != (n,) or out_scale.device != device):  # fmt: skip
+        raise TypeError(f"out_scale must be float32 of shape ({n},) on {device}, got "
+                        f"{getattr(out_scale, 'dtype', type(out_scale))} {tuple(getattr(out_scale, 'shape', ()))} "
+                        f"on {getattr(out_scale, 'device', '?')}")  # fmt: skip
+    if device.type == "cuda":
+        ok, why = core.fp8_status(device)
+        if not ok:
+            raise RuntimeError(f"fusedenc.fp8.linear: FP8 GEMMs do not run here: {why}")
+        codes = torch.empty((m, n), dtype=E4M3, device=device)
+        a, w, scale = x.q.contiguous(), weight.q.contiguous(), out_scale.contiguous()
+        b = None if bias is None else bias.contiguous()
+        if m == 0:
+            return codes
+        args = (a.view(torch.uint8), x.scale.contiguous(), w.view(torch.uint8), weight.scale.contiguous(), b,
+                codes.view(torch.uint8), activation)  # fmt: skip
+        if core.sm90_fp8_gemm_applies(*args, fast_accum, scale)[0]:
+            stream = current_stream(device)
+            core.fp8_gemm(*args, True, stream, core.workspace(device, stream), out_scale=scale)
+            return codes
+        y = linear(x, weight, bias, activation, out_dtype=out_dtype, fast_accum=fast_accum).float()
+    else:  # the reference: the activation on the fp32 sum, not rounded to 16 bits first
+        y = scaled_linear(x, weight, None, torch.float32)
+        y = apply_activation(y if bias is None else y + bias.float(), activation)
+    return (y * out_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # saturating; NaN stays NaN
+
+
 #: The GEMMs of an encoder block, by the name ``EncoderBlock.quantize(keep=...)`` takes.
 BLOCK_GEMMS = ("qkv", "out_proj", "ffn1", "ffn2")
 
 
+#: Static scales leave this much room above the largest value calibration saw (one binade:
+#: e4m3's relative precision is the same across its normal range, so headroom costs only
+#: the values 2^15 below the largest, which reach the subnormals).
+CALIBRATION_HEADROOM = 2.0
+
+
+class Calibration:
+    """What ``calibrate`` saw: per encoder block, the largest magnitude of each column of
+    its FFN1 output (FFN2's input) over the sample inputs.  ``EncoderBlock.quantize(
+    "fp8", calibration=...)`` turns it into static scales: FFN1's epilogue writes e4m3
+    with them and FFN2's weight carries their inverse, so no pass quantizes FFN2's input."""
+
+    def __init__(self) -> None:
+        self._amax: dict[int, tuple[Any, torch.Tensor]] = {}
+
+    def observe(self, block: Any, ffn1_out: torch.Tensor) -> None:
+        amax = ffn1_out.detach().abs().amax(dim=0).float()
+        seen = self._amax.get(id(block))
+        self._amax[id(block)] = (block, amax if seen is None else torch.maximum(seen[1], amax))
+
+    def column_scales(self, block: Any) -> Optional[torch.Tensor]:
+        """``block``'s per-column scales (the value a code stands for is ``code * scale``),
+        or None if calibration never ran it.  Raises if it saw NaN or inf there."""
+        seen = self._amax.get(id(block))
+        if seen is None or seen[0] is not block:
+            return None
+        amax = seen[1]
+        if not torch.isfinite(amax).all():
+            raise ValueError("calibration: the block's FFN1 output was not finite on the sample inputs")
+        return torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / E4M3_MAX), torch.ones_like(amax))
+
+
+@contextlib.contextmanager
+def calibrating(blocks: Sequence[Any]) -> Iterator[Calibration]:
+    """Inside, ``blocks`` (EncoderBlocks) run in their own dtype, LayerNorms unfolded, and
+    report their FFN1 outputs to the yielded ``Calibration``."""
+    cal = Calibration()
+    with norm_fold.mode("off"):
+        for b in blocks:
+            b.fp8_observer = cal
+        try:
+            yield cal
+        finally:
+            for b in blocks:
+                b.fp8_observer = None
+
+
+def calibrate(blocks: Sequence[Any], run: Any, sample: Any) -> Calibration:
+    """``run(sample)`` (the model the ``blocks`` belong to, on sample inputs) once, eagerly,
+    recording what ``Calibration`` holds."""
+    with calibrating(blocks) as cal, torch.no_grad():
+        run(sample)
+    return cal
+
+
 class QuantizedWeights:
     """The e4m3 copies of a module's weights, each re-made when its parameter changes
-    (an in-place update, or ``.to()`` moving it): looked up by the parameter itself."""
+    (an in-place update, or ``.to()`` moving it): looked up by the parameter itself.
 
-    def __init__(self, params: dict[str, torch.Tensor], fast_accum: bool = False):
+    ``static``: ``(producer, consumer, scales)`` from calibration: the producer's GEMM
+    writes e4m3 codes of its output divided by ``scales`` (``out_scale``), and the
+    consumer's copy is made from its weight times ``scales`` (per input column)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], fast_accum: bool = False,
+                 static: Optional[tuple[str, str, torch.Tensor]] = None):  # fmt: skip
         self.names = tuple(params)
         self.fast_accum = bool(fast_accum)
+        self.dtype = next(iter(params.values())).dtype if params else None
         self._entries: dict[int, list] = {id(p): [p, None, None] for p in params.values()}
+        self._out_scale: dict[int, torch.Tensor] = {}
+        self._in_scale: dict[int, torch.Tensor] = {}
+        if static is not None:
+            producer, consumer, scales = static
+            self._out_scale[id(params[producer])] = (1.0 / scales).float()
+            self._in_scale[id(params[consumer])] = scales.float()
+
+    def out_scale(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
+        """For the GEMM that writes e4m3 (calibrated): the per-column factor, on ``weight``'s device."""
+        scale = self._out_scale.get(id(weight))
+        if scale is not None and scale.device != weight.device:
+            scale = self._out_scale[id(weight)] = scale.to(weight.device)
+        return scale
 
     def get(self, weight: torch.Tensor) -> Optional[Quantized]:
         """``weight``'s e4m3 copy, or None where that weight stays in its own dtype."""
@@ -220,16 +342,23 @@ class QuantizedWeights:
         stamp = (version, weight.data_ptr(), weight.device)
         if entry[1] != stamp:
             with torch.no_grad():
-                entry[2] = quantize_rows(weight.detach())
+                w = weight.detach()
+                scales = self._in_scale.get(id(weight))
+                if scales is not None:  # the input arrives divided by these: fold them in
+                    scales = self._in_scale[id(weight)] = scales.to(w.device)
+                    w = w.float() * scales[None, :]
+                entry[2] = quantize_rows(w)
             entry[1] = stamp
         return entry[2]
 
 
 def quantize_config(
-    mode: Optional[str], keep: Iterable[str], fast_accum: bool, weight: torch.Tensor, d_model: int, d_ff: int
-) -> Optional[tuple[tuple[str, ...], bool]]:
-    """``EncoderBlock.quantize``'s arguments checked against the block (its ``weight``'s dtype
-    and device, its widths): ``(kept GEMMs, fast_accum)``, or None for ``mode=None``."""
+    block: Any, mode: Optional[str], keep: Iterable[str], fast_accum: bool, calibration: Any = None,
+) -> Optional[tuple[tuple[str, ...], bool, Optional[torch.Tensor]]]:  # fmt: skip
+    """``EncoderBlock.quantize``'s arguments checked against the block (its weights' dtype
+    and device, its widths): ``(kept GEMMs, fast_accum, FFN2 input scales or None)``, or
+    None for ``mode=None``.  ``calibration``: sample inputs of the block (run here) or a
+    ``Calibration`` of the model it belongs to."""
     if mode is None:
         return None
     if mode != "fp8":
@@ -238,24 +367,39 @@ def quantize_config(
     unknown = [k for k in keep if k not in BLOCK_GEMMS]
     if unknown:
         raise ValueError(f"keep names GEMMs {unknown}; the block's are {list(BLOCK_GEMMS)}")
+    weight = block.qkv_weight
     if weight.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"FP8 mode needs a float16 or bfloat16 block; this one is {weight.dtype}")
-    if d_model % 16 or d_ff % 16:
-        raise ValueError(f"FP8 GEMMs need d_model and d_ff multiples of 16, got {d_model} and {d_ff}")
+    if block.d_model % 16 or block.d_ff % 16:
+        raise ValueError(f"FP8 GEMMs need d_model and d_ff multiples of 16, got {block.d_model} and {block.d_ff}")
     if weight.device.type == "cuda":
         ok, why = core.fp8_status(weight.device)
         if not ok:
             raise RuntimeError(f"FP8 does not run on {weight.device}: {why}")
-    return keep, bool(fast_accum)
+    if calibration is None:
+        return keep, bool(fast_accum), None
+    if block.norm_first or "ffn1" in keep or "ffn2" in keep:
+        raise ValueError("calibration sets static scales for FFN2's input, written by FFN1: it needs a post-LN "
+                         "block (norm_first=False) with both FFN GEMMs in FP8 (not in keep)")  # fmt: skip
+    if isinstance(calibration, torch.Tensor):
+        calibration = calibrate([block], block, calibration)
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration must be sample inputs (a tensor) or a fusedenc.fp8.Calibration, got "
+                        f"{type(calibration).__name__}")  # fmt: skip
+    scales = calibration.column_scales(block)
+    if scales is None:
+        raise ValueError("calibration never ran this block (was it part of the model calibrate() ran?)")
+    return keep, bool(fast_accum), scales
 
 
 def quantize_blocks(
     blocks: Sequence[Any], mode: Optional[str], *, keep: Iterable[str] = (),
-    layers: Optional[Iterable[int]] = None, fast_accum: bool = False,
+    layers: Optional[Iterable[int]] = None, fast_accum: bool = False, calibration: Optional[Calibration] = None,
 ) -> None:  # fmt: skip
     """``quantize(mode, ...)`` on ``blocks[i]`` (EncoderBlocks) for ``i`` in ``layers`` (default
     all, negative from the end), ``quantize(None)`` on the others; ``layers`` is checked
-    before any block changes.  What ``EncoderStack.quantize`` and ``Lc0Network.quantize`` do."""
+    before any block changes.  What ``EncoderStack.quantize`` and ``Lc0Network.quantize`` do
+    (``calibration``: what ``calibrate`` saw of the model)."""
     n = len(blocks)
     chosen = set(range(n)) if layers is None else set()
     for i in [] if layers is None else list(layers):
@@ -264,4 +408,4 @@ def quantize_blocks(
         chosen.add(i % n)
     keep = tuple(keep) if not isinstance(keep, str) else (keep,)
     for i, block in enumerate(blocks):
-        block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum)
+        block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum, calibration=calibration)

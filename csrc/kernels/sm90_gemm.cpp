@@ -25,6 +25,8 @@ namespace sm90 {
   bool fp8_##D(const GemmArgs& g, const float* a_scale, const float* w_scale, int sm_count);
 FUSEDENC_SM90_DTYPES(FUSEDENC_DECLARE)
 #undef FUSEDENC_DECLARE
+// fp16 only: e4m3 output (FFN1 writing FFN2's input in the FP8 mode).
+bool fp8out_f16(const GemmArgs& g, const float* a_scale, const float* w_scale, const float* out_scale, int sm_count);
 }  // namespace sm90
 #endif
 
@@ -33,6 +35,7 @@ namespace {
 using NormFn = bool (*)(const GemmArgs&, const NormFold&, int);
 using ResidualFn = bool (*)(const GemmArgs&, const ResidualNorm&, int);
 using Fp8Fn = bool (*)(const GemmArgs&, const float*, const float*, int);
+using Fp8OutFn = bool (*)(const GemmArgs&, const float*, const float*, const float*, int);
 
 // The kernels this build holds for a dtype (all null: none).  The norm and fp8 kernels
 // take every activation as an argument; for fp8 the dtype is the output's.
@@ -40,12 +43,14 @@ struct Kernels {
   NormFn norm = nullptr;
   ResidualFn residual = nullptr;
   Fp8Fn fp8 = nullptr;
+  Fp8OutFn fp8out = nullptr;  // the FP8 kernel writing e4m3 (its dtype: the bias's)
 };
 
 Kernels kernels_for(DType dtype) {
 #ifdef FUSEDENC_HAVE_SM90_GEMM
+  if (dtype == DType::f16) return {&sm90::norm_f16, &sm90::residual_f16, &sm90::fp8_f16, &sm90::fp8out_f16};
 #define FUSEDENC_CASE(D) \
-  if (dtype == DType::D) return {&sm90::norm_##D, &sm90::residual_##D, &sm90::fp8_##D};
+  if (dtype == DType::D) return {&sm90::norm_##D, &sm90::residual_##D, &sm90::fp8_##D, nullptr};
   FUSEDENC_SM90_DTYPES(FUSEDENC_CASE)
 #undef FUSEDENC_CASE
 #else
@@ -173,8 +178,16 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
     if (why) *why = reason;
     return false;
   };
-  if (!kernels_for(f.out_dtype).fp8) return no("no FP8 kernel for this output dtype in this build");
-  if (const char* reason = activation_stays_on_cublaslt(f.act, f.bias != nullptr)) return no(reason);
+  if (f.out_scale) {
+    // e4m3 output: only this kernel writes it, for every activation its epilogue has.
+    if (!kernels_for(f.out_dtype).fp8out) return no("no e4m3-output FP8 kernel for this dtype in this build");
+    if (!in_epilogue(f.act)) return no("an activation the kernel's epilogue does not have");
+    if (f.n % 16 || f.ldd % 16 || reinterpret_cast<uintptr_t>(f.d) % 16 || reinterpret_cast<uintptr_t>(f.out_scale) % 4)
+      return no("e4m3 output: n, its row stride or its address not a multiple of 16 bytes");
+  } else {
+    if (!kernels_for(f.out_dtype).fp8) return no("no FP8 kernel for this output dtype in this build");
+    if (const char* reason = activation_stays_on_cublaslt(f.act, f.bias != nullptr)) return no(reason);
+  }
   if (!f.fast_accum) return no("accurate accumulation asked for: the kernel accumulates fast");
   // e4m3 rows: k and the operands' row strides count bytes; shape_fits checks D's (and the
   // rest: switch, pointers, sizes, device, occupancy) on the 16-bit view.
@@ -185,9 +198,14 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
 }
 
 bool sm90_fp8_gemm(const Fp8GemmArgs& f) {
+  DeviceGuard guard(f.device);
+  if (f.out_scale) {
+    Fp8OutFn out_fn = kernels_for(f.out_dtype).fp8out;
+    if (!out_fn) throw std::invalid_argument("fusedenc sm90 fp8 gemm: no e4m3-output kernel for this dtype");
+    return out_fn(fp8_as_gemm(f), f.a_scale, f.w_scale, f.out_scale, device_facts(f.device).sm_count);
+  }
   Fp8Fn fn = kernels_for(f.out_dtype).fp8;
   if (!fn) throw std::invalid_argument("fusedenc sm90 fp8 gemm: no kernel for this output dtype");
-  DeviceGuard guard(f.device);
   return fn(fp8_as_gemm(f), f.a_scale, f.w_scale, device_facts(f.device).sm_count);
 }
 

@@ -12,6 +12,8 @@
 //             D and D^2 for the LayerNorm that follows (no atomics: deterministic).
 //   fp8:      D = act(a_scale[m] * w_scale[n] * acc + bias[n]) with A and W in e4m3
 //             (fusedenc.fp8's per-row scales; fp8_gemm.h).
+//   fp8 out:  the same, then D = e4m3(out_scale[n] * D) (saturating): the next GEMM's
+//             e4m3 input with static per-column scales (calibration), written here.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -145,6 +147,17 @@ using Fp8Tree = fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, Element, 
         fusion::Sm90EVT<Op<cutlass::multiplies>, RowVec<Tile, float>, fusion::Sm90AccFetch>,  // w_scale * acc
         RowVec<Tile, Element>>>;  // bias (null: 0)
 
+// e4m3(out_scale[n] * act(a_scale[m] * (w_scale[n] * acc) + bias[n])): the activation in
+// fp32 (not rounded to 16 bits first), one saturating conversion (cvt.rn.satfinite).
+template <class Tile, class Element>
+using Fp8OutTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, cutlass::float_e4m3_t, float, kRound>,
+    RowVec<Tile, float>,  // out_scale
+    fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, float, float, kRound>,
+        fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+            ColVec<Tile>,  // a_scale
+            fusion::Sm90EVT<Op<cutlass::multiplies>, RowVec<Tile, float>, fusion::Sm90AccFetch>,  // w_scale * acc
+            RowVec<Tile, Element>>>>;  // bias (null: 0)
+
 // FP8 tiles read 128 bytes of K per stage, like the 16-bit tiles' 64 elements.  Hopper's
 // fast FP8 accumulation (partial sums stay in the tensor cores' accumulator): measured on
 // an H100 at t82's FFN1 (65536 x 2304 x 768, swish) this pingpong kernel takes 326 us,
@@ -155,7 +168,8 @@ using Fp8Config = Config<cute::Shape<cute::_128, cute::_128, cute::_128>, cute::
                          cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
                          cutlass::epilogue::TmaWarpSpecialized>;
 
-template <class Element, class Tree, bool WithC, class Cfg = DefaultConfig, class ElementAB = Element>
+template <class Element, class Tree, bool WithC, class Cfg = DefaultConfig, class ElementAB = Element,
+          class ElementD = Element>
 struct Kernel {
   using ElementAcc = float;
   using LayoutA = cutlass::layout::RowMajor;     // activations [m, k]
@@ -163,13 +177,14 @@ struct Kernel {
   using LayoutD = cutlass::layout::RowMajor;     // output [m, n]
   static constexpr int kAlign = 16 / sizeof(Element);
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   using ElementC = std::conditional_t<WithC, Element, void>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, ElementC, LayoutD, kAlign,
-      Element, LayoutD, kAlign, typename Cfg::EpiSchedule, Tree>::CollectiveOp;
+      ElementD, LayoutD, kAlignD, typename Cfg::EpiSchedule, Tree>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB,
       LayoutB, kAlignAB, ElementAcc, TileShape, ClusterShape,
@@ -283,6 +298,25 @@ bool run_fp8(const GemmArgs& g, const float* a_scale, const float* w_scale, int 
   return launch<typename K::Gemm>(g, sm_count, t);
 }
 
+template <class Element>
+bool run_fp8_out(const GemmArgs& g, const float* a_scale, const float* w_scale, const float* out_scale,
+                 int sm_count) {
+  using K = Kernel<Element, Fp8OutTree<typename Fp8Config::TileShape, Element>, false, Fp8Config,
+                   cutlass::float_e4m3_t, cutlass::float_e4m3_t>;
+  const auto bias = static_cast<const Element*>(g.bias);
+  typename K::EpilogueArgs t{
+      {out_scale, 1.f, {}},                  // out_scale *
+      {                                      // act(
+       {                                     //   a_scale * (w_scale * acc) + bias
+        {a_scale, 1.f, {}},
+        {{w_scale, 1.f, {}}, {}, {}},
+        {bias, Element(0), {}},
+        {}},
+       {g.act}},                             // )
+      {}};
+  return launch<typename K::Gemm>(g, sm_count, t);
+}
+
 }  // namespace sm90
 }  // namespace fusedenc
 
@@ -299,4 +333,10 @@ bool run_fp8(const GemmArgs& g, const float* a_scale, const float* w_scale, int 
   namespace fusedenc { namespace sm90 {                                                           \
   bool NAME(const GemmArgs& g, const float* a_scale, const float* w_scale, int sm_count) {        \
     return run_fp8<ELEMENT>(g, a_scale, w_scale, sm_count);                                       \
+  } } }
+#define FUSEDENC_SM90_FP8_OUT_INSTANCE(NAME, ELEMENT)                                              \
+  namespace fusedenc { namespace sm90 {                                                           \
+  bool NAME(const GemmArgs& g, const float* a_scale, const float* w_scale, const float* out_scale, \
+            int sm_count) {                                                                       \
+    return run_fp8_out<ELEMENT>(g, a_scale, w_scale, out_scale, sm_count);                        \
   } } }

@@ -38,9 +38,11 @@ _status_by_index: dict[int, tuple[bool, str]] = {}
 def sm90_fp8_gemm_applies(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool = False,
+    out_scale: Optional[torch.Tensor] = None,
 ) -> tuple[bool, str]:  # fmt: skip
     """Whether ``fp8_gemm`` with these operands runs the Hopper FP8 epilogue kernel (else
-    cuBLASLt), and if not why.  ``a``/``w``: e4m3 codes (or their uint8 views)."""
+    cuBLASLt), and if not why.  ``a``/``w``: e4m3 codes (or their uint8 views); with
+    ``out_scale``, ``out`` is e4m3 too (only that kernel writes it)."""
     module = native_module()
     if module is None:
         return False, "no native core"
@@ -48,8 +50,8 @@ def sm90_fp8_gemm_applies(
     n = w.shape[0]
     ok, why = module.sm90_fp8_gemm_applies(
         a.device.index, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
-        w_scale.data_ptr(), pointer(bias), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype],
-        ACTIVATION_IDS[activation], bool(fast_accum),
+        w_scale.data_ptr(), pointer(bias), out.data_ptr(), out.stride(0), _dtype_code(out, bias, out_scale),
+        ACTIVATION_IDS[activation], bool(fast_accum), pointer(out_scale),
     )  # fmt: skip
     return bool(ok), str(why)
 
@@ -72,13 +74,21 @@ def fp8_quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, str
 def fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool, stream: int,
-    workspace: torch.Tensor,
+    workspace: torch.Tensor, out_scale: Optional[torch.Tensor] = None,
 ) -> None:  # fmt: skip
-    """``out = act((a @ w^T) * a_scale[:, None] * w_scale[None, :] + bias)`` on e4m3 ``a`` [M, K] and ``w`` [N, K]."""
+    """``out = act((a @ w^T) * a_scale[:, None] * w_scale[None, :] + bias)`` on e4m3 ``a`` [M, K] and ``w`` [N, K];
+    with ``out_scale`` ([N] fp32), ``out`` (uint8 view) gets ``e4m3(out_scale[None, :] * that)``."""
     m, k = a.shape
     n = w.shape[0]
     native_module().fp8_gemm(
         a.device.index, stream, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
-        w_scale.data_ptr(), pointer(bias), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype],
-        ACTIVATION_IDS[activation], fast_accum, workspace.data_ptr(), workspace.numel(),
+        w_scale.data_ptr(), pointer(bias), out.data_ptr(), out.stride(0), _dtype_code(out, bias, out_scale),
+        ACTIVATION_IDS[activation], fast_accum, workspace.data_ptr(), workspace.numel(), pointer(out_scale),
     )  # fmt: skip
+
+
+def _dtype_code(out: torch.Tensor, bias: Optional[torch.Tensor], out_scale: Optional[torch.Tensor]) -> int:
+    """The core's dtype of an FP8 call: the output's, or with e4m3 output the bias's (fp16 without one)."""
+    if out_scale is None:
+        return DTYPE_CODES[out.dtype]
+    return DTYPE_CODES[torch.float16 if bias is None else bias.dtype]

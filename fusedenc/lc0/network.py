@@ -26,7 +26,7 @@ from .. import norm_fold
 from ..activations import apply_activation
 from ..checks import align_elems
 from ..encoder import EncoderBlock
-from ..fp8 import quantize_blocks
+from ..fp8 import calibrate, quantize_blocks
 from ..graphs import BucketedGraphs
 from ..norm import layer_norm
 from ..norm_fold import NormedRows
@@ -266,11 +266,13 @@ class Lc0Network(nn.Module):
 
     def quantize(
         self, mode: Optional[str] = "fp8", *, keep: Sequence[str] = (), layers: Optional[Sequence[int]] = None,
-        fast_accum: bool = False,
+        fast_accum: bool = False, calibration: Optional[torch.Tensor] = None,
     ) -> "Lc0Network":  # fmt: skip
         """The body's GEMMs in FP8 (``EncoderStack.quantize``'s arguments; ``None``: back to the
-        net's dtype).  Embedding, smolgen and heads stay in the net's dtype.  Returns the net."""
-        quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum)
+        net's dtype; ``calibration``: sample input planes, run once for static FFN2 input
+        scales).  Embedding, smolgen and heads stay in the net's dtype.  Returns the net."""
+        cal = None if calibration is None or mode is None else calibrate(self.blocks, self, calibration)
+        quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum, calibration=cal)
         return self
 
     # The stages of ``forward``, public so that a benchmark can time each (``bench/lc0.py

@@ -1,0 +1,236 @@
+"""Static FP8 scales from calibration (issue 21): ``quantize("fp8", calibration=...)`` makes
+FFN1 write FFN2's input in e4m3 with per-column scales (``fp8.linear(..., out_scale=)``) and
+folds those scales into FFN2's weight copy, so no pass quantizes FFN2's input.  CPU tests run
+the reference math; the GPU tests at the end run the kernels (the Hopper FP8 GEMM writing
+e4m3 codes with fast accumulation, the 16-bit result converted after it otherwise)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from encoder_helpers import randomize, stack_formula
+from fusedenc import EncoderBlock, EncoderStack, executors, fp8
+from fusedenc.activations import apply_activation
+from helpers import randn
+
+D, H, F_ = 128, 4, 256
+
+
+def _stack(layers, gen, **kw):
+    s = EncoderStack.build(layers, D, H, F_, activation="swish", residual_alpha=(2 * layers) ** -0.25,
+                           dtype=torch.float16, **kw)  # fmt: skip
+    for b in s.blocks:
+        randomize(b, gen)
+    return s.eval()
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _e4m3_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Distance in e4m3 codes (same sign: adjacent codes are adjacent values)."""
+    g, w = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+    return (g - w).abs()
+
+
+def test_linear_with_out_scale_is_the_scaled_saturated_e4m3_of_the_result(gen):
+    x = fp8.quantize_rows(randn((64, 96), torch.float16, gen=gen) * 4)
+    w = fp8.quantize_rows(randn((48, 96), torch.float16, gen=gen))
+    bias = randn((48,), torch.float16, gen=gen)
+    scale = torch.rand(48, generator=gen) * 4 + 0.05
+    scale[0] = 1e4  # column 0 saturates at +-448
+    codes = fp8.linear(x, w, bias, "swish", out_scale=scale)
+    ref = apply_activation(fp8.scaled_linear(x, w, None, torch.float32) + bias.float(), "swish") * scale
+    assert codes.dtype == fp8.E4M3 and codes.shape == (64, 48)
+    assert torch.equal(codes.view(torch.uint8), ref.clamp(-448, 448).to(fp8.E4M3).view(torch.uint8))
+    assert codes[:, 0].float().abs().max().item() == 448.0
+    with pytest.raises(TypeError, match="out_scale must be float32 of shape"):
+        fp8.linear(x, w, bias, "swish", out_scale=scale[:10])
+    with pytest.raises(ValueError, match="out= writes 16-bit results"):
+        fp8.linear(x, w, bias, out_scale=scale, out=torch.empty(64, 48, dtype=torch.float16))
+
+
+def test_a_calibrated_block_is_its_data_path_with_static_ffn2_input_scales(gen):
+    """FFN1 -> e4m3 codes of f / c (c = headroom * column amax / 448 over the sample), FFN2 on
+    those codes (row scale 1) with the weight copy quantized from W2 * c: the block computes
+    exactly that."""
+    from fusedenc import layer_norm
+    from fusedenc.attention import attention
+
+    b = randomize(EncoderBlock(D, H, F_, activation="mish", residual_alpha=0.6, dtype=torch.float16), gen).eval()
+    sample = randn((4, 64, D), torch.float16, gen=gen)
+    x2 = randn((2 * 64, D), torch.float16, gen=gen)
+    with torch.no_grad():
+        f16 = []
+        orig = executors.OpsExecutor.linear
+
+        def spy(self, x, w, *a, **k):
+            y = orig(self, x, w, *a, **k)
+            if w is b.ffn1_weight:
+                f16.append(y)
+            return y
+
+        executors.OpsExecutor.linear = spy
+        try:
+            b(sample)
+        finally:
+            executors.OpsExecutor.linear = orig
+        amax = f16[0].float().abs().amax(0)
+        c = torch.where(amax > 0, amax * (fp8.CALIBRATION_HEADROOM / fp8.E4M3_MAX), torch.ones_like(amax))
+        b.quantize("fp8", calibration=sample)
+
+        def lin(t, w, bias, act="none"):
+            return fp8.linear(fp8.quantize_rows(t), fp8.quantize_rows(w), bias, act, out_dtype=torch.float16)
+
+        qkv = lin(x2, b.qkv_weight, b.qkv_bias)
+        q, k, v = qkv.view(2, 64, 3, H, -1).unbind(2)
+        h = layer_norm(lin(attention(q, k, v), b.out_weight, b.out_bias), b.norm1_weight, b.norm1_bias,
+                       b.layer_norm_eps, residual=x2, alpha=0.6)  # fmt: skip
+        codes = fp8.linear(fp8.quantize_rows(h), fp8.quantize_rows(b.ffn1_weight), b.ffn1_bias, "mish",
+                           out_scale=(1.0 / c).float())  # fmt: skip
+        g = fp8.linear(fp8.Quantized(codes, torch.ones(codes.shape[0])), fp8.quantize_rows(b.ffn2_weight.float() * c),
+                       b.ffn2_bias)  # fmt: skip
+        want = layer_norm(g, b.norm2_weight, b.norm2_bias, b.layer_norm_eps, residual=h, alpha=0.6)
+        got = b(x2, seq_len=64)
+    assert torch.equal(got, want)
+
+
+def test_a_calibrated_stack_is_as_accurate_as_row_scales_and_skips_ffn2_passes(gen, monkeypatch):
+    s = _stack(4, gen)
+    sample = randn((8, 64, D), torch.float16, gen=gen)
+    x = randn((8, 64, D), torch.float16, gen=gen)  # not the calibration sample
+    ref = stack_formula(s.blocks, x.float(), dtype=torch.float32)
+    dynamic = copy.deepcopy(s).quantize("fp8")(x)
+    s.quantize("fp8", calibration=sample)
+    passes = []
+    real = fp8.quantize_rows
+
+    def spy(t):
+        passes.append(tuple(t.shape))
+        return real(t)
+
+    monkeypatch.setattr(executors.fp8, "quantize_rows", spy)
+    static = s(x)
+    monkeypatch.undo()
+    # QKV, out-projection, FFN1 inputs a layer (CPU: no producer copies); FFN2's none.  The
+    # first call also made the weight copies: 4 a layer, FFN2's from W2 * c.
+    inputs = [p for p in passes if p[0] == 8 * 64]
+    assert len(inputs) == 3 * 4, passes
+    e_dyn, e_static = _rel(dynamic, ref), _rel(static, ref)
+    assert torch.isfinite(static).all() and e_static < 1.25 * e_dyn, (e_static, e_dyn)
+    assert not torch.equal(static, dynamic)
+    s.quantize(None)
+    assert all(b.quantized is None for b in s.blocks)
+
+
+def test_calibration_is_refused_where_it_cannot_apply(gen):
+    s = _stack(2, gen)
+    sample = randn((2, 64, D), torch.float16, gen=gen)
+    with pytest.raises(ValueError, match="post-LN block .* both FFN GEMMs in FP8"):
+        s.quantize("fp8", keep=("ffn2",), calibration=sample)
+    with pytest.raises(ValueError, match="post-LN block"):
+        _stack(1, gen, norm_first=True).quantize("fp8", calibration=sample)
+    with pytest.raises(TypeError, match="sample inputs .* or a fusedenc.fp8.Calibration"):
+        s.blocks[0].quantize("fp8", calibration=[1, 2])
+    other = fp8.calibrate(_stack(1, gen).blocks, lambda t: None, sample)  # saw nothing
+    with pytest.raises(ValueError, match="never ran this block"):
+        s.blocks[0].quantize("fp8", calibration=other)
+    bad = sample.clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        s.quantize("fp8", calibration=bad)
+    assert all(b.quantized is None for b in s.blocks)
+    assert all(b.fp8_observer is None for b in s.blocks)  # calibration left nothing behind
+
+
+def test_a_calibrated_block_survives_copy_and_weight_changes(gen):
+    s = _stack(2, gen).quantize("fp8", calibration=randn((2, 64, D), torch.float16, gen=gen))
+    x = randn((2, 64, D), torch.float16, gen=gen)
+    y = s(x)
+    assert torch.equal(copy.deepcopy(s)(x), y)
+    with torch.no_grad():
+        s.blocks[0].ffn2_weight.mul_(0.5)  # its copy (from W2 * c) is made again
+    assert not torch.equal(s(x), y)
+
+
+def test_an_lc0_net_calibrates_on_sample_planes(tmp_path):
+    from fusedenc.lc0 import load_network
+    from lc0_writer import random_planes, write_preset
+
+    path = tmp_path / "tiny.pb.gz"
+    write_preset(path, "tiny", seed=5)
+    net = load_network(str(path), dtype=torch.float16, device="cpu")
+    g = torch.Generator().manual_seed(2)
+    sample, planes = random_planes(16, g).to(torch.float16), random_planes(6, g).to(torch.float16)
+    base = net(planes)
+    dynamic = net.quantize("fp8")(planes)
+    static = net.quantize("fp8", calibration=sample)(planes)
+    assert all(b.quantized == "fp8" and b.fp8_observer is None for b in net.blocks)
+    assert not torch.equal(static["policy"], dynamic["policy"]) and torch.isfinite(static["policy"]).all()
+    assert torch.allclose(static["wdl"].float().sum(-1), torch.ones(6), atol=1e-2)
+    # as close to fp16 as the dynamic row scales are (random nets: small logits)
+    e_dyn = _rel(dynamic["policy"], base["policy"])
+    assert _rel(static["policy"], base["policy"]) < 1.5 * e_dyn + 1e-3
+    net.quantize(None)
+    assert torch.equal(net(planes)["policy"], base["policy"])
+
+
+# ------------------------------------------------------------ GPU ----
+
+
+def _require_fp8_gpu():
+    from fusedenc import core
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    ok, why = core.fp8_status(torch.device("cuda", torch.cuda.current_device()))
+    if torch.cuda.get_device_capability() == (9, 0) and core.fp8_compiled():
+        assert ok, why
+    if not ok:
+        pytest.skip(f"no FP8 here: {why}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_accum", [True, False], ids=["hopper-kernel", "cublaslt-then-convert"])
+@pytest.mark.parametrize("activation", ["swish", "mish", "relu", "none"])
+def test_gpu_e4m3_output_matches_the_reference_codes(fast_accum, activation, gen):
+    """The Hopper kernel's epilogue (fast accumulation) and the cuBLASLt + convert path against
+    the reference codes: at most one e4m3 step apart (the sums' order, 16-bit rounding in the
+    second path), and rarely that."""
+    from fusedenc import core
+
+    _require_fp8_gpu()
+    m, n, k = 4096, 2304, 768  # a problem that fills the GPU: the Hopper kernel takes it
+    x = fp8.quantize_rows(randn((m, k), torch.float16, gen=gen).cuda())
+    w = fp8.quantize_rows(randn((n, k), torch.float16, gen=gen).cuda())
+    bias = randn((n,), torch.float16, gen=gen).cuda()
+    scale = (torch.rand(n, generator=gen) * 8 + 0.1).cuda()
+    codes = fp8.linear(x, w, bias, activation, fast_accum=fast_accum, out_scale=scale)
+    want = fp8.linear(fp8.Quantized(x.q.cpu(), x.scale.cpu()), fp8.Quantized(w.q.cpu(), w.scale.cpu()), bias.cpu(),
+                      activation, out_scale=scale.cpu())  # fmt: skip
+    ulps = _e4m3_ulps(codes.cpu(), want)
+    assert ulps.max().item() <= 1 and ulps.float().mean().item() < 0.05, (ulps.max(), ulps.float().mean())
+    probe = torch.empty(m, n, dtype=torch.uint8, device="cuda")
+    runs, why = core.sm90_fp8_gemm_applies(x.q, x.scale, w.q, w.scale, bias, probe, activation, fast_accum, scale)
+    if torch.cuda.get_device_capability() == (9, 0) and core.sm90_fp8_gemm_kernels():
+        assert runs == fast_accum, why
+
+
+@pytest.mark.gpu
+def test_gpu_calibrated_stack_matches_the_reference_math(gen):
+    _require_fp8_gpu()
+    s = _stack(4, gen)
+    sample = randn((16, 64, D), torch.float16, gen=gen)
+    x = randn((16, 64, D), torch.float16, gen=gen)
+    ref = stack_formula(s.blocks, x.float(), dtype=torch.float32)
+    cpu = copy.deepcopy(s).quantize("fp8", calibration=sample)(x)
+    for fast in (False, True):
+        g = copy.deepcopy(s).cuda().quantize("fp8", calibration=sample.cuda(), fast_accum=fast)
+        with torch.no_grad():
+            gpu = g(x.cuda()).cpu()
+        assert torch.isfinite(gpu).all()
+        assert _rel(gpu, ref) < 1.25 * _rel(cpu, ref), (fast, _rel(gpu, ref), _rel(cpu, ref))
