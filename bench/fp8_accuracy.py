@@ -203,6 +203,7 @@ LC0_CONFIGS = [
     ("fp8", {}),
     ("fp8, FFN2 fp16", {"keep": ("ffn2",)}),
     ("fp8, ends fp16", {"ends": True}),
+    ("fp8, static FFN2 input", {"static": True}),  # calibration on 256 other random positions
 ]
 
 
@@ -242,7 +243,8 @@ def run_lc0(preset: str, positions: int, seed: int, device: torch.device, chunk:
              "   against fp16:"]  # fmt: skip
     for label, cfg in LC0_CONFIGS:
         layers = range(1, n - 1) if cfg.get("ends") else None
-        net.quantize("fp8", keep=cfg.get("keep", ()), layers=layers)
+        cal = random_planes(256, torch.Generator().manual_seed(seed + 1)).to(device, torch.float16) if cfg.get("static") else None
+        net.quantize("fp8", keep=cfg.get("keep", ()), layers=layers, calibration=cal)
         pol, wdl = run()
         agree = (pol.argmax(-1) == pol16.argmax(-1)).float().mean().item()
         lines.append(f"   {label:24s} {agree * 100:22.2f}% {(wdl - wdl16).abs().max().item():15.4f}")
