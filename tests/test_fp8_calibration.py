@@ -31,15 +31,6 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _e4m3_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """|got - want| in units of e4m3's step at the larger magnitude (2^-9 below the normals):
-    values, not codes, so a near-zero pair of opposite signs counts as the tiny gap it is."""
-    g, w = got.float(), want.float()
-    big = torch.maximum(g.abs(), w.abs()).clamp(min=2.0**-6)
-    step = torch.exp2(torch.floor(torch.log2(big)) - 3)
-    return (g - w).abs() / step
-
-
 def test_linear_with_out_scale_is_the_scaled_saturated_e4m3_of_the_result(gen):
     x = fp8.quantize_rows(randn((64, 96), torch.float16, gen=gen) * 4)
     w = fp8.quantize_rows(randn((48, 96), torch.float16, gen=gen))
@@ -202,22 +193,28 @@ def _require_fp8_gpu():
 @pytest.mark.parametrize("activation", ["swish", "mish", "relu", "none"])
 def test_gpu_e4m3_output_matches_the_reference_codes(fast_accum, activation, gen):
     """The Hopper kernel's epilogue (fast accumulation) and the cuBLASLt + convert path against
-    the reference codes: at most one e4m3 step apart (the sums' order, 16-bit rounding in the
-    second path), and rarely that."""
+    the reference codes: within one e4m3 step of the value plus the GEMM's own absolute error
+    (the fast-accumulation slack of tests/test_fp8_gpu.py, 2^-9 of the largest output, times
+    the column's scale).  Near zero one e4m3 step is 2^-9, smaller than the GEMM's absolute
+    error: a bound of one step alone failed on an H100 (0.5-1.1% of the codes, both paths)."""
     from fusedenc import core
 
     _require_fp8_gpu()
     m, n, k = 4096, 2304, 768  # a problem that fills the GPU: the Hopper kernel takes it
     x = fp8.quantize_rows(randn((m, k), torch.float16, gen=gen).cuda())
-    w = fp8.quantize_rows(randn((n, k), torch.float16, gen=gen).cuda())
-    bias = randn((n,), torch.float16, gen=gen).cuda()
+    w = fp8.quantize_rows(randn((n, k), torch.float16, gen=gen, scale=k**-0.5).cuda())
+    bias = randn((n,), torch.float16, gen=gen, scale=0.5).cuda()
     scale = (torch.rand(n, generator=gen) * 8 + 0.1).cuda()
     codes = fp8.linear(x, w, bias, activation, fast_accum=fast_accum, out_scale=scale)
-    want = fp8.linear(fp8.Quantized(x.q.cpu(), x.scale.cpu()), fp8.Quantized(w.q.cpu(), w.scale.cpu()), bias.cpu(),
-                      activation, out_scale=scale.cpu())  # fmt: skip
-    steps = _e4m3_steps(codes.cpu(), want)
-    off = (steps > 0).float().mean().item()
-    assert steps.max().item() <= 1 and off < 0.05, (steps.max().item(), off)
+    xc, wc = fp8.Quantized(x.q.cpu(), x.scale.cpu()), fp8.Quantized(w.q.cpu(), w.scale.cpu())
+    want = fp8.linear(xc, wc, bias.cpu(), activation, out_scale=scale.cpu())
+    y = apply_activation(fp8.scaled_linear(xc, wc, None, torch.float32) + bias.cpu().float(), activation)
+    slack = 2.0**-9 * y.abs().max().item() * scale.cpu()[None, :]
+    got, ref = codes.cpu().float(), want.float()
+    big = torch.maximum(got.abs(), ref.abs()).clamp(min=2.0**-6)
+    step = torch.exp2(torch.floor(torch.log2(big)) - 3)
+    assert ((got - ref).abs() <= step + slack).all(), ((got - ref).abs() - step - slack).max()
+    assert (got != ref).float().mean().item() < 0.05
     probe = torch.empty(m, n, dtype=torch.uint8, device="cuda")
     runs, why = core.sm90_fp8_gemm_applies(x.q, x.scale, w.q, w.scale, bias, probe, activation, fast_accum, scale)
     if torch.cuda.get_device_capability() == (9, 0) and core.sm90_fp8_gemm_kernels():
