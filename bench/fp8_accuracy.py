@@ -252,6 +252,61 @@ def run_lc0(preset: str, positions: int, seed: int, device: torch.device, chunk:
     return lines
 
 
+def run_hf_bert(batch: int, seed: int, device: torch.device, seq: int = 128) -> list[str]:
+    """Issue 21's HF BERT gate: a bert-base-shaped ``transformers.BertModel`` (random weights,
+    BERT's own initialisation), patched with fusedenc and run in fp16, then with its blocks
+    in FP8 (the modules' FP8 mode: kernels on a GPU, the reference math on CPU); the pooled
+    output (``pooler_output``) and the last hidden states against the fp32 model."""
+    import copy
+
+    import transformers
+
+    from fusedenc import EncoderBlock, fp8, patch_hf
+
+    config = transformers.BertConfig(attn_implementation="sdpa")  # bert-base: 12 x 768, GELU
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        ref = transformers.BertModel(config).eval().to(device)
+    model = patch_hf(copy.deepcopy(ref).half())
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, config.vocab_size, (batch, seq), generator=gen).to(device)
+    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+    for i in range(1, batch, 2):  # padding in every other sequence, of different lengths
+        mask[i, seq - 8 * i % seq:] = 0
+    cal_ids = torch.randint(1000, config.vocab_size, (batch, seq), generator=gen).to(device)
+    blocks = [m for m in model.modules() if isinstance(m, EncoderBlock)]
+
+    def outputs(m):
+        with torch.no_grad():
+            o = m(input_ids=ids, attention_mask=mask)
+        keep = mask.bool()
+        return o.pooler_output.double(), o.last_hidden_state[keep].double()
+
+    def cos_rel(a, b):
+        cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+        return cos, ((a - b).norm() / b.norm()).item()
+
+    pool32, hid32 = outputs(ref)
+    lines = [f"== HF BERT (transformers {transformers.__version__} BertModel, bert-base shape, random weights, "
+             f"fusedenc.patch_hf): {batch} sequences of {seq} tokens, padded, seed {seed}",
+             f"   {'configuration':24s} {'pooled cos':>11s} {'pooled rel':>11s} {'hidden cos':>11s} {'hidden rel':>11s}"]  # fmt: skip
+    configs = [("fp16", None), ("fp8", {}), ("fp8, FFN2 fp16", {"keep": ("ffn2",)}), ("fp8, static FFN2 input", "static")]
+    for label, cfg in configs:
+        for b in blocks:
+            b.quantize(None)
+        if cfg == "static":
+            cal = fp8.calibrate(blocks, lambda t: model(input_ids=t, attention_mask=torch.ones_like(t)), cal_ids)
+            for b in blocks:
+                b.quantize("fp8", calibration=cal)
+        elif cfg is not None:
+            for b in blocks:
+                b.quantize("fp8", **cfg)
+        pool, hid = outputs(model)
+        (pc, pr), (hc, hr) = cos_rel(pool, pool32), cos_rel(hid, hid32)
+        lines.append(f"   {label:24s} {pc:11.6f} {pr * 100:10.2f}% {hc:11.6f} {hr * 100:10.2f}%")
+    return lines
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="t82,bt4,bert-base")
@@ -261,6 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu (emulation only) or cuda (adds the torch._scaled_mm row on sm89+)")
     ap.add_argument("--lc0", default="", help="also Lc0 synthetic nets of these shapes (tiny,t82,bt4): policy/WDL gates")
     ap.add_argument("--positions", type=int, default=1024, help="positions for the Lc0 gates")
+    ap.add_argument("--hf-bert", action="store_true", help="also the HF BERT gate (transformers BertModel, pooled output)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     device = torch.device(args.device)
@@ -280,6 +336,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         lines += run_preset(n, args.batch, args.seed, device) + [""]
     for n in [n for n in args.lc0.split(",") if n]:
         lines += run_lc0(n, args.positions, args.seed, device) + [""]
+    if args.hf_bert:
+        lines += run_hf_bert(args.batch, args.seed, device) + [""]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -205,3 +206,20 @@ def test_fp8_accuracy_tiny(tmp_path):
             rows[line[3:27].strip()] = float(rel.rstrip("%"))
     assert {"fp16", "fp8", "fp8, FFN2 fp16", "fp8 1x128 blocks", "fp8, outliers"} <= set(rows), rows
     assert 0 < rows["fp16"] < rows["fp8"] < 50, rows
+
+
+def test_fp8_accuracy_hf_bert_gate(monkeypatch):
+    """bench/fp8_accuracy.py --hf-bert: a bert-base BertModel patched, in fp16 and FP8 (the
+    modules' mode; CPU: the reference math), pooled output against fp32: fp16 close, every
+    FP8 configuration measurably worse but sane."""
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(BENCH)
+    import fp8_accuracy  # bench/fp8_accuracy.py
+
+    lines = fp8_accuracy.run_hf_bert(2, 0, torch.device("cpu"), seq=32)
+    rows = {line[3:27].strip(): [float(v.rstrip("%")) for v in line[28:].split()] for line in lines[2:]}
+    assert set(rows) == {"fp16", "fp8", "fp8, FFN2 fp16", "fp8, static FFN2 input"}, rows
+    assert rows["fp16"][0] > 0.9999 and rows["fp16"][1] < 0.5, rows
+    for name in ("fp8", "fp8, FFN2 fp16", "fp8, static FFN2 input"):
+        pooled_cos, pooled_rel = rows[name][:2]
+        assert 0.9 < pooled_cos < rows["fp16"][0] and rows["fp16"][1] < pooled_rel < 30, (name, rows)
