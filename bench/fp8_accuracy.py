@@ -235,11 +235,19 @@ def run_lc0(preset: str, positions: int, seed: int, device: torch.device, chunk:
     pol32, wdl32 = run(net32)
     del net32
     n = len(net.blocks)
+    def kld(pol, base) -> float:  # mean KL(base || pol) of the move distributions, nats
+        lp, lb = torch.log_softmax(pol, -1), torch.log_softmax(base, -1)
+        return (lb.exp() * (lb - lp)).sum(-1).mean().item()
+
     agree16 = (pol16.argmax(-1) == pol32.argmax(-1)).float().mean().item()
+    top2 = torch.softmax(pol16, -1).topk(2, dim=-1).values
+    margin = (pol16.topk(2, dim=-1).values[:, 0] - pol16.topk(2, dim=-1).values[:, 1]).median().item()
     lines = [f"== Lc0 {preset}-shaped synthetic net: {n} layers, {positions} random positions, seed {seed}",
-             f"   {'configuration':24s} {'policy top-1 agreement':>23s} {'WDL max |diff|':>15s}",
+             f"   fp16 policy: median top-1 probability {top2[:, 0].median().item():.4f} (uniform: {1 / pol16.shape[-1]:.4f}), "
+             f"median top-1 logit margin {margin:.4f}: how close to ties the argmax sits on this net",
+             f"   {'configuration':24s} {'policy top-1 agreement':>23s} {'WDL max |diff|':>15s} {'policy KLD':>11s}",
              f"   {'fp16 against fp32':24s} {agree16 * 100:22.2f}% {(wdl16 - wdl32).abs().max().item():15.4f}"
-             "   (the metric's floor on this net)",
+             f" {kld(pol16, pol32):11.2e}   (the metric's floor on this net)",
              "   against fp16:"]  # fmt: skip
     for label, cfg in LC0_CONFIGS:
         layers = range(1, n - 1) if cfg.get("ends") else None
@@ -247,7 +255,7 @@ def run_lc0(preset: str, positions: int, seed: int, device: torch.device, chunk:
         net.quantize("fp8", keep=cfg.get("keep", ()), layers=layers, calibration=cal)
         pol, wdl = run()
         agree = (pol.argmax(-1) == pol16.argmax(-1)).float().mean().item()
-        lines.append(f"   {label:24s} {agree * 100:22.2f}% {(wdl - wdl16).abs().max().item():15.4f}")
+        lines.append(f"   {label:24s} {agree * 100:22.2f}% {(wdl - wdl16).abs().max().item():15.4f} {kld(pol, pol16):11.2e}")
     net.quantize(None)
     return lines
 
