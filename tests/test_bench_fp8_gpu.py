@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from fusedenc import core
+from fp8_helpers import require_fp8_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -23,14 +23,7 @@ FP8_ROWS = ("torch-fp8", "torch-fp8-compile", "torch-fp8-compile:reduce-overhead
 
 
 def _require_fp8():
-    if not torch.cuda.is_available():
-        pytest.skip("no GPU")
-    device = torch.device("cuda", torch.cuda.current_device())
-    ok, why = core.fp8_status(device)
-    if torch.cuda.get_device_capability() == (9, 0) and not torch.version.hip and core.fp8_compiled():
-        assert ok, why  # an H100 with an FP8 build must run it
-    if not ok:
-        pytest.skip(f"no FP8 here: {why}")
+    require_fp8_gpu()
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("torch._scaled_mm with row-wise scales needs compute capability 8.9+")
 

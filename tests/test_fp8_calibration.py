@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from encoder_helpers import randomize, stack_formula
-from fusedenc import EncoderBlock, EncoderStack, executors, fp8
+from fp8_helpers import count_quantize_passes, random_stack, rel_err, require_fp8_gpu
+from fusedenc import EncoderBlock, executors, fp8
 from fusedenc.activations import apply_activation
 from helpers import randn
 
@@ -20,15 +21,7 @@ D, H, F_ = 128, 4, 256
 
 
 def _stack(layers, gen, **kw):
-    s = EncoderStack.build(layers, D, H, F_, activation="swish", residual_alpha=(2 * layers) ** -0.25,
-                           dtype=torch.float16, **kw)  # fmt: skip
-    for b in s.blocks:
-        randomize(b, gen)
-    return s.eval()
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    return random_stack(layers, D, H, F_, gen, **kw)
 
 
 def test_linear_with_out_scale_is_the_scaled_saturated_e4m3_of_the_result(gen):
@@ -100,21 +93,14 @@ def test_a_calibrated_stack_is_as_accurate_as_row_scales_and_skips_ffn2_passes(g
     ref = stack_formula(s.blocks, x.float(), dtype=torch.float32)
     dynamic = copy.deepcopy(s).quantize("fp8")(x)
     s.quantize("fp8", calibration=sample)
-    passes = []
-    real = fp8.quantize_rows
-
-    def spy(t):
-        passes.append(tuple(t.shape))
-        return real(t)
-
-    monkeypatch.setattr(executors.fp8, "quantize_rows", spy)
+    passes = count_quantize_passes(monkeypatch)
     static = s(x)
     monkeypatch.undo()
     # QKV, out-projection, FFN1 inputs a layer (CPU: no producer copies); FFN2's none.  The
     # first call also made the weight copies: 4 a layer, FFN2's from W2 * c.
     inputs = [p for p in passes if p[0] == 8 * 64]
     assert len(inputs) == 3 * 4, passes
-    e_dyn, e_static = _rel(dynamic, ref), _rel(static, ref)
+    e_dyn, e_static = rel_err(dynamic, ref), rel_err(static, ref)
     assert torch.isfinite(static).all() and e_static < 1.25 * e_dyn, (e_static, e_dyn)
     assert not torch.equal(static, dynamic)
     s.quantize(None)
@@ -167,25 +153,13 @@ def test_an_lc0_net_calibrates_on_sample_planes(tmp_path):
     assert not torch.equal(static["policy"], dynamic["policy"]) and torch.isfinite(static["policy"]).all()
     assert torch.allclose(static["wdl"].float().sum(-1), torch.ones(6), atol=1e-2)
     # as close to fp16 as the dynamic row scales are (random nets: small logits)
-    e_dyn = _rel(dynamic["policy"], base["policy"])
-    assert _rel(static["policy"], base["policy"]) < 1.5 * e_dyn + 1e-3
+    e_dyn = rel_err(dynamic["policy"], base["policy"])
+    assert rel_err(static["policy"], base["policy"]) < 1.5 * e_dyn + 1e-3
     net.quantize(None)
     assert torch.equal(net(planes)["policy"], base["policy"])
 
 
 # ------------------------------------------------------------ GPU ----
-
-
-def _require_fp8_gpu():
-    from fusedenc import core
-
-    if not torch.cuda.is_available():
-        pytest.skip("no GPU")
-    ok, why = core.fp8_status(torch.device("cuda", torch.cuda.current_device()))
-    if torch.cuda.get_device_capability() == (9, 0) and core.fp8_compiled():
-        assert ok, why
-    if not ok:
-        pytest.skip(f"no FP8 here: {why}")
 
 
 @pytest.mark.gpu
@@ -199,7 +173,7 @@ def test_gpu_e4m3_output_matches_the_reference_codes(fast_accum, activation, gen
     error: a bound of one step alone failed on an H100 (0.5-1.1% of the codes, both paths)."""
     from fusedenc import core
 
-    _require_fp8_gpu()
+    require_fp8_gpu()
     m, n, k = 4096, 2304, 768  # a problem that fills the GPU: the Hopper kernel takes it
     x = fp8.quantize_rows(randn((m, k), torch.float16, gen=gen).cuda())
     w = fp8.quantize_rows(randn((n, k), torch.float16, gen=gen, scale=k**-0.5).cuda())
@@ -223,7 +197,7 @@ def test_gpu_e4m3_output_matches_the_reference_codes(fast_accum, activation, gen
 
 @pytest.mark.gpu
 def test_gpu_calibrated_stack_matches_the_reference_math(gen):
-    _require_fp8_gpu()
+    require_fp8_gpu()
     s = _stack(4, gen)
     sample = randn((16, 64, D), torch.float16, gen=gen)
     x = randn((16, 64, D), torch.float16, gen=gen)
@@ -234,4 +208,4 @@ def test_gpu_calibrated_stack_matches_the_reference_math(gen):
         with torch.no_grad():
             gpu = g(x.cuda()).cpu()
         assert torch.isfinite(gpu).all()
-        assert _rel(gpu, ref) < 1.25 * _rel(cpu, ref), (fast, _rel(gpu, ref), _rel(cpu, ref))
+        assert rel_err(gpu, ref) < 1.25 * rel_err(cpu, ref), (fast, rel_err(gpu, ref), rel_err(cpu, ref))

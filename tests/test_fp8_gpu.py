@@ -12,21 +12,12 @@ import torch
 
 from fusedenc import core, dtypes, fp8
 from fusedenc.activations import apply_activation
+from fp8_helpers import require_fp8_gpu
 from helpers import assert_close_rule, poisoned, randn
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-
-
-def _require():
-    if not torch.cuda.is_available():
-        pytest.skip("no GPU")
-    ok, why = core.fp8_status(torch.device(DEV, torch.cuda.current_device()))
-    if torch.cuda.get_device_capability() == (9, 0) and core.fp8_compiled():
-        assert ok, why  # an H100 with an FP8 build must run it
-    if not ok:
-        pytest.skip(f"no FP8 here: {why}")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -38,7 +29,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_quantize_kernel_matches_the_reference_bit_for_bit(dtype, rows, k, gen):
     """Both kernels: a warp per row from registers (16-byte rows up to 2048 fp16 / 1024 fp32
     values) and a block per row for the rest (k = 1, 4096, 4104; fp32 past 1024)."""
-    _require()
+    require_fp8_gpu()
     x = randn((rows, k), torch.float32, gen=gen) * torch.logspace(-4, 4, rows)[:, None]  # every row size
     x = x.to(dtype)
     got = fp8.quantize_rows(x.to(DEV))
@@ -49,7 +40,7 @@ def test_quantize_kernel_matches_the_reference_bit_for_bit(dtype, rows, k, gen):
 
 
 def test_quantize_kernel_special_rows_and_strided_input():
-    _require()
+    require_fp8_gpu()
     wide = torch.randn(6, 80, dtype=torch.float16)
     wide[0] = 0  # zeros: scale 1, codes 0
     wide[1, 10] = float("nan")  # NaN spoils its row
@@ -105,7 +96,7 @@ ACTS = ["none", "relu", "gelu_tanh", "swish", "mish", "gelu"]
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m, n, k", [(64, 96, 64), (1, 256, 128), (1000, 2304, 768), (333, 768, 2304)])
 def test_fp8_linear_matches_the_float64_sum_of_the_codes(activation, out_dtype, m, n, k, gen):
-    _require()
+    require_fp8_gpu()
     x, w, b = _operands(m, n, k, gen, out_dtype)
     out = poisoned((m, n), out_dtype, DEV)
     got = fp8.linear(_to_gpu(x), _to_gpu(w), b.to(DEV), activation, out_dtype=out_dtype, out=out)
@@ -116,7 +107,7 @@ def test_fp8_linear_matches_the_float64_sum_of_the_codes(activation, out_dtype, 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 def test_fp8_linear_without_bias_fast_accum_and_empty(with_bias, gen):
-    _require()
+    require_fp8_gpu()
     m, n, k = 512, 1024, 1024
     x, w, b = _operands(m, n, k, gen, torch.float16, with_bias)
     bg = None if b is None else b.to(DEV)
@@ -134,7 +125,7 @@ def test_fp8_linear_without_bias_fast_accum_and_empty(with_bias, gen):
 
 
 def test_fp8_linear_refuses_bad_gpu_arguments(gen):
-    _require()
+    require_fp8_gpu()
     x, w, b = _operands(16, 32, 64, gen, torch.float16)
     xg, wg = _to_gpu(x), _to_gpu(w)
     with pytest.raises(ValueError, match="x is on"):
@@ -150,7 +141,7 @@ def test_fp8_linear_refuses_bad_gpu_arguments(gen):
 
 
 def test_fp8_linear_in_a_cuda_graph(gen):
-    _require()
+    require_fp8_gpu()
     x, w, b = _operands(256, 512, 256, gen, torch.float16)
     xg, wg, bg = _to_gpu(x), _to_gpu(w), b.to(DEV)
     out = poisoned((256, 512), torch.float16, DEV)
@@ -175,7 +166,7 @@ def test_hopper_fp8_epilogue_kernel_and_its_cublaslt_twin(activation, out_dtype,
     FP8 kernel's epilogue on problems that fill the GPU; with it switched off, cuBLASLt (fast)
     + the activation pass.  Both within the rule against the float64 sum of the codes, plus
     the fast-accumulation slack of the test above (2^-9 of the output's range)."""
-    _require()
+    require_fp8_gpu()
     from fusedenc import testing
 
     m, n, k = 2048, 2304, 768
@@ -201,7 +192,7 @@ def test_hopper_fp8_epilogue_kernel_and_its_cublaslt_twin(activation, out_dtype,
 
 
 def test_hopper_fp8_kernel_declines_what_it_cannot_run(gen):
-    _require()
+    require_fp8_gpu()
     x, w, b = _operands(2048, 2304, 768, gen, torch.float16)
     xg, wg, bg = _to_gpu(x), _to_gpu(w), b.to(DEV)
     out = torch.empty((2048, 2304), dtype=torch.float16, device=DEV)

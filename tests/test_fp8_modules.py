@@ -13,21 +13,15 @@ import torch
 
 import fusedenc.testing
 from encoder_helpers import randomize, stack_formula
-from fusedenc import EncoderBlock, EncoderStack, executors, fp8
+from fp8_helpers import random_stack, rel_err
+from fusedenc import EncoderBlock, executors, fp8
 from helpers import randn
 
 D, H, F_ = 128, 4, 256
 
 
-def _stack(layers, gen, dtype=torch.float16, **kw):
-    s = EncoderStack.build(layers, D, H, F_, activation="swish", residual_alpha=(2 * layers) ** -0.25, dtype=dtype, **kw)
-    for b in s.blocks:
-        randomize(b, gen)
-    return s.eval()
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+def _stack(layers, gen, **kw):
+    return random_stack(layers, D, H, F_, gen, **kw)
 
 
 def _count_fp8_gemms(monkeypatch):
@@ -51,7 +45,7 @@ def test_a_quantized_stack_runs_its_gemms_in_fp8_within_the_measured_error(gen, 
     assert s.quantize("fp8") is s and all(b.quantized == "fp8" for b in s.blocks)
     y8 = s(x)
     assert calls == [(3 * D, D), (D, D), (F_, D), (D, F_)] * 4  # QKV, out, FFN1, FFN2 per layer
-    e16, e8 = _rel(y16, ref), _rel(y8, ref)
+    e16, e8 = rel_err(y16, ref), rel_err(y8, ref)
     # fp16: ~0.06% here; row-wise FP8 on this 4-layer, 128-wide random stack: 4.0% (narrow K
     # averages less of each row's rounding away than t82's 768: 1.7% after 15 layers there).
     assert e16 < 0.005 and 10 * e16 < e8 < 0.06, (e16, e8)
@@ -156,13 +150,13 @@ def test_a_quantized_stack_on_the_gpu_matches_the_reference_math(gen):
     one = _stack(1, gen)
     cpu1 = copy.deepcopy(one).quantize("fp8")(x)
     gpu1 = copy.deepcopy(one).cuda().quantize("fp8")(x.cuda()).cpu()
-    assert torch.isfinite(gpu1).all() and _rel(gpu1, cpu1) < 0.01, _rel(gpu1, cpu1)
+    assert torch.isfinite(gpu1).all() and rel_err(gpu1, cpu1) < 0.01, rel_err(gpu1, cpu1)
     s = _stack(4, gen)
     ref = stack_formula(s.blocks, x.float(), dtype=torch.float32)
     cpu = copy.deepcopy(s).quantize("fp8")(x)
     gpu = copy.deepcopy(s).cuda().quantize("fp8")(x.cuda()).cpu()
     assert torch.isfinite(gpu).all()
-    assert _rel(gpu, ref) < 1.25 * _rel(cpu, ref), (_rel(gpu, ref), _rel(cpu, ref), _rel(gpu, cpu))
+    assert rel_err(gpu, ref) < 1.25 * rel_err(cpu, ref), (rel_err(gpu, ref), rel_err(cpu, ref), rel_err(gpu, cpu))
 
 
 def test_an_lc0_net_quantizes_its_body(tmp_path, monkeypatch):
@@ -195,4 +189,4 @@ def test_a_stack_made_under_inference_mode_quantizes(gen):
         y16 = s(x)
         y8 = s.quantize("fp8")(x)
     assert torch.isfinite(y8).all() and not torch.equal(y8, y16)
-    assert _rel(y8, y16) < 0.06
+    assert rel_err(y8, y16) < 0.06

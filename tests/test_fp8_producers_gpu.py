@@ -12,22 +12,12 @@ import pytest
 import torch
 
 import fusedenc.testing
-from encoder_helpers import randomize
-from fusedenc import EncoderStack, core, executors, fp8
+from fp8_helpers import count_quantize_passes, random_stack, require_fp8_gpu
+from fusedenc import core, fp8
 from fusedenc.device import current_stream
 from helpers import randn
 
 DEV = "cuda"
-
-
-def _require():
-    if not torch.cuda.is_available():
-        pytest.skip("no GPU")
-    ok, why = core.fp8_status(torch.device(DEV, torch.cuda.current_device()))
-    if torch.cuda.get_device_capability() == (9, 0) and core.fp8_compiled():
-        assert ok, why  # an H100 with an FP8 build must run it
-    if not ok:
-        pytest.skip(f"no FP8 here: {why}")
 
 
 def _layer_norm_fp8(x, w, b, *, residual=None, sum_out=None, alpha=1.0, eps=1e-5, q_out=None, q_scale=None):
@@ -48,7 +38,7 @@ def _layer_norm_fp8(x, w, b, *, residual=None, sum_out=None, alpha=1.0, eps=1e-5
 def test_layer_norm_writes_the_codes_quantize_rows_makes_of_its_output(dtype, rows, cols, gen):
     """Every kernel shape: several rows a warp (64, 128), a warp a row (768, 1024), a block a
     row (4096, 16384).  Rows at scales 1e-3 .. 1e3 through weight, a large residual mean."""
-    _require()
+    require_fp8_gpu()
     x = randn((rows, cols), dtype, gen=gen).to(DEV)
     res = (randn((rows, cols), torch.float32, gen=gen) + 100.0).to(dtype).to(DEV)
     w = (randn((cols,), torch.float32, gen=gen) * torch.logspace(-3, 3, cols)).to(dtype).to(DEV)
@@ -65,7 +55,7 @@ def test_layer_norm_writes_the_codes_quantize_rows_makes_of_its_output(dtype, ro
 
 @pytest.mark.gpu
 def test_layer_norm_fp8_with_the_residual_sum_and_special_rows():
-    _require()
+    require_fp8_gpu()
     rows, cols = 6, 256
     x = torch.randn(rows, cols, dtype=torch.float16, device=DEV)
     w = torch.ones(cols, dtype=torch.float16, device=DEV)
@@ -85,7 +75,7 @@ def test_layer_norm_fp8_with_the_residual_sum_and_special_rows():
 
 @pytest.mark.gpu
 def test_layer_norm_fp8_refuses_bad_buffers():
-    _require()
+    require_fp8_gpu()
     rows, cols = 8, 128
     x = torch.randn(rows, cols, dtype=torch.float16, device=DEV)
     q = torch.empty(rows, cols, dtype=torch.uint8, device=DEV)
@@ -101,15 +91,6 @@ def test_layer_norm_fp8_refuses_bad_buffers():
         _layer_norm_fp8(x, None, None, q_out=q, q_scale=x.view(torch.float32)[0, :rows])
 
 
-def _stack(layers, gen, norm_first=False):
-    d, h, f = 256, 4, 512
-    s = EncoderStack.build(layers, d, h, f, activation="swish", residual_alpha=(2 * layers) ** -0.25,
-                           norm_first=norm_first, dtype=torch.float16, device=DEV)  # fmt: skip
-    for b in s.blocks:
-        randomize(b, gen)
-    return s.eval()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-ln", "pre-ln"])
 @pytest.mark.parametrize("fast_accum", [False, True], ids=["accurate", "fast"])
@@ -118,20 +99,13 @@ def test_a_quantized_stack_takes_the_layer_norms_fp8_copies(norm_first, fast_acc
     quantization passes with them: post-LN, only the out-projection's and FFN2's inputs and
     the stack's first input; pre-LN, the out-projection's (its FFN2 carries the residual and
     stays in fp16)."""
-    _require()
+    require_fp8_gpu()
     layers = 3
-    s = _stack(layers, gen, norm_first).quantize("fp8", fast_accum=fast_accum)
+    s = random_stack(layers, 256, 4, 512, gen, norm_first=norm_first, device=DEV).quantize("fp8", fast_accum=fast_accum)
     x = randn((32, 64, 256), torch.float16, gen=gen).to(DEV)
     with torch.no_grad():
         s(x)  # the first call makes the weights' e4m3 copies (quantize_rows too): not counted
-    passes = []
-    real = fp8.quantize_rows
-
-    def spy(t):
-        passes.append(tuple(t.shape))
-        return real(t)
-
-    monkeypatch.setattr(executors.fp8, "quantize_rows", spy)
+    passes = count_quantize_passes(monkeypatch)
     with torch.no_grad():
         with fusedenc.testing.fp8_producers_disabled():
             base = s(x)
