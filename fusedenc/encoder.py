@@ -137,7 +137,7 @@ class EncoderBlock(nn.Module):
         self._plans: dict = {}
         self._plans_lock = threading.Lock()
         self._fold_cache = norm_fold.FoldCache()  # QKV and FFN1 weights with a LayerNorm folded in
-        self._fp8_config: Optional[tuple] = None  # (kept GEMMs, fast_accum) while quantized
+        self._fp8_config: Optional[tuple] = None  # fp8.quantize_config's result while quantized
         self._fp8: Optional[fp8.QuantizedWeights] = None
         self.fp8_observer: Optional[fp8.Calibration] = None  # set while fp8.calibrating runs the block
 

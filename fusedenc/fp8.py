@@ -162,24 +162,14 @@ def linear(
         if out.device != device or (n > 1 and out.stride(1) != 1):
             raise ValueError(f"out must be on {device} with unit column stride")
     if device.type == "cuda":
-        ok, why = core.fp8_status(device)
-        if not ok:
-            raise RuntimeError(f"fusedenc.fp8.linear: FP8 GEMMs do not run here: {why}")
+        _require_fp8(device)
         if out is None:
             out = torch.empty((m, n), dtype=out_dtype, device=device)
         if m == 0:
             return out
-        a, w = x.q, weight.q
-        if a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16:
-            a = a.contiguous()
-        if w.stride(1) != 1 or w.stride(0) % 16 or w.data_ptr() % 16:
-            w = w.contiguous()
-        b = None if bias is None else bias.contiguous()
         stream = current_stream(device)
-        core.fp8_gemm(
-            a.view(torch.uint8), x.scale.contiguous(), w.view(torch.uint8), weight.scale.contiguous(), b, out,
-            activation, bool(fast_accum), stream, core.workspace(device, stream),
-        )  # fmt: skip
+        core.fp8_gemm(*_gpu_operands(x, weight, bias), out, activation, bool(fast_accum), stream,
+                      core.workspace(device, stream))  # fmt: skip
         return out
     y = scaled_linear(x, weight, None, torch.float32)
     if bias is not None:
@@ -214,6 +204,24 @@ def _check_linear(x: Quantized, weight: Quantized, bias: Optional[torch.Tensor],
     return m, n
 
 
+def _require_fp8(device: torch.device) -> None:
+    ok, why = core.fp8_status(device)
+    if not ok:
+        raise RuntimeError(f"fusedenc.fp8.linear: FP8 GEMMs do not run here: {why}")
+
+
+def _gpu_operands(x: Quantized, weight: Quantized, bias: Optional[torch.Tensor]) -> tuple:
+    """``core.fp8_gemm``'s first five arguments: the codes as uint8 with 16-byte rows (copied
+    dense where a stride or the address is not), the scales and the bias contiguous."""
+    a, w = x.q, weight.q
+    if a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16:
+        a = a.contiguous()
+    if w.stride(1) != 1 or w.stride(0) % 16 or w.data_ptr() % 16:
+        w = w.contiguous()
+    b = None if bias is None else bias.contiguous()
+    return a.view(torch.uint8), x.scale.contiguous(), w.view(torch.uint8), weight.scale.contiguous(), b
+
+
 def _linear_e4m3(x, weight, bias, activation, out_dtype, fast_accum, out_scale) -> torch.Tensor:
     """``linear(..., out_scale=)`` (arguments checked but ``out_scale``): the e4m3 codes."""
     m, n, device = x.q.shape[0], weight.q.shape[0], x.q.device
@@ -223,16 +231,12 @@ def _linear_e4m3(x, weight, bias, activation, out_dtype, fast_accum, out_scale) 
                         f"{getattr(out_scale, 'dtype', type(out_scale))} {tuple(getattr(out_scale, 'shape', ()))} "
                         f"on {getattr(out_scale, 'device', '?')}")  # fmt: skip
     if device.type == "cuda":
-        ok, why = core.fp8_status(device)
-        if not ok:
-            raise RuntimeError(f"fusedenc.fp8.linear: FP8 GEMMs do not run here: {why}")
+        _require_fp8(device)
         codes = torch.empty((m, n), dtype=E4M3, device=device)
-        a, w, scale = x.q.contiguous(), weight.q.contiguous(), out_scale.contiguous()
-        b = None if bias is None else bias.contiguous()
         if m == 0:
             return codes
-        args = (a.view(torch.uint8), x.scale.contiguous(), w.view(torch.uint8), weight.scale.contiguous(), b,
-                codes.view(torch.uint8), activation)  # fmt: skip
+        scale = out_scale.contiguous()
+        args = (*_gpu_operands(x, weight, bias), codes.view(torch.uint8), activation)
         if core.sm90_fp8_gemm_applies(*args, fast_accum, scale)[0]:
             stream = current_stream(device)
             core.fp8_gemm(*args, True, stream, core.workspace(device, stream), out_scale=scale)
