@@ -138,12 +138,20 @@ def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return math.inf if math.isnan(err) else err
 
 
-def check_impl(impl: Impl, x: torch.Tensor, ref: torch.Tensor, base: float, atol: float, slack: float) -> dict:
+def _checked_output(impl: Impl, x: torch.Tensor, ref: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[dict]]:
+    """``impl``'s output on ``x`` (its own copy), or the failed check when its shape is not ``ref``'s."""
     out = impl.call(x)
     if impl.output_is_view:
         out = out.clone()
     if tuple(out.shape) != tuple(ref.shape):
-        return {"passed": False, "reason": f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}"}
+        return None, {"passed": False, "reason": f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}"}
+    return out, None
+
+
+def check_impl(impl: Impl, x: torch.Tensor, ref: torch.Tensor, base: float, atol: float, slack: float) -> dict:
+    out, failed = _checked_output(impl, x, ref)
+    if failed:
+        return failed
     err = max_abs_err(out, ref)
     bound = slack * 2 * base + atol
     result = {"max_abs_err": err, "bound": bound, "finite": bool(torch.isfinite(out).all())}
@@ -162,11 +170,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_fp8_impl(impl: Impl, x: torch.Tensor, ref: torch.Tensor, emulated: float, slack: float) -> dict:
     """The FP8 rule: relative error within ``slack`` times emulated FP8's on the same net, plus FP8_FLOOR."""
-    out = impl.call(x)
-    if impl.output_is_view:
-        out = out.clone()
-    if tuple(out.shape) != tuple(ref.shape):
-        return {"passed": False, "reason": f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}"}
+    out, failed = _checked_output(impl, x, ref)
+    if failed:
+        return failed
     err = rel_err(out, ref)
     bound = slack * emulated + FP8_FLOOR
     result = {"rel_err": err, "bound": bound, "finite": bool(torch.isfinite(out).all()),
