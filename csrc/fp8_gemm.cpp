@@ -192,14 +192,14 @@ void fp8_gemm(const Fp8GemmArgs& g) {
   std::string why;
   if (!fp8_gemm_status(g.device, &why)) throw std::runtime_error("fusedenc fp8_gemm: " + why);
 #if FUSEDENC_HAS_FP8_GEMM
-  // An activation cuBLASLt cannot fuse: the Hopper kernel applies it in its epilogue
-  // instead of a pass over the output (as gemm() does for 16-bit GEMMs).
-  if (g.out_scale) {  // e4m3 output: that kernel or nothing (fusedenc.fp8 asks first)
+  if (g.out_scale) {  // e4m3 output: the Hopper kernel or nothing (fusedenc.fp8 asks first)
     const char* no = "";
     if (!sm90_fp8_gemm_applies(g, &no)) bad(std::string("e4m3 output does not run here: ") + no);
     if (!sm90_fp8_gemm(g)) bad("e4m3 output: CUTLASS refused the problem");
     return;
   }
+  // An activation cuBLASLt cannot fuse: the Hopper kernel applies it in its epilogue
+  // instead of a pass over the output (as gemm() does for 16-bit GEMMs).
   if (sm90_fp8_gemm_applies(g) && sm90_fp8_gemm(g)) return;
   DeviceGuard guard(g.device);
   Fp8Key key;

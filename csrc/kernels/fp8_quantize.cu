@@ -2,6 +2,7 @@
 // value spoils its row's scale as in the reference), pass 2 writes the codes.  The
 // second read of the row hits L1/L2: rows are at most a few KB.
 #include "fp8_quantize.h"
+#include "fp8_rows.cuh"
 
 #include <stdexcept>
 #include <string>
@@ -20,16 +21,14 @@ __device__ __forceinline__ float load<gpu_half>(const gpu_half* p) { return __ha
 template <>
 __device__ __forceinline__ float load<gpu_bf16>(const gpu_bf16* p) { return __bfloat162float(*p); }
 
-// The larger magnitude, NaN winning over everything.
-__device__ __forceinline__ float amax_combine(float m, float a) { return (a > m || a != a) ? a : m; }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(Fp8QuantizeArgs args) {
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(args.x) + row * args.ldx;
   float m = 0.f;
-  for (int64_t i = threadIdx.x; i < args.k; i += kThreads) m = amax_combine(m, fabsf(load(x + i)));
-  for (int off = FUSEDENC_WARP_SIZE / 2; off > 0; off /= 2) m = amax_combine(m, gpu_shfl_xor(m, off));
+  for (int64_t i = threadIdx.x; i < args.k; i += kThreads) m = fp8_amax_combine(m, fabsf(load(x + i)));
+  for (int off = FUSEDENC_WARP_SIZE / 2; off > 0; off /= 2) m = fp8_amax_combine(m, gpu_shfl_xor(m, off));
   __shared__ float warp_max[kThreads / 32];
   __shared__ float row_scale;
   const int warp = threadIdx.x / FUSEDENC_WARP_SIZE, lane = threadIdx.x % FUSEDENC_WARP_SIZE;
@@ -37,15 +36,15 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(Fp8QuantizeArgs 
   __syncthreads();
   if (threadIdx.x == 0) {
     float r = warp_max[0];
-    for (int w = 1; w < kThreads / FUSEDENC_WARP_SIZE; ++w) r = amax_combine(r, warp_max[w]);
-    const float s = r == 0.f ? 1.f : __fdiv_rn(r, 448.f);
+    for (int w = 1; w < kThreads / FUSEDENC_WARP_SIZE; ++w) r = fp8_amax_combine(r, warp_max[w]);
+    const float s = fp8_row_scale(r);
     row_scale = s;
     args.scale[row] = s;
   }
   __syncthreads();
   const float s = row_scale;
   gpu_fp8_e4m3* q = reinterpret_cast<gpu_fp8_e4m3*>(args.q + row * args.ldq);
-  for (int64_t i = threadIdx.x; i < args.k; i += kThreads) q[i] = gpu_to_e4m3(__fdiv_rn(load(x + i), s));
+  for (int64_t i = threadIdx.x; i < args.k; i += kThreads) q[i] = fp8_code(load(x + i), s);
 }
 
 // The fast path: one warp per row, the row held in registers (16-byte loads, at most
@@ -78,11 +77,11 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_warp_kernel(F
     if (i < nvec) {
       vals[j] = x[i];
 #pragma unroll
-      for (int e = 0; e < V; ++e) m = amax_combine(m, fabsf(load(&vals[j].v[e])));
+      for (int e = 0; e < V; ++e) m = fp8_amax_combine(m, fabsf(load(&vals[j].v[e])));
     }
   }
-  for (int off = FUSEDENC_WARP_SIZE / 2; off > 0; off /= 2) m = amax_combine(m, gpu_shfl_xor(m, off));
-  const float s = m == 0.f ? 1.f : __fdiv_rn(m, 448.f);
+  for (int off = FUSEDENC_WARP_SIZE / 2; off > 0; off /= 2) m = fp8_amax_combine(m, gpu_shfl_xor(m, off));
+  const float s = fp8_row_scale(m);
   if (lane == 0) args.scale[row] = s;
   struct alignas(V) Codes {
     gpu_fp8_e4m3 c[V];
@@ -94,7 +93,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_warp_kernel(F
     if (i < nvec) {
       Codes out;
 #pragma unroll
-      for (int e = 0; e < V; ++e) out.c[e] = gpu_to_e4m3(__fdiv_rn(load(&vals[j].v[e]), s));
+      for (int e = 0; e < V; ++e) out.c[e] = fp8_code(load(&vals[j].v[e]), s);
       q[i] = out;
     }
   }

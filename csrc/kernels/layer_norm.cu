@@ -31,6 +31,7 @@
 // lanes: groups smaller than a warp are aligned and the xor offsets stay below
 // G; groups larger than a warp are whole warps.
 #include "layer_norm.h"
+#include "fp8_rows.cuh"
 #include "vectors.cuh"
 
 #include <cmath>
@@ -88,28 +89,25 @@ __device__ __forceinline__ void group_sum(float (&v)[N], int group_shift, float*
   }
 }
 
-// The larger magnitude, NaN winning over everything (fp8_quantize.cu's rule).
-__device__ __forceinline__ float amax_combine(float m, float a) { return (a > m || a != a) ? a : m; }
-
-// group_sum's shape for the row's largest magnitude (amax_combine instead of +).
+// group_sum's shape for the row's largest magnitude (fp8_amax_combine instead of +).
 __device__ __forceinline__ void group_amax(float& v, int group_shift, float* scratch) {
   constexpr int kWarp = FUSEDENC_WARP_SIZE;
   const int group = 1 << group_shift;
   const int width = group < kWarp ? group : kWarp;
-  for (int offset = width / 2; offset > 0; offset /= 2) v = amax_combine(v, gpu_shfl_xor(v, offset));
+  for (int offset = width / 2; offset > 0; offset /= 2) v = fp8_amax_combine(v, gpu_shfl_xor(v, offset));
   if (group > kWarp) {
     const int warp = threadIdx.x / kWarp;
     const int first = (threadIdx.x >> group_shift) * (group / kWarp);
     if (threadIdx.x % kWarp == 0) scratch[warp] = v;
     __syncthreads();
     float m = 0.f;
-    for (int w = 0; w < group / kWarp; ++w) m = amax_combine(m, scratch[first + w]);
+    for (int w = 0; w < group / kWarp; ++w) m = fp8_amax_combine(m, scratch[first + w]);
     v = m;
   }
 }
 
-// One vector's e4m3 codes: x / scale, IEEE division, rounded to nearest even (the
-// quantization kernel's math, so the codes are bit-identical to quantizing `out`).
+// One vector's e4m3 codes (fp8_rows.cuh: the quantization kernel's rule, so the codes are
+// bit-identical to quantizing `out`).
 template <int kV>
 struct alignas(kV) Codes {
   uint8_t c[kV];
@@ -119,7 +117,7 @@ __device__ __forceinline__ Codes<V::size> fp8_codes(const V& o, float scale) {
   Codes<V::size> q;
 #if FUSEDENC_HAS_FP8_GEMM
 #pragma unroll
-  for (int j = 0; j < V::size; ++j) q.c[j] = gpu_to_e4m3(__fdiv_rn(to_float(o.v[j]), scale)).__x;
+  for (int j = 0; j < V::size; ++j) q.c[j] = fp8_code(to_float(o.v[j]), scale).__x;
 #else
   (void)o; (void)scale;  // never launched: the host refuses q_out without FP8
 #endif
@@ -242,7 +240,7 @@ layer_norm_kernel(const T* __restrict__ x, const T* residual, const T* __restric
         if (weight) y *= to_float(wv.v[j]);
         if (bias) y += to_float(bv.v[j]);
         o[c].v[j] = from_float<T>(y);
-        if (kFp8) amax = amax_combine(amax, fabsf(to_float(o[c].v[j])));
+        if (kFp8) amax = fp8_amax_combine(amax, fabsf(to_float(o[c].v[j])));
       }
       store_vec(out + row * s.ldo + column(c), o[c]);
     }
@@ -252,7 +250,7 @@ layer_norm_kernel(const T* __restrict__ x, const T* residual, const T* __restric
   // 6. The FP8 copy: the row's scale from the rounded outputs, then their codes.
   group_amax(amax, s.group_shift, scratch + 3 * kMaxWarpsPerBlock);
   if (!live) return;
-  const float scale = amax == 0.f ? 1.f : __fdiv_rn(amax, 448.f);
+  const float scale = fp8_row_scale(amax);
   if (lane == 0) q_scale[row] = scale;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {

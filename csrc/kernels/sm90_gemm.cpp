@@ -191,9 +191,9 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
   if (!f.fast_accum) return no("accurate accumulation asked for: the kernel accumulates fast");
   // e4m3 rows: k and the operands' row strides count bytes; shape_fits checks D's (and the
   // rest: switch, pointers, sizes, device, occupancy) on the 16-bit view.
-  if (f.k % 16 || f.lda % 16 || f.ldw % 16) return no("k, n or a row stride not a multiple of 16 bytes");
+  if (f.k % 16 || f.lda % 16 || f.ldw % 16) return no("k or an operand's row stride not a multiple of 16 bytes");
   if (reinterpret_cast<uintptr_t>(f.a_scale) % 4 || reinterpret_cast<uintptr_t>(f.w_scale) % 4)
-    return no("an operand not 16-byte aligned");
+    return no("a scale vector not 4-byte aligned");
   return shape_fits(fp8_as_gemm(f), why, true);
 }
 

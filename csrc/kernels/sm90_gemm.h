@@ -85,6 +85,8 @@ bool sm90_fold_applies(const GemmArgs& args, const char** why = nullptr);
 // one cuBLASLt fuses, not one that runs faster as a pass) on problems that fill the GPU.
 // Its main loop accumulates fast (Hopper's FP8 accumulator, as cuBLASLt's fast_accum), so
 // only calls that ask for fast accumulation come here; accurate ones stay on cuBLASLt.
+// With out_scale (e4m3 output) it is the only kernel that writes it: every activation its
+// epilogue has (none included), fp16 bias, n and D's row stride multiples of 16.
 bool sm90_fp8_gemm_applies(const Fp8GemmArgs& args, const char** why = nullptr);
 // Returns false, having launched nothing, where CUTLASS refuses the problem.
 bool sm90_fp8_gemm(const Fp8GemmArgs& args);
