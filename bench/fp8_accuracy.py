@@ -290,10 +290,6 @@ def run_hf_bert(batch: int, seed: int, device: torch.device, seq: int = 128) -> 
         keep = mask.bool()
         return o.pooler_output.double(), o.last_hidden_state[keep].double()
 
-    def cos_rel(a, b):
-        cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
-        return cos, ((a - b).norm() / b.norm()).item()
-
     pool32, hid32 = outputs(ref)
     lines = [f"== HF BERT (transformers {transformers.__version__} BertModel, bert-base shape, random weights, "
              f"fusedenc.patch_hf): {batch} sequences of {seq} tokens, padded, seed {seed}",
@@ -310,7 +306,7 @@ def run_hf_bert(batch: int, seed: int, device: torch.device, seq: int = 128) -> 
             for b in blocks:
                 b.quantize("fp8", **cfg)
         pool, hid = outputs(model)
-        (pc, pr), (hc, hr) = cos_rel(pool, pool32), cos_rel(hid, hid32)
+        (pc, pr), (hc, hr) = _metrics(pool, pool32), _metrics(hid, hid32)
         lines.append(f"   {label:24s} {pc:11.6f} {pr * 100:10.2f}% {hc:11.6f} {hr * 100:10.2f}%")
     return lines
 
