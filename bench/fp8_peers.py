@@ -172,18 +172,16 @@ def fusedenc_fp8_status(device: torch.device) -> tuple[bool, str]:
     return (True, "") if device.type != "cuda" else core.fp8_status(device)
 
 
-def make_fusedenc_fp8(
-    model: TorchEncoder, run: Run, device: torch.device, batches: list[int], graph: bool, fast_accum: bool,
-    static: bool = False,
-) -> Impl:
-    """The fusedenc rows' EncoderStack (same weights), ``.quantize("fp8")``; eager or graphs."""
+def make_fusedenc_fp8(model: TorchEncoder, run: Run, device: torch.device, batches: list[int], name: str) -> Impl:
+    """The fusedenc rows' EncoderStack (same weights), ``.quantize("fp8")`` as the row ``name``
+    (one of the fusedenc-fp8 rows of ``FP8_IMPLS``) says; eager or graphs."""
+    graph, static = name in GRAPH_IMPLS, name == "fusedenc-fp8-static"
+    fast_accum = static or name == "fusedenc-fp8-fast"
     calibration = None
     if static:  # its own random sequences: the checked input is not what the scales saw
         g = torch.Generator().manual_seed(1234)
         calibration = torch.randn(64, run.seq_len, run.preset.d_model, generator=g).to(device, run.dtype)
     stack = load_fusedenc_stack(model, run, device).quantize("fp8", fast_accum=fast_accum, calibration=calibration)
-    name = "fusedenc-fp8-static" if static else (
-        "fusedenc-fp8-fast" if fast_accum else ("fusedenc-fp8-graph" if graph else "fusedenc-fp8"))
     how = 'EncoderStack.quantize("fp8"' + (", fast_accum=True" if fast_accum else "") + (
         ", calibration=64 random sequences)" if static else ")")
     if not graph:
@@ -216,10 +214,7 @@ def builders(
                 out[key] = lambda m, mode=mode: make_compile(torch_fp8_model(m, out_dtype), mode, compile_dynamic,
                                                              name="torch-fp8-compile")  # fmt: skip
         else:
-            graph, static = name in GRAPH_IMPLS, name == "fusedenc-fp8-static"
-            fast = static or name == "fusedenc-fp8-fast"
-            out[name] = lambda m, graph=graph, fast=fast, static=static: make_fusedenc_fp8(
-                m, run, device, batches, graph, fast, static)
+            out[name] = lambda m, name=name: make_fusedenc_fp8(m, run, device, batches, name)
     return out
 
 

@@ -157,7 +157,7 @@ def test_fusedenc_fp8_on_cpu_runs_the_reference_math_and_passes_the_check(gen):
     run = expand(["tiny"], torch.float16)[0]
     with torch.inference_mode():
         model, x, ref, emulated = _check_setup(gen)
-        impl = fp8_peers.make_fusedenc_fp8(model, run, CPU, [4], graph=False, fast_accum=False)
+        impl = fp8_peers.make_fusedenc_fp8(model, run, CPU, [4], "fusedenc-fp8")
         assert all(b.quantized == "fp8" for b in impl.call.blocks)
         c = nps.check_fp8_impl(impl, x, ref, emulated, slack=1.5)
         assert c["passed"] is True and 0.8 < c["x_emulated"] < 1.2, c
