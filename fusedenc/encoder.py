@@ -363,23 +363,22 @@ class EncoderBlock(nn.Module):
             return norm_fold.materialize(pending, self.layer_norm_eps)
         return self._run(ex, plan, x2, batch, seq, attn_bias, key_padding_mask)
 
-    def folded_rows(self, rows, batch, seq, attn_bias=None, key_padding_mask=None, executor=None):
+    def folded_rows(self, rows, batch, seq, attn_bias=None, key_padding_mask=None, executor=None, after_qkv=None):
         """The block on ``[T, D]`` rows with both LayerNorms folded into its GEMMs
         (``norm_fold``): ``rows`` plain or a ``norm_fold.NormedRows`` (pending the previous
         block's norm), the result pending this block's norm2 (``norm_fold.materialize``
-        makes it plain).  For callers that chain blocks themselves (``fusedenc.lc0``);
-        ``norm_fold.applies`` says when to.  Checks like ``forward``."""
+        makes it plain), for callers that chain blocks (``fusedenc.lc0``).  ``after_qkv()`` runs once QKV
+        is enqueued, before attention reads ``attn_bias`` (a filler on another stream joins there)."""
         if self.norm_first:
             raise ValueError("folded_rows runs post-LN blocks only (norm_first=False)")
         z = rows.z if isinstance(rows, norm_fold.NormedRows) else rows
         prepared = self._prepared(z, batch, seq, attn_bias, key_padding_mask, executor)
         if prepared is None:
             raise ValueError("folded_rows needs at least one row")
-        return self._run_folded(*prepared, rows, batch, seq, attn_bias, key_padding_mask)
+        return self._run_folded(*prepared, rows, batch, seq, attn_bias, key_padding_mask, after_qkv)
 
-    def _run_folded(self, ex, attn_plan, rows, batch, seq, attn_bias, key_padding_mask):
-        """The post-LN data path with both LayerNorms folded into the GEMMs (norm_fold.py):
-        ``rows`` plain or pending the previous block's norm2; returns rows pending norm2."""
+    def _run_folded(self, ex, attn_plan, rows, batch, seq, attn_bias, key_padding_mask, after_qkv=None):
+        """The post-LN path with both LayerNorms folded into the GEMMs (``folded_rows``)."""
         alpha, eps, act = self.residual_alpha, self.layer_norm_eps, self.activation
         p = self._parameters
         kw = {"stream": ex.stream, "workspace": ex.workspace} if isinstance(ex, NativeExecutor) else {}
@@ -387,6 +386,8 @@ class EncoderBlock(nn.Module):
             qkv = ex.linear(rows, p["qkv_weight"], p["qkv_bias"])
         else:
             qkv = norm_fold.norm_linear(rows, p["qkv_weight"], p["qkv_bias"], "none", self._fold_cache, **kw)
+        if after_qkv is not None:
+            after_qkv()
         a = ex.attention(attn_plan, qkv, batch, seq, self.n_heads, attn_bias, key_padding_mask)
         # h = LN1(rows + alpha * (a Wo^T + bo)), pending; the FFN reads it through its fold.
         h = norm_fold.residual_linear(
@@ -400,8 +401,7 @@ class EncoderBlock(nn.Module):
     def _run(self, ex, attn_plan, x2, batch, seq, attn_bias, key_padding_mask):
         """The data path, once for both executors (see the module docstring)."""
         alpha, eps, act = self.residual_alpha, self.layer_norm_eps, self.activation
-        # Parameters straight from the registry: nn.Module.__getattr__ costs
-        # about half a microsecond per lookup, and this path makes a dozen.
+        # Parameters straight from the registry (nn.Module.__getattr__: ~0.5 us a lookup, a dozen here).
         p = self._parameters
         if not self.norm_first:
             qkv = ex.linear(x2, p["qkv_weight"], p["qkv_bias"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 from lc0_writer import random_planes, write_preset
 
+from fusedenc.testing import layer_norm_folding
 from fusedenc.dtypes import ATOL
 from fusedenc.lc0 import Lc0FileError, Lc0GraphRunner, load_network, read_net
 from fusedenc.lc0.reference import reference_forward
@@ -72,6 +73,25 @@ def test_t82_shaped_net_fp16_on_the_gpu(tmp_path, gen):
     path = tmp_path / "t82.pb.gz"
     write_preset(path, "t82", seed=5)
     _check(path, torch.float16, "cuda", 16, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset, batch", [("tiny", 8), ("t82", 16)])
+@pytest.mark.parametrize("side_sms", [0, 8])
+def test_the_folded_body_with_smolgen_beside_qkv(tmp_path, preset, batch, side_sms, gen):
+    """The body's LayerNorms folded into its GEMMs (forced at these small sizes), each layer's
+    smolgen before its block (0) or on a side stream on 8 SMs while the QKV GEMM runs on
+    the rest: eager and as a graph, held to the reference like the plain path."""
+
+    def beside(net):
+        net.smolgen_side_sms = side_sms
+        return net
+
+    path = tmp_path / f"{preset}.pb.gz"
+    write_preset(path, preset, seed=7)
+    with layer_norm_folding("force"):
+        _check(path, torch.float16, "cuda", batch, gen, run=beside)
+        _check(path, torch.float16, "cuda", batch, gen, run=lambda net: beside(net).graph_runner((batch,)))
 
 
 def test_the_graph_runner_refuses_what_it_cannot_run(tiny_path):

@@ -180,11 +180,34 @@ def test_switch_off_gives_the_cublaslt_path_and_the_same_result(gen):
     assert_close_rule(unfused, ref, same, torch.float16, what="cuBLASLt + pass")
 
 
+def test_an_sm_limit_sends_small_problems_to_the_hopper_kernel(gen):
+    """``core.set_sm90_sm_limit(n)``: the occupancy rule counts n SMs, so a GEMM too small
+    for the whole chip (smolgen's dense1 at 256 positions) runs on the Hopper kernel with
+    a grid of at most n CTAs; the limit is per thread and restored."""
+    _require_kernels(torch.float16, "swish")
+    x, w, b = _operands(256, 2048, 256, torch.float16, gen)
+    out = poisoned((256, 256), torch.float16, DEVICE)
+    assert not core.sm90_gemm_applies(x, w, b, out, "swish")[0]
+    previous = core.set_sm90_sm_limit(8)
+    try:
+        assert core.sm90_gemm_applies(x, w, b, out, "swish")[0]
+        fusedenc.linear(x, w, b, "swish", out=out)
+    finally:
+        assert core.set_sm90_sm_limit(previous) == 8
+    assert previous == 0 and not core.sm90_gemm_applies(x, w, b, out, "swish")[0]
+    _check(out, x, w, b, "swish", what=f"sm90 on 8 SMs, seed {gen.seed_value}")
+    with pytest.raises(ValueError, match="SM limit must be >= 0"):
+        core.set_sm90_sm_limit(-1)
+
+
 def test_small_and_unaligned_problems_stay_on_cublaslt(gen):
     _require_kernels(torch.float16, "swish")
     x, w, b = _operands(256, 768, 256, torch.float16, gen)  # 2 output tiles: too few
     out = torch.empty((256, 256), dtype=torch.float16, device=DEVICE)
     assert core.sm90_gemm_applies(x, w, b, out, "swish") == (False, "too few output tiles to fill the GPU")
+    x, w, b = _operands(16384, 768, 32, torch.float16, gen)  # the Lc0 value head's embedding
+    out = torch.empty((16384, 32), dtype=torch.float16, device=DEVICE)
+    assert core.sm90_gemm_applies(x, w, b, out, "mish") == (False, "fewer than 64 output columns")
     x, w, b = _operands(16384, 768, 2304, torch.float16, gen)
     out = torch.empty((16384, 2304), dtype=torch.float16, device=DEVICE)
     assert core.sm90_gemm_applies(x, w, b, out, "gelu_tanh") == (False, "cuBLASLt fuses this activation itself")

@@ -74,7 +74,7 @@ __all__ = [
     "native_module",
     "plan_cache_info",
     "pointer",
-    "set_plan_cache_limit",
+    "set_plan_cache_limit", "set_sm90_sm_limit",
     "norm_stats",
     "sm90_fold_applies",
     "sm90_fold_fits",
@@ -587,6 +587,7 @@ from .fp8 import (  # noqa: E402
 )
 from .hopper import (  # noqa: E402
     norm_stats,
+    set_sm90_sm_limit,
     sm90_fold_applies,
     sm90_fold_fits,
     sm90_gemm_applies,

@@ -129,6 +129,20 @@ def sm90_gemm_applies(
     ))  # fmt: skip
 
 
+def set_sm90_sm_limit(n: int) -> int:
+    """From now on this thread's Hopper kernels use at most ``n`` SMs (0: all; their
+    persistent grids shrink, and GEMMs too small to fill the chip run there too: cuBLASLt's
+    grids cannot be limited);
+    returns the previous limit.  For work split between streams (``fusedenc.lc0``'s smolgen
+    beside the QKV GEMM).  A no-op without the native core."""
+    module = native_module()
+    if module is None:
+        return 0
+    previous = module.sm90_sm_limit()
+    module.set_sm90_sm_limit(n)
+    return previous
+
+
 @contextlib.contextmanager
 def sm90_gemm_disabled() -> Iterator[None]:
     """Send every GEMM to cuBLASLt (+ the activation pass) inside: the A/B switch for the

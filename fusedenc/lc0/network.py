@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import norm_fold
+from .. import core, norm_fold
 from ..activations import apply_activation
 from ..checks import align_elems
 from ..encoder import EncoderBlock
@@ -39,6 +39,12 @@ from .schema import MovesLeftFormat, ValueFormat
 from .support import check_supported
 
 __all__ = ["Lc0GraphRunner", "Lc0Network", "load_network"]
+
+# Smolgen beside the QKV GEMM (Lc0Network._folded_layer_beside): SMs left to it, by batch.
+# Measured on an H100 (bench/NOTES.md): at 256 positions (16384 rows) 8 SMs gain 1-2% (4 are
+# too few for the chain to finish inside QKV, 12 send dense1 to cuBLASLt, whose clustered
+# kernels wait for a free GPC); at 1024 positions no count gains, so smolgen runs before.
+_SIDE_SMS_ROWS, _SIDE_SMS_SMALL, _SIDE_SMS_LARGE = 16384, 8, 0
 
 
 def _param(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
@@ -96,17 +102,28 @@ class _Smolgen(nn.Module):
     def forward(self, x: Union[torch.Tensor, NormedRows]) -> torch.Tensor:
         """``x``: the layer input ``[B, 64, D]``, or its rows pending a LayerNorm (the body's
         folded path, ``norm_fold``), which compress reads through the fold."""
+        c, b = self.compress_rows(x)
+        return self.expand(self.generate(c, b), b)
+
+    def compress_rows(self, x: Union[torch.Tensor, NormedRows]) -> tuple[torch.Tensor, int]:
+        """(compress(x) ``[B * 64, hidden_channels]``, B)."""
         if isinstance(x, NormedRows):
-            b = x.z.shape[0] // 64
-            c = norm_fold.norm_linear(x, self.compress.weight, None, "none", self.fold_cache)
-        else:  # [B, 64, D], or its rows [B * 64, D]
-            b = x.shape[0] if x.dim() == 3 else x.shape[0] // 64
-            c = self.compress(x)
-        c = c.reshape(b, 64 * self.hidden_channels)
-        h = self.ln2(self.dense2(self.ln1(self.dense1(c))))
-        gen = h.view(b * self.heads, -1)
-        # One GEMM straight into the [B, H, 64, 64] layout the attention call reads.
-        return torch.mm(gen, self.global_w.t()).view(b, self.heads, 64, 64)
+            return norm_fold.norm_linear(x, self.compress.weight, None, "none", self.fold_cache), x.z.shape[0] // 64
+        b = x.shape[0] if x.dim() == 3 else x.shape[0] // 64  # [B, 64, D], or its rows [B * 64, D]
+        return self.compress(x), b
+
+    def generate(self, c: torch.Tensor, b: int) -> torch.Tensor:
+        """Compressed rows -> the per-head ``gen`` vectors ``[B * H, gen]`` (small GEMMs and LayerNorms)."""
+        h = self.ln2(self.dense2(self.ln1(self.dense1(c.reshape(b, 64 * self.hidden_channels)))))
+        return h.view(b * self.heads, -1)
+
+    def expand(self, gen: torch.Tensor, b: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``gen`` times the global weight: one GEMM straight into the ``[B, H, 64, 64]`` layout
+        the attention call reads (into ``out`` when given)."""
+        if out is None:
+            return torch.mm(gen, self.global_w.t()).view(b, self.heads, 64, 64)
+        torch.mm(gen, self.global_w.t(), out=out.view(b * self.heads, 64 * 64))
+        return out
 
 
 class _FFN(nn.Module):
@@ -167,6 +184,10 @@ class Lc0Network(nn.Module):
         eps = BODY_LAYER_NORM_EPS
         kw = {"dtype": dtype, "device": device}
         self.d_model, self.heads, self.dtype = d, heads, dtype
+        # SMs smolgen's small kernels get beside each QKV GEMM (None: by batch size; 0: none,
+        # smolgen runs before its block).  The side streams are made on first use, per device.
+        self.smolgen_side_sms: Optional[int] = None
+        self._side_streams: dict = {}
 
         # Embedding.
         e64 = w["ip_emb_preproc_b"].numel()
@@ -256,13 +277,56 @@ class Lc0Network(nn.Module):
             # The body's LayerNorms folded into its GEMMs (norm_fold): each layer's input
             # stays pending, and smolgen's compress reads it through the fold too.
             pending = rows
+            side_sms = self._side_sms(rows)
             for i, block in enumerate(self.blocks):
-                pending = block.folded_rows(pending, b, 64, self.attention_bias(i, pending))
+                if side_sms and not isinstance(self.smolgen[i], nn.Identity):
+                    pending = self._folded_layer_beside(i, pending, b, side_sms)
+                else:
+                    pending = block.folded_rows(pending, b, 64, self.attention_bias(i, pending))
             x = norm_fold.materialize(pending, self.blocks[-1].layer_norm_eps).view(x.shape)
         else:
             for i in range(len(self.blocks)):
                 x = self.layer(i, x)
         return self.head_outputs(x)
+
+    def _side_sms(self, rows: torch.Tensor) -> int:
+        """SMs for smolgen's small kernels beside the QKV GEMM (0: smolgen runs before the block)."""
+        if rows.device.type != "cuda" or not core.active_on(rows.device) or self.smolgen_w is None:
+            return 0
+        if self.smolgen_side_sms is not None:
+            return self.smolgen_side_sms
+        return _SIDE_SMS_SMALL if rows.shape[0] <= _SIDE_SMS_ROWS else _SIDE_SMS_LARGE
+
+    def _folded_layer_beside(self, i: int, pending, b: int, side_sms: int):
+        """Folded layer ``i`` with smolgen's latency-bound middle (dense1, LN1, dense2, LN2: ~30 us
+        of small kernels a layer at t82 256) on a side stream and ``side_sms`` SMs while the QKV
+        GEMM runs on the others; the global GEMM (the whole chip) runs between QKV and attention."""
+        smolgen, device = self.smolgen[i], pending.z.device if isinstance(pending, NormedRows) else pending.device
+        main = torch.cuda.current_stream(device)
+        side = self._side_streams.get(device.index)
+        if side is None:
+            side = self._side_streams[device.index] = torch.cuda.Stream(device)
+        # Compress reads every row: on the few SMs it would outlast QKV (measured), so it stays here.
+        c, _ = smolgen.compress_rows(pending)  # read by the side stream: referenced until the join
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            outer = core.set_sm90_sm_limit(side_sms)
+            try:
+                gen = smolgen.generate(c, b)
+            finally:
+                core.set_sm90_sm_limit(outer)
+        bias = torch.empty((b, self.heads, 64, 64), dtype=gen.dtype, device=device)
+
+        def join() -> None:
+            core.set_sm90_sm_limit(outer)
+            main.wait_stream(side)
+            smolgen.expand(gen, b, out=bias)
+
+        core.set_sm90_sm_limit(torch.cuda.get_device_properties(device).multi_processor_count - side_sms)
+        try:
+            return self.blocks[i].folded_rows(pending, b, 64, bias, after_qkv=join)
+        finally:
+            core.set_sm90_sm_limit(outer)
 
     def quantize(
         self, mode: Optional[str] = "fp8", *, keep: Sequence[str] = (), layers: Optional[Sequence[int]] = None,
@@ -282,7 +346,9 @@ class Lc0Network(nn.Module):
         b = planes.shape[0]
         x = planes.permute(0, 2, 3, 1).reshape(b, 64, 112)
         pos = self.preproc(x[:, :, :12].reshape(b, 64 * 12).contiguous()).view(b, 64, -1)
-        x = torch.cat([x, pos], dim=-1)
+        # The transposed planes made contiguous first: the concatenation of two contiguous
+        # tensors is the vectorized copy (measured on an H100 at bt4 1024: 94 us against 175).
+        x = torch.cat([x.contiguous(), pos], dim=-1)
         x = self.ip_emb_ln(self.ip_emb(x))
         if self.mult_gate is not None and self.add_gate is not None:
             x = torch.addcmul(self.add_gate, x, self.mult_gate)  # one pass for both gates
