@@ -227,13 +227,18 @@ class Lc0Network(nn.Module):
         self.pol_scale = 1.0 / math.sqrt(pd)
         vh = net.value_heads()["winner"]
         self.wdl = net.value_format == ValueFormat.WDL
-        vc = vh["ip_val_b"].numel()
-        self.val_embed = _Dense(vh["ip_val_w"], vh["ip_val_b"], vc, acts["default"], **kw)
+        self.val_channels = vc = vh["ip_val_b"].numel()
+        self.has_moves_left = net.moves_left_format == MovesLeftFormat.V1
+        embed_w, embed_b = vh["ip_val_w"].view(vc, -1), vh["ip_val_b"]
+        if self.has_moves_left:
+            # The value and moves-left embeddings read the same rows: one GEMM for both
+            # (measured on an H100 at t82 256 positions: 16 us against 25 for two).
+            embed_w = torch.cat([embed_w, w["ip_mov_w"].view(w["ip_mov_b"].numel(), -1)])
+            embed_b = torch.cat([embed_b, w["ip_mov_b"]])
+        self.val_embed = _Dense(embed_w, embed_b, embed_b.numel(), acts["default"], **kw)  # value [+ moves-left]
         self.val_dense1 = _Dense(vh["ip1_val_w"], vh["ip1_val_b"], vh["ip1_val_b"].numel(), acts["default"], **kw)
         self.val_dense2 = _Dense(vh["ip2_val_w"], vh["ip2_val_b"], vh["ip2_val_b"].numel(), "none", **kw)
-        self.has_moves_left = net.moves_left_format == MovesLeftFormat.V1
         if self.has_moves_left:
-            self.mov_embed = _Dense(w["ip_mov_w"], w["ip_mov_b"], w["ip_mov_b"].numel(), acts["default"], **kw)
             self.mov_dense1 = _Dense(w["ip1_mov_w"], w["ip1_mov_b"], w["ip1_mov_b"].numel(), acts["default"], **kw)
             self.mov_dense2 = _Dense(w["ip2_mov_w"], w["ip2_mov_b"], 1, "none", **kw)
 
@@ -371,11 +376,12 @@ class Lc0Network(nn.Module):
         """The body's output ``[B, 64, d_model]`` -> the heads' outputs (``forward``'s dict)."""
         b = x.shape[0]
         out = {"policy": self._policy(x)}
-        v = self.val_dense1(self.val_embed(x).reshape(b, -1))
+        embedded = self.val_embed(x)  # [B, 64, value channels (+ moves-left channels)]
+        v = self.val_dense1(embedded[..., : self.val_channels].reshape(b, -1))
         v = self.val_dense2(v)
         out["wdl" if self.wdl else "value"] = torch.softmax(v.float(), -1).to(v.dtype) if self.wdl else torch.tanh(v)
         if self.has_moves_left:
-            m = self.mov_dense1(self.mov_embed(x).reshape(b, -1))
+            m = self.mov_dense1(embedded[..., self.val_channels :].reshape(b, -1))
             out["moves_left"] = F.relu(self.mov_dense2(m))
         return out
 
