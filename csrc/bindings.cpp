@@ -336,6 +336,13 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   }, "Output dtypes the Hopper FP8 epilogue GEMM was compiled for.");
+  m.def("sm90_fp8_e4m3_output_kernels", [] {
+    py::list out;
+    for (DType d : {DType::f16, DType::bf16}) {
+      if (sm90_fp8_e4m3_output_compiled(d)) out.append(dtype_name(d));
+    }
+    return out;
+  }, "Bias dtypes the Hopper FP8 GEMM writing e4m3 (static output scales) was compiled for.");
   m.def("clear_fp8_plan_cache", &clear_fp8_plan_cache);
 
   m.def("gemm", &gemm_binding, py::arg("device"), py::arg("stream"), py::arg("m"), py::arg("n"),

@@ -65,6 +65,8 @@ def capabilities() -> dict[str, Any]:
         "quantize": "fusedenc row-wise e4m3 kernel" if compiled else None,
         # Output dtypes of the Hopper FP8 GEMM with the activation in its epilogue (sm90).
         "sm90_epilogue_gemm": core.sm90_fp8_gemm_kernels() if compiled else [],
+        # ... and of its form writing e4m3 with static column scales (a calibrated FFN1 -> FFN2).
+        "sm90_e4m3_output": core.fp8.sm90_fp8_e4m3_output_kernels() if compiled else [],
         "runs_here": False,
         "reason": "",
     }

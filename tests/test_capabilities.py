@@ -113,3 +113,15 @@ def test_python_m_fusedenc_says_what_was_built_and_whether_it_runs():
         assert "no native core" in lines[0] and any("to build it:" in line for line in lines), proc.stdout
     else:
         assert core.library_info()["library"] in lines[0], proc.stdout
+
+
+def test_the_fp8_section_says_what_this_build_holds():
+    fp8 = fusedenc.capabilities()["fp8"]
+    compiled = core.fp8_compiled()
+    assert (fp8["gemm"] is not None) == compiled and (fp8["quantize"] is not None) == compiled
+    assert fp8["sm90_epilogue_gemm"] == (core.sm90_fp8_gemm_kernels() if compiled else [])
+    assert fp8["sm90_e4m3_output"] == (core.fp8.sm90_fp8_e4m3_output_kernels() if compiled else [])
+    # The e4m3-output form is a form of the epilogue GEMM: never listed without it.
+    assert set(fp8["sm90_e4m3_output"]) <= set(fp8["sm90_epilogue_gemm"])
+    if not torch.cuda.is_available():
+        assert fp8["runs_here"] is False and "no GPU" in fp8["reason"]

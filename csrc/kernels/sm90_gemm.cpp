@@ -196,6 +196,7 @@ GemmArgs fp8_as_gemm(const Fp8GemmArgs& f) {
 }  // namespace
 
 bool sm90_fp8_gemm_compiled(DType out_dtype) { return kernels_for(out_dtype).fp8 != nullptr; }
+bool sm90_fp8_e4m3_output_compiled(DType dtype) { return kernels_for(dtype).fp8out != nullptr; }
 
 bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
   auto no = [&](const char* reason) {

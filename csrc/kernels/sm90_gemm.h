@@ -91,6 +91,8 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& args, const char** why = nullptr);
 // Returns false, having launched nothing, where CUTLASS refuses the problem.
 bool sm90_fp8_gemm(const Fp8GemmArgs& args);
 bool sm90_fp8_gemm_compiled(DType out_dtype);
+// Whether this build holds the e4m3-output form (out_scale) for a bias of `dtype`.
+bool sm90_fp8_e4m3_output_compiled(DType dtype);
 
 // A/B switch (fusedenc.testing / FUSEDENC_SM90_GEMM=0): off sends every GEMM to cuBLASLt.
 void set_sm90_gemm_enabled(bool on);

@@ -62,6 +62,13 @@ def sm90_fp8_gemm_kernels() -> list[str]:
     return [str(d) for d in module.sm90_fp8_gemm_kernels()] if module else []
 
 
+def sm90_fp8_e4m3_output_kernels() -> list[str]:
+    """Bias dtypes of the Hopper FP8 GEMM that writes e4m3 codes with static column scales
+    (FFN1 feeding a calibrated FFN2, ``fusedenc.fp8``); empty without it."""
+    module = native_module()
+    return [str(d) for d in module.sm90_fp8_e4m3_output_kernels()] if module else []
+
+
 def fp8_quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, stream: int) -> None:
     """Rows of 2-D ``x`` (unit column stride) into e4m3 codes ``q`` (uint8 view) and fp32 ``scale``."""
     rows, k = x.shape
