@@ -241,8 +241,8 @@ class EncoderBlock(nn.Module):
         in the block's dtype.  ``keep``: GEMMs that stay in the block's dtype (names in
         ``fp8.BLOCK_GEMMS``).  ``fast_accum``: Hopper's faster, less precise accumulation.
         ``calibration`` (post-LN, both FFN GEMMs in FP8): sample inputs or an
-        ``fp8.Calibration``; FFN1 then writes FFN2's input in e4m3 with static per-column
-        scales.  LayerNorm folding is off while quantized.  Needs a float16/bfloat16 block,
+        ``fp8.Calibration``; FFN1 and attention then write FFN2's and the out-projection's
+        inputs in e4m3 with static per-column scales.  LayerNorm folding is off while quantized.  Needs a float16/bfloat16 block,
         widths multiples of 16, and a GPU that runs FP8 (``capabilities()["fp8"]``)."""
         self._fp8_config = fp8.quantize_config(self, mode, keep, fast_accum, calibration)
         self._fp8 = None if self._fp8_config is None else self._fp8_weights()
@@ -254,9 +254,9 @@ class EncoderBlock(nn.Module):
         return "fp8" if self._fp8_config is not None else None
 
     def _fp8_weights(self) -> fp8.QuantizedWeights:
-        keep, fast_accum, scales = self._fp8_config
+        keep, fast_accum, static = self._fp8_config
         chosen = {g: self._parameters[n] for g, n in self._GEMM_WEIGHTS.items() if g not in keep}
-        return fp8.QuantizedWeights(chosen, fast_accum, None if scales is None else ("ffn1", "ffn2", scales))
+        return fp8.QuantizedWeights(chosen, fast_accum, static or ())  # None: pickled by an older version
 
     # ------------------------------------------------------------ forward ----
 

@@ -45,9 +45,10 @@ class OpsExecutor:
         out = layer_norm(x, w, b, eps, residual=residual, alpha=alpha, x_bias=x_bias, sum_out=h)
         return h, out
 
-    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
+    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask, out_scale=None):
         q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
-        return attention(q, k, v, attn_bias, key_padding_mask)
+        out = attention(q, k, v, attn_bias, key_padding_mask)
+        return out if out_scale is None else fp8.e4m3_columns(out.reshape(batch * seq, -1), out_scale)
 
 
 class NativeExecutor:
@@ -114,12 +115,17 @@ class NativeExecutor:
         h = torch.empty_like(x)
         return h, self._layer_norm(x, w, b, eps, residual, alpha, x_bias, h)
 
-    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
+    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask, out_scale=None):
+        """``out_scale``: the rows as e4m3 codes of ``out * out_scale`` per column, written by
+        the kernel where the plan's backend can, by a pass otherwise."""
         q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
+        if out_scale is not None and plan.writes_e4m3:
+            return plan.run(q, k, v, attn_bias, key_padding_mask, out_scale)
         out = plan.run(q, k, v, attn_bias, key_padding_mask)
         # The next GEMM is told these are dense rows (lda = D): guarantee it
         # whatever layout a backend returns (a no-op for every backend today).
-        return out if out.is_contiguous() else out.contiguous()
+        out = out if out.is_contiguous() else out.contiguous()
+        return out if out_scale is None else fp8.e4m3_columns(out, out_scale)
 
 
 class Fp8Executor:
@@ -165,11 +171,13 @@ class Fp8Executor:
         return self.base.layer_norm_sum(x, w, b, eps, residual, alpha, x_bias)
 
     def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
-        return self.base.attention(plan, qkv, batch, seq, heads, attn_bias, key_padding_mask)
+        # Calibrated: the out-projection's input as e4m3 codes with static column scales.
+        out_scale = self.weights.attention_out_scale(qkv.device)
+        return self.base.attention(plan, qkv, batch, seq, heads, attn_bias, key_padding_mask, out_scale)
 
 
 class ObservingExecutor:
-    """Another executor, reporting the block's FFN1 output to a calibration
+    """Another executor, reporting the block's FFN1 and attention outputs to a calibration
     (``fp8.calibrating``: what static FP8 scales are made from)."""
 
     __slots__ = ("base", "calibration", "block")
@@ -189,5 +197,7 @@ class ObservingExecutor:
     def layer_norm_sum(self, *args, **kw):
         return self.base.layer_norm_sum(*args, **kw)
 
-    def attention(self, *args, **kw):
-        return self.base.attention(*args, **kw)
+    def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask):
+        out = self.base.attention(plan, qkv, batch, seq, heads, attn_bias, key_padding_mask)
+        self.calibration.observe(self.block, out.reshape(batch * seq, -1), "attention")
+        return out

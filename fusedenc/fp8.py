@@ -258,30 +258,43 @@ BLOCK_GEMMS = ("qkv", "out_proj", "ffn1", "ffn2")
 CALIBRATION_HEADROOM = 2.0
 
 
+#: What a calibration observes of each block: the inputs of its FP8 GEMMs that a producer
+#: can write in e4m3 with static scales (the producer's name, what the report calls it).
+OBSERVED = {"ffn1": "FFN1 output", "attention": "attention output"}
+
+
 class Calibration:
     """What ``calibrate`` saw: per encoder block, the largest magnitude of each column of
-    its FFN1 output (FFN2's input) over the sample inputs.  ``EncoderBlock.quantize(
-    "fp8", calibration=...)`` turns it into static scales: FFN1's epilogue writes e4m3
-    with them and FFN2's weight carries their inverse, so no pass quantizes FFN2's input."""
+    its FFN1 output (FFN2's input) and of its attention output (the out-projection's input)
+    over the sample inputs.  ``EncoderBlock.quantize("fp8", calibration=...)`` turns them
+    into static scales: FFN1's epilogue and the attention kernel write e4m3 with them and
+    the next GEMM's weight carries their inverse, so no pass quantizes those inputs."""
 
     def __init__(self) -> None:
-        self._amax: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._amax: dict[tuple[int, str], tuple[Any, torch.Tensor]] = {}
 
-    def observe(self, block: Any, ffn1_out: torch.Tensor) -> None:
-        amax = ffn1_out.detach().abs().amax(dim=0).float()
-        seen = self._amax.get(id(block))
-        self._amax[id(block)] = (block, amax if seen is None else torch.maximum(seen[1], amax))
+    def observe(self, block: Any, out: torch.Tensor, what: str = "ffn1") -> None:
+        """Record ``out``, ``block``'s ``what`` (a key of ``OBSERVED``), as rows ``[T, N]``."""
+        amax = out.detach().abs().amax(dim=0).float()
+        seen = self._amax.get((id(block), what))
+        self._amax[(id(block), what)] = (block, amax if seen is None else torch.maximum(seen[1], amax))
 
-    def column_scales(self, block: Any) -> Optional[torch.Tensor]:
-        """``block``'s per-column scales (the value a code stands for is ``code * scale``),
-        or None if calibration never ran it.  Raises if it saw NaN or inf there."""
-        seen = self._amax.get(id(block))
+    def column_scales(self, block: Any, what: str = "ffn1") -> Optional[torch.Tensor]:
+        """``block``'s per-column scales of ``what`` (the value a code stands for is
+        ``code * scale``), or None if calibration never saw it.  Raises if it saw NaN or inf."""
+        seen = self._amax.get((id(block), what))
         if seen is None or seen[0] is not block:
             return None
         amax = seen[1]
         if not torch.isfinite(amax).all():
-            raise ValueError("calibration: the block's FFN1 output was not finite on the sample inputs")
+            raise ValueError(f"calibration: the block's {OBSERVED[what]} was not finite on the sample inputs")
         return torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / E4M3_MAX), torch.ones_like(amax))
+
+
+def e4m3_columns(x: torch.Tensor, out_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes of ``x * out_scale`` per column, saturated at +-448 (NaN stays NaN): what a
+    producer with static scales writes, as a pass where the producer cannot write it."""
+    return (x.float() * out_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 @contextlib.contextmanager
@@ -311,21 +324,25 @@ class QuantizedWeights:
     """The e4m3 copies of a module's weights, each re-made when its parameter changes
     (an in-place update, or ``.to()`` moving it): looked up by the parameter itself.
 
-    ``static``: ``(producer, consumer, scales)`` from calibration: the producer's GEMM
-    writes e4m3 codes of its output divided by ``scales`` (``out_scale``), and the
-    consumer's copy is made from its weight times ``scales`` (per input column)."""
+    ``static``: ``(producer, consumer, scales)`` triples from calibration: the producer
+    (FFN1's GEMM, or ``"attention"``) writes e4m3 codes of its output divided by ``scales``
+    (``out_scale``, ``attention_out_scale``), and the consumer's copy is made from its
+    weight times ``scales`` (per input column)."""
 
     def __init__(self, params: dict[str, torch.Tensor], fast_accum: bool = False,
-                 static: Optional[tuple[str, str, torch.Tensor]] = None):  # fmt: skip
+                 static: Iterable[tuple[str, str, torch.Tensor]] = ()):  # fmt: skip
         self.names = tuple(params)
         self.fast_accum = bool(fast_accum)
         self.dtype = next(iter(params.values())).dtype if params else None
         self._entries: dict[int, list] = {id(p): [p, None, None] for p in params.values()}
         self._out_scale: dict[int, torch.Tensor] = {}
         self._in_scale: dict[int, torch.Tensor] = {}
-        if static is not None:
-            producer, consumer, scales = static
-            self._out_scale[id(params[producer])] = (1.0 / scales).float()
+        self._attention_out_scale: Optional[torch.Tensor] = None
+        for producer, consumer, scales in static:
+            if producer == "attention":
+                self._attention_out_scale = (1.0 / scales).float()
+            else:
+                self._out_scale[id(params[producer])] = (1.0 / scales).float()
             self._in_scale[id(params[consumer])] = scales.float()
 
     def out_scale(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
@@ -333,6 +350,13 @@ class QuantizedWeights:
         scale = self._out_scale.get(id(weight))
         if scale is not None and scale.device != weight.device:
             scale = self._out_scale[id(weight)] = scale.to(weight.device)
+        return scale
+
+    def attention_out_scale(self, device: torch.device) -> Optional[torch.Tensor]:
+        """The attention output's per-column factor on ``device`` (calibrated), or None."""
+        scale = self._attention_out_scale
+        if scale is not None and scale.device != device:
+            scale = self._attention_out_scale = scale.to(device)
         return scale
 
     def get(self, weight: torch.Tensor) -> Optional[Quantized]:
@@ -360,8 +384,9 @@ def quantize_config(
     block: Any, mode: Optional[str], keep: Iterable[str], fast_accum: bool, calibration: Any = None,
 ) -> Optional[tuple[tuple[str, ...], bool, Optional[torch.Tensor]]]:  # fmt: skip
     """``EncoderBlock.quantize``'s arguments checked against the block (its weights' dtype
-    and device, its widths): ``(kept GEMMs, fast_accum, FFN2 input scales or None)``, or
-    None for ``mode=None``.  ``calibration``: sample inputs of the block (run here) or a
+    and device, its widths): ``(kept GEMMs, fast_accum, static)``, ``static`` the
+    ``QuantizedWeights`` triples of the calibrated inputs (FFN2's; the out-projection's unless
+    kept), or None for ``mode=None``.  ``calibration``: sample inputs of the block (run here) or a
     ``Calibration`` of the model it belongs to."""
     if mode is None:
         return None
@@ -381,7 +406,7 @@ def quantize_config(
         if not ok:
             raise RuntimeError(f"FP8 does not run on {weight.device}: {why}")
     if calibration is None:
-        return keep, bool(fast_accum), None
+        return keep, bool(fast_accum), ()
     if block.norm_first or "ffn1" in keep or "ffn2" in keep:
         raise ValueError("calibration sets static scales for FFN2's input, written by FFN1: it needs a post-LN "
                          "block (norm_first=False) with both FFN GEMMs in FP8 (not in keep)")  # fmt: skip
@@ -393,7 +418,11 @@ def quantize_config(
     scales = calibration.column_scales(block)
     if scales is None:
         raise ValueError("calibration never ran this block (was it part of the model calibrate() ran?)")
-    return keep, bool(fast_accum), scales
+    static = [("ffn1", "ffn2", scales)]
+    attention = None if "out_proj" in keep else calibration.column_scales(block, "attention")
+    if attention is not None:
+        static.append(("attention", "out_proj", attention))
+    return keep, bool(fast_accum), tuple(static)
 
 
 def quantize_blocks(

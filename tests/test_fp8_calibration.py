@@ -1,8 +1,9 @@
 """Static FP8 scales from calibration (issue 21): ``quantize("fp8", calibration=...)`` makes
-FFN1 write FFN2's input in e4m3 with per-column scales (``fp8.linear(..., out_scale=)``) and
-folds those scales into FFN2's weight copy, so no pass quantizes FFN2's input.  CPU tests run
-the reference math; the GPU tests at the end run the kernels (the Hopper FP8 GEMM writing
-e4m3 codes with fast accumulation, the 16-bit result converted after it otherwise)."""
+FFN1 write FFN2's input in e4m3 with per-column scales (``fp8.linear(..., out_scale=)``), and
+attention the out-projection's (the Triton kernel's ``out_scale``), and folds those scales
+into the next weight copies, so no pass quantizes those inputs.  CPU tests run the reference
+math; the GPU tests at the end run the kernels (the Hopper FP8 GEMM writing e4m3 codes with
+fast accumulation, the 16-bit result converted after it otherwise; the attention kernel)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def test_linear_with_out_scale_is_the_scaled_saturated_e4m3_of_the_result(gen):
         fp8.linear(x, w, bias, out_scale=scale, out=torch.empty(64, 48, dtype=torch.float16))
 
 
-def test_a_calibrated_block_is_its_data_path_with_static_ffn2_input_scales(gen):
+def test_a_calibrated_block_is_its_data_path_with_static_input_scales(gen):
     """FFN1 -> e4m3 codes of f / c (c = headroom * column amax / 448 over the sample), FFN2 on
-    those codes (row scale 1) with the weight copy quantized from W2 * c: the block computes
+    those codes (row scale 1) with the weight copy quantized from W2 * c; attention -> codes of
+    a / c_a, the out-projection on them with its copy from Wo * c_a: the block computes
     exactly that."""
     from fusedenc import layer_norm
     from fusedenc.attention import attention
@@ -52,8 +54,8 @@ def test_a_calibrated_block_is_its_data_path_with_static_ffn2_input_scales(gen):
     sample = randn((4, 64, D), torch.float16, gen=gen)
     x2 = randn((2 * 64, D), torch.float16, gen=gen)
     with torch.no_grad():
-        f16 = []
-        orig = executors.OpsExecutor.linear
+        f16, a16 = [], []
+        orig, orig_attention = executors.OpsExecutor.linear, executors.OpsExecutor.attention
 
         def spy(self, x, w, *a, **k):
             y = orig(self, x, w, *a, **k)
@@ -61,13 +63,21 @@ def test_a_calibrated_block_is_its_data_path_with_static_ffn2_input_scales(gen):
                 f16.append(y)
             return y
 
-        executors.OpsExecutor.linear = spy
+        def spy_attention(self, *a, **k):
+            a16.append(orig_attention(self, *a, **k))
+            return a16[-1]
+
+        executors.OpsExecutor.linear, executors.OpsExecutor.attention = spy, spy_attention
         try:
             b(sample)
         finally:
-            executors.OpsExecutor.linear = orig
-        amax = f16[0].float().abs().amax(0)
-        c = torch.where(amax > 0, amax * (fp8.CALIBRATION_HEADROOM / fp8.E4M3_MAX), torch.ones_like(amax))
+            executors.OpsExecutor.linear, executors.OpsExecutor.attention = orig, orig_attention
+
+        def static_scales(t):
+            amax = t.float().abs().amax(0)
+            return torch.where(amax > 0, amax * (fp8.CALIBRATION_HEADROOM / fp8.E4M3_MAX), torch.ones_like(amax))
+
+        c, c_a = static_scales(f16[0]), static_scales(a16[0])
         b.quantize("fp8", calibration=sample)
 
         def lin(t, w, bias, act="none"):
@@ -75,8 +85,10 @@ def test_a_calibrated_block_is_its_data_path_with_static_ffn2_input_scales(gen):
 
         qkv = lin(x2, b.qkv_weight, b.qkv_bias)
         q, k, v = qkv.view(2, 64, 3, H, -1).unbind(2)
-        h = layer_norm(lin(attention(q, k, v), b.out_weight, b.out_bias), b.norm1_weight, b.norm1_bias,
-                       b.layer_norm_eps, residual=x2, alpha=0.6)  # fmt: skip
+        a_codes = ((attention(q, k, v).float() / c_a).clamp(-448, 448)).to(fp8.E4M3)
+        y = fp8.linear(fp8.Quantized(a_codes, torch.ones(a_codes.shape[0])),
+                       fp8.quantize_rows(b.out_weight.float() * c_a), b.out_bias)  # fmt: skip
+        h = layer_norm(y, b.norm1_weight, b.norm1_bias, b.layer_norm_eps, residual=x2, alpha=0.6)
         codes = fp8.linear(fp8.quantize_rows(h), fp8.quantize_rows(b.ffn1_weight), b.ffn1_bias, "mish",
                            out_scale=(1.0 / c).float())  # fmt: skip
         g = fp8.linear(fp8.Quantized(codes, torch.ones(codes.shape[0])), fp8.quantize_rows(b.ffn2_weight.float() * c),
@@ -96,15 +108,34 @@ def test_a_calibrated_stack_is_as_accurate_as_row_scales_and_skips_ffn2_passes(g
     passes = count_quantize_passes(monkeypatch)
     static = s(x)
     monkeypatch.undo()
-    # QKV, out-projection, FFN1 inputs a layer (CPU: no producer copies); FFN2's none.  The
-    # first call also made the weight copies: 4 a layer, FFN2's from W2 * c.
+    # QKV and FFN1 inputs a layer (CPU: no producer copies); the out-projection's and FFN2's
+    # none.  The first call also made the weight copies: 4 a layer, two from W * c.
     inputs = [p for p in passes if p[0] == 8 * 64]
-    assert len(inputs) == 3 * 4, passes
+    assert len(inputs) == 2 * 4, passes
     e_dyn, e_static = rel_err(dynamic, ref), rel_err(static, ref)
     assert torch.isfinite(static).all() and e_static < 1.25 * e_dyn, (e_static, e_dyn)
     assert not torch.equal(static, dynamic)
     s.quantize(None)
     assert all(b.quantized is None for b in s.blocks)
+
+
+def test_a_kept_out_projection_keeps_attention_in_16_bits(gen, monkeypatch):
+    """keep=("out_proj",): the out-projection stays in fp16, so attention writes fp16 rows (no
+    codes) and only FFN2's input is static; still within the row-scale peer's error."""
+    s = _stack(2, gen)
+    sample, x = (randn((4, 64, D), torch.float16, gen=gen) for _ in range(2))
+    ref = stack_formula(s.blocks, x.float(), dtype=torch.float32)
+    dynamic = copy.deepcopy(s).quantize("fp8", keep=("out_proj",))(x)
+    s.quantize("fp8", keep=("out_proj",), calibration=sample)
+    s(x)  # the weight copies
+    seen = []
+    real = executors.OpsExecutor.attention
+    monkeypatch.setattr(executors.OpsExecutor, "attention", lambda *a: seen.append(real(*a)) or seen[-1])
+    passes = count_quantize_passes(monkeypatch)
+    static = s(x)
+    assert [t.dtype for t in seen] == [torch.float16] * 2
+    assert len([p for p in passes if p[0] == 4 * 64]) == 2 * 2, passes  # QKV and FFN1 inputs
+    assert rel_err(static, ref) < 1.25 * rel_err(dynamic, ref)
 
 
 def test_calibration_is_refused_where_it_cannot_apply(gen):
@@ -209,3 +240,27 @@ def test_gpu_calibrated_stack_matches_the_reference_math(gen):
             gpu = g(x.cuda()).cpu()
         assert torch.isfinite(gpu).all()
         assert rel_err(gpu, ref) < 1.25 * rel_err(cpu, ref), (fast, rel_err(gpu, ref), rel_err(cpu, ref))
+
+
+@pytest.mark.gpu
+def test_gpu_attention_writes_static_e4m3_codes(gen):
+    """The Triton attention kernel's ``out_scale``: the codes of its fp32 result times the
+    column's factor, saturated: within one e4m3 step of the codes made from its fp16 result
+    (which rounds once more), and +-448 where the factor overflows."""
+    from fusedenc.attention import triton_short
+
+    require_fp8_gpu()
+    b, s, h, d = 8, 64, 8, 32
+    q, k, v = (randn((b, s, h, d), torch.float16, gen=gen).cuda() for _ in range(3))
+    bias = randn((b, h, s, s), torch.float16, gen=gen).cuda()
+    scale = (torch.rand(h * d, generator=gen) * 8 + 0.1).cuda()
+    scale[0] = 1e4  # column 0 saturates
+    out = triton_short.short_attention(q, k, v, bias, None, d**-0.5)
+    codes = triton_short.short_attention(q, k, v, bias, None, d**-0.5, out_scale=scale)
+    assert codes.dtype == fp8.E4M3 and codes.shape == (b * s, h * d)
+    got, ref = codes.float(), fp8.e4m3_columns(out, scale).float()
+    big = torch.maximum(got.abs(), ref.abs()).clamp(min=2.0**-6)
+    step = torch.exp2(torch.floor(torch.log2(big)) - 3)
+    assert ((got - ref).abs() <= step).all(), ((got - ref).abs() - step).max()
+    assert (got != ref).float().mean().item() < 0.05
+    assert got[:, 0].abs().max().item() == 448.0

@@ -46,7 +46,9 @@ class AttentionBackend:
     Backends with ``native_mask = True`` (always ``bshd_input`` too) are called
     as ``kernel(q, k, v, attn_bias, scale, key_padding_mask)`` with the
     caller's bias and bool mask as they are, and must return ``[B, S, H, Dh]``
-    in that memory order.
+    in that memory order.  Backends with ``writes_e4m3 = True`` also take
+    ``out_scale=`` (float32 ``[H*Dh]``) and then return the e4m3 codes of
+    ``out * out_scale`` per column, saturated (``fusedenc.fp8``'s static scales).
     """
 
     name = "abstract"
@@ -54,6 +56,7 @@ class AttentionBackend:
     accepts_bias = False  # takes an additive [B, H, S, S] bias (masks arrive merged into it)
     aligned_bias = False  # that bias needs 16-element-aligned strides (padded rows)
     native_mask = False  # reads the caller's bias and bool mask itself: nothing merged or copied
+    writes_e4m3 = False  # kernel(..., out_scale=) writes float8 e4m3 codes (native_mask backends)
     description = ""
 
     def available(self) -> bool:  # pragma: no cover - overridden
@@ -293,6 +296,7 @@ class _TritonShort(_ImportedBackend):
     name = "triton_short"
     bshd_input = True
     native_mask = True
+    writes_e4m3 = True
     description = "fusedenc.attention.triton_short: one-tile Triton kernel for short sequences (bias and mask read in-kernel)"
 
     def _import(self):
@@ -318,9 +322,10 @@ class _TritonShort(_ImportedBackend):
             _aligned_check(call),
         )
 
-    def kernel(self, q, k, v, bias, scale, key_padding_mask):
+    def kernel(self, q, k, v, bias, scale, key_padding_mask, out_scale=None):
         b, s, h, d = q.shape
-        return self._module.short_attention(q, k, v, bias, key_padding_mask, scale).view(b, s, h, d)
+        out = self._module.short_attention(q, k, v, bias, key_padding_mask, scale, out_scale=out_scale)
+        return out.view(b, s, h, d)
 
 
 #: Every backend, by name.

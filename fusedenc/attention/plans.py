@@ -203,12 +203,14 @@ def _make_bias_fn(call: AttentionCall, backend: AttentionBackend, attn_bias) -> 
 class Plan:
     """Everything decided for one call signature; ``run`` is the per-call hot path."""
 
-    __slots__ = ("backend", "kernel", "bias_fn", "scale", "rows", "cols", "bshd", "bshd_input", "native_mask", "empty")
+    __slots__ = ("backend", "kernel", "bias_fn", "scale", "rows", "cols", "bshd", "bshd_input", "native_mask", "empty",
+                 "writes_e4m3")  # fmt: skip
 
     def __init__(self, call: AttentionCall, backend: AttentionBackend, attn_bias, scale):
         self.backend = backend
         self.kernel = backend.kernel
         self.native_mask = backend.native_mask
+        self.writes_e4m3 = backend.native_mask and backend.writes_e4m3  # run(..., out_scale=) allowed
         self.bias_fn = None if backend.native_mask else _make_bias_fn(call, backend, attn_bias)
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(call.head_dim)
         b, s, h, d = call.batch, call.seq, call.heads, call.head_dim
@@ -218,11 +220,16 @@ class Plan:
         self.bshd_input = backend.bshd_input
         self.empty = b * s == 0
 
-    def run(self, q, k, v, attn_bias, key_padding_mask):
+    def run(self, q, k, v, attn_bias, key_padding_mask, out_scale=None):
+        """The attention output as ``[B*S, H*Dh]`` rows; ``out_scale`` (only where
+        ``writes_e4m3``): float32 ``[H*Dh]``, the rows then e4m3 codes of ``out * out_scale``."""
         if self.empty:
-            return q.new_empty((self.rows, self.cols))
+            return q.new_empty((self.rows, self.cols), dtype=q.dtype if out_scale is None else torch.float8_e4m3fn)
         if self.native_mask:  # bias and mask go in as the caller gave them; [B, S, H, Dh] comes out
-            out = self.kernel(q, k, v, attn_bias, self.scale, key_padding_mask)
+            if out_scale is not None:
+                out = self.kernel(q, k, v, attn_bias, self.scale, key_padding_mask, out_scale=out_scale)
+            else:
+                out = self.kernel(q, k, v, attn_bias, self.scale, key_padding_mask)
             return out.reshape(self.rows, self.cols)  # a view: the kernel wrote it densely
         bias = self.bias_fn(attn_bias, key_padding_mask)
         if self.bshd_input:

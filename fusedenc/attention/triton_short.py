@@ -101,13 +101,13 @@ def launch_config(seq: int, heads: int, head_dim: int) -> LaunchConfig:
 
 @triton.jit
 def _short_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr, out_scale_ptr,
     seq, heads, qk_scale,
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
     bias_sb, bias_sh, bias_sm, bias_sn,
     mask_sb, mask_ss,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, HAS_OUT_SCALE: tl.constexpr,
 ):  # fmt: skip
     # Program order: query block fastest, then head group, then sequence.
     pid = tl.program_id(0)
@@ -153,6 +153,9 @@ def _short_attention_kernel(
         denom = tl.where(denom == 0.0, 1.0, denom)
         o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / denom[:, None]
 
+        if HAS_OUT_SCALE:  # e4m3 codes of o * out_scale[column], saturated at +-448 (NaN stays NaN)
+            o = o * tl.load(out_scale_ptr + h * HEAD_DIM + dims)[None, :]
+            o = tl.where(o > 448.0, 448.0, tl.where(o < -448.0, -448.0, o))
         out_ptrs = out_ptr + (b * seq + rows)[:, None] * out_row_stride + h * HEAD_DIM + dims[None, :]
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -165,6 +168,7 @@ def short_attention(
     key_padding_mask: Optional[torch.Tensor],
     scale: float,
     config: Optional[LaunchConfig] = None,
+    out_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``softmax(q k^T * scale + bias, padding keys -inf) v`` as a new ``[B*S, H*Dh]`` tensor.
 
@@ -172,11 +176,15 @@ def short_attention(
     device, unit last stride, S <= ``MAX_SEQ``, Dh in ``HEAD_DIMS``.  bias:
     ``[B or 1, H, S, S]`` in q's dtype or float32, any strides, or None.
     key_padding_mask: bool ``[B, S]`` (True = padding) or None.  config
-    overrides the table's launch config (benchmarks, tests).  Arguments are
-    not validated here: ``fusedenc.attention`` does that once per signature.
+    overrides the table's launch config (benchmarks, tests).  out_scale: float32
+    ``[H*Dh]`` on q's device, or None; given, the result is float8 e4m3 codes of
+    ``out * out_scale`` per column, saturated (an FP8 out-projection's static input
+    scales, ``fusedenc.fp8``).  Arguments are not validated here: ``fusedenc.attention``
+    does that once per signature.
     """
     b, s, h, d = q.shape
-    out = torch.empty((b * s, h * d), dtype=q.dtype, device=q.device)
+    out_dtype = q.dtype if out_scale is None else torch.float8_e4m3fn
+    out = torch.empty((b * s, h * d), dtype=out_dtype, device=q.device)
     if out.numel() == 0:
         return out
     cfg = config or launch_config(s, h, d)
@@ -192,14 +200,14 @@ def short_attention(
         mask, mask_strides = q, (0, 0)  # a placeholder pointer, never read
     grid = (triton.cdiv(s, cfg.block_m) * (h // cfg.heads_per_program) * b,)
     _short_attention_kernel[grid](
-        q, k, v, bias, mask, out,
+        q, k, v, bias, mask, out, q if out_scale is None else out_scale,
         s, h, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *bias_strides, *mask_strides,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=key_block(s), HEADS_PER_PROGRAM=cfg.heads_per_program,
-        HAS_BIAS=has_bias, HAS_MASK=has_mask,
+        HAS_BIAS=has_bias, HAS_MASK=has_mask, HAS_OUT_SCALE=out_scale is not None,
         # fp32 inputs: full-precision products, not TF32; 16-bit inputs: the target's default
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=cfg.num_warps,
