@@ -94,6 +94,35 @@ def test_the_folded_body_with_smolgen_beside_qkv(tmp_path, preset, batch, side_s
         _check(path, torch.float16, "cuda", batch, gen, run=lambda net: beside(net).graph_runner((batch,)))
 
 
+@pytest.mark.gpu
+def test_a_side_sm_count_that_leaves_qkv_nothing_is_refused(tiny_path, gen):
+    net = load_network(str(tiny_path), dtype=torch.float16, device="cuda")
+    planes = random_planes(4, gen).to("cuda", torch.float16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with layer_norm_folding("force"):
+        for bad in (sms, -1, 2.5, True):
+            net.smolgen_side_sms = bad
+            with pytest.raises(ValueError, match="smolgen_side_sms must be None or an int"):
+                net(planes)
+        net.smolgen_side_sms = sms - 1  # the most it may take: QKV keeps one SM
+        assert torch.isfinite(net(planes)["policy"]).all()
+
+
+def test_an_lc0_net_copies_and_pickles_without_its_streams(tiny_path):
+    import copy
+    import io
+
+    net = load_network(str(tiny_path), dtype=torch.float32, device="cpu")
+    planes = random_planes(2, torch.Generator().manual_seed(3))
+    twin = copy.deepcopy(net)
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for other in (twin, loaded):
+        assert torch.equal(other(planes)["policy"], net(planes)["policy"])
+
+
 def test_the_graph_runner_refuses_what_it_cannot_run(tiny_path):
     net = load_network(str(tiny_path), dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="CUDA graphs need the network on a GPU"):

@@ -242,6 +242,11 @@ class Lc0Network(nn.Module):
             self.mov_dense1 = _Dense(w["ip1_mov_w"], w["ip1_mov_b"], w["ip1_mov_b"].numel(), acts["default"], **kw)
             self.mov_dense2 = _Dense(w["ip2_mov_w"], w["ip2_mov_b"], 1, "none", **kw)
 
+    def __getstate__(self) -> dict:
+        state = dict(super().__getstate__())
+        state["_side_streams"] = {}  # CUDA streams do not copy or pickle: made again on first use
+        return state
+
     def extra_repr(self) -> str:
         a = self.activations
         return (
@@ -298,9 +303,13 @@ class Lc0Network(nn.Module):
         """SMs for smolgen's small kernels beside the QKV GEMM (0: smolgen runs before the block)."""
         if rows.device.type != "cuda" or not core.active_on(rows.device) or self.smolgen_w is None:
             return 0
-        if self.smolgen_side_sms is not None:
-            return self.smolgen_side_sms
-        return _SIDE_SMS_SMALL if rows.shape[0] <= _SIDE_SMS_ROWS else _SIDE_SMS_LARGE
+        n = self.smolgen_side_sms
+        if n is None:
+            return _SIDE_SMS_SMALL if rows.shape[0] <= _SIDE_SMS_ROWS else _SIDE_SMS_LARGE
+        sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < sms:
+            raise ValueError(f"smolgen_side_sms must be None or an int in [0, {sms}) on {rows.device}, got {n!r}")
+        return n
 
     def _folded_layer_beside(self, i: int, pending, b: int, side_sms: int):
         """Folded layer ``i`` with smolgen's latency-bound middle (dense1, LN1, dense2, LN2: ~30 us
