@@ -85,7 +85,8 @@ def test_a_calibrated_block_is_its_data_path_with_static_input_scales(gen):
 
         qkv = lin(x2, b.qkv_weight, b.qkv_bias)
         q, k, v = qkv.view(2, 64, 3, H, -1).unbind(2)
-        a_codes = ((attention(q, k, v).float() / c_a).clamp(-448, 448)).to(fp8.E4M3)
+        # out_scale = 1 / c_a in fp32, multiplied (as for FFN1's out_scale): x / c_a rounds differently
+        a_codes = (attention(q, k, v).float() * (1.0 / c_a).float()).clamp(-448, 448).to(fp8.E4M3)
         y = fp8.linear(fp8.Quantized(a_codes, torch.ones(a_codes.shape[0])),
                        fp8.quantize_rows(b.out_weight.float() * c_a), b.out_bias)  # fmt: skip
         h = layer_norm(y, b.norm1_weight, b.norm1_bias, b.layer_norm_eps, residual=x2, alpha=0.6)
