@@ -329,20 +329,18 @@ PYBIND11_MODULE(_C, m) {
      py::arg("w"), py::arg("ldw"), py::arg("w_scale"), py::arg("bias"), py::arg("d"), py::arg("ldd"),
      py::arg("out_dtype"), py::arg("act"), py::arg("fast_accum"), py::arg("out_scale") = 0,
      "Whether fp8_gemm would run the Hopper FP8 epilogue kernel for this call, and if not why.");
-  m.def("sm90_fp8_gemm_kernels", [] {
+  // The 16-bit dtypes a kernel family was compiled for, by name.
+  auto compiled_dtypes = [](bool (*compiled)(DType)) {
     py::list out;
     for (DType d : {DType::f16, DType::bf16}) {
-      if (sm90_fp8_gemm_compiled(d)) out.append(dtype_name(d));
+      if (compiled(d)) out.append(dtype_name(d));
     }
     return out;
-  }, "Output dtypes the Hopper FP8 epilogue GEMM was compiled for.");
-  m.def("sm90_fp8_e4m3_output_kernels", [] {
-    py::list out;
-    for (DType d : {DType::f16, DType::bf16}) {
-      if (sm90_fp8_e4m3_output_compiled(d)) out.append(dtype_name(d));
-    }
-    return out;
-  }, "Bias dtypes the Hopper FP8 GEMM writing e4m3 (static output scales) was compiled for.");
+  };
+  m.def("sm90_fp8_gemm_kernels", [compiled_dtypes] { return compiled_dtypes(&sm90_fp8_gemm_compiled); },
+        "Output dtypes the Hopper FP8 epilogue GEMM was compiled for.");
+  m.def("sm90_fp8_e4m3_output_kernels", [compiled_dtypes] { return compiled_dtypes(&sm90_fp8_e4m3_output_compiled); },
+        "Bias dtypes the Hopper FP8 GEMM writing e4m3 (static output scales) was compiled for.");
   m.def("clear_fp8_plan_cache", &clear_fp8_plan_cache);
 
   m.def("gemm", &gemm_binding, py::arg("device"), py::arg("stream"), py::arg("m"), py::arg("n"),

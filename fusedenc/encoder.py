@@ -242,8 +242,8 @@ class EncoderBlock(nn.Module):
         ``fp8.BLOCK_GEMMS``).  ``fast_accum``: Hopper's faster, less precise accumulation.
         ``calibration`` (post-LN, both FFN GEMMs in FP8): sample inputs or an
         ``fp8.Calibration``; FFN1 and attention then write FFN2's and the out-projection's
-        inputs in e4m3 with static per-column scales.  LayerNorm folding is off while quantized.  Needs a float16/bfloat16 block,
-        widths multiples of 16, and a GPU that runs FP8 (``capabilities()["fp8"]``)."""
+        inputs in e4m3 with static per-column scales.  LayerNorm folding is off while quantized.
+        Needs a float16/bfloat16 block, widths multiples of 16, an FP8 GPU (``capabilities()["fp8"]``)."""
         self._fp8_config = fp8.quantize_config(self, mode, keep, fast_accum, calibration)
         self._fp8 = None if self._fp8_config is None else self._fp8_weights()
         return self

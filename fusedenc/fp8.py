@@ -245,7 +245,7 @@ def _linear_e4m3(x, weight, bias, activation, out_dtype, fast_accum, out_scale) 
     else:  # the reference: the activation on the fp32 sum, not rounded to 16 bits first
         y = scaled_linear(x, weight, None, torch.float32)
         y = apply_activation(y if bias is None else y + bias.float(), activation)
-    return (y * out_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # saturating; NaN stays NaN
+    return e4m3_columns(y, out_scale)
 
 
 #: The GEMMs of an encoder block, by the name ``EncoderBlock.quantize(keep=...)`` takes.

@@ -100,8 +100,9 @@ bool sm90_gemm_enabled();
 
 // The most SMs the calling thread's Hopper kernels use (0, the default: all): their
 // persistent grids get min(n, sm_count) CTAs, and sm90_gemm_applies drops its occupancy
-// rule (cuBLASLt's grids cannot be limited).  The Lc0 net (fusedenc.lc0) runs its QKV GEMM on all SMs but a few
-// and smolgen's small GEMMs on those few, on another stream, so that both run at once.
+// rule (cuBLASLt's grids cannot be limited).  The Lc0 net (fusedenc.lc0) runs its QKV
+// GEMM on all SMs but a few and smolgen's small GEMMs on those few, on another stream, so
+// that both run at once.
 void set_sm90_sm_limit(int n);
 int sm90_sm_limit();
 

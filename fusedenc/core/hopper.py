@@ -132,9 +132,8 @@ def sm90_gemm_applies(
 def set_sm90_sm_limit(n: int) -> int:
     """From now on this thread's Hopper kernels use at most ``n`` SMs (0: all; their
     persistent grids shrink, and GEMMs too small to fill the chip run there too: cuBLASLt's
-    grids cannot be limited);
-    returns the previous limit.  For work split between streams (``fusedenc.lc0``'s smolgen
-    beside the QKV GEMM).  A no-op without the native core."""
+    grids cannot be limited); returns the previous limit.  For work split between streams
+    (``fusedenc.lc0``'s smolgen beside the QKV GEMM).  A no-op without the native core."""
     module = native_module()
     if module is None:
         return 0
