@@ -71,6 +71,7 @@ struct Fp8Plan {
   blasLtMatrixLayout_t layout_w = nullptr, layout_a = nullptr, layout_d = nullptr;
   blasLtMatmulAlgo_t algo{};
   bool reads_bias = false;
+  size_t workspace_bytes = 0;  // what the algorithm was chosen for: none, or the caller's
   Activation post_act = Activation::none;  // left for the bias_activation kernel
   bool post_bias = false;
   std::mutex mu;  // the scale and bias pointers live in the descriptor
@@ -140,12 +141,22 @@ std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, cons
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_a, BLAS_R_8F_E4M3, key.k, key.m, key.lda));
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_d, out_t, key.n, key.m, key.ldd));
 
-  const BlasLtPreference pref = make_preference(key.workspace_bytes, key.align_w, key.align_a, key.align_d, key.align_d);
+  // An algorithm that needs no workspace first: cuBLASLt's FP8 kernels that take one are
+  // preceded by a memset of it, and in a CUDA graph the memset and the dependency gap after
+  // it cost ~4 us a GEMM, more than the workspace-free kernels lose (H100, static FP8 t82 /
+  // bt4 stacks: +2.4% / +2.2% positions/s at 256 positions, +0.5% at 1024; bench/NOTES.md).
   blasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const blasStatus_t st = blasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->layout_w, plan->layout_a,
-                                                       plan->layout_d, plan->layout_d, pref.get(), 1, &result, &found);
-  if (st != BLAS_STATUS_SUCCESS || found == 0) return nullptr;
+  for (const size_t ws : {size_t{0}, key.workspace_bytes}) {
+    const BlasLtPreference pref = make_preference(ws, key.align_w, key.align_a, key.align_d, key.align_d);
+    const blasStatus_t st = blasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->layout_w, plan->layout_a,
+                                                         plan->layout_d, plan->layout_d, pref.get(), 1, &result, &found);
+    if (st == BLAS_STATUS_SUCCESS && found > 0) {
+      plan->workspace_bytes = ws;
+      break;
+    }
+    if (ws == key.workspace_bytes) return nullptr;
+  }
   plan->algo = result.algo;
   plan->reads_bias = epi.reads_bias;
   plan->post_act = epi.post_act;
@@ -231,8 +242,8 @@ void fp8_gemm(const Fp8GemmArgs& g) {
     std::lock_guard<std::mutex> lock(plan->mu);
     set_pointers(plan->desc, g, plan->reads_bias);
     FUSEDENC_CHECK_BLAS(blasLtMatmul(handle, plan->desc, &one, g.w, plan->layout_w, g.a, plan->layout_a, &zero,
-                                     g.d, plan->layout_d, g.d, plan->layout_d, &plan->algo, g.workspace,
-                                     g.workspace_bytes, g.stream));
+                                     g.d, plan->layout_d, g.d, plan->layout_d, &plan->algo,
+                                     plan->workspace_bytes ? g.workspace : nullptr, plan->workspace_bytes, g.stream));
   }
   if (plan->post_act != Activation::none || plan->post_bias) {
     bias_activation(g.d, g.ldd, g.m, g.n, plan->post_bias ? g.bias : nullptr, g.out_dtype, plan->post_act, g.stream);
