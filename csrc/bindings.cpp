@@ -281,6 +281,7 @@ PYBIND11_MODULE(_C, m) {
     a.rows = rows; a.k = k;
     a.x = ptr<const void>(x); a.ldx = ldx; a.dtype = to_dtype(dtype);
     a.q = ptr<uint8_t>(q); a.ldq = ldq; a.scale = ptr<float>(scale);
+    a.format = fp8_format(device);
     DeviceGuard guard(device);
     fp8_quantize_rows(a, reinterpret_cast<gpuStream_t>(stream));
   }, "Rows in float8 e4m3 with one fp32 scale per row (fp8_quantize.h).");
@@ -310,6 +311,8 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(ok, why);
   }, "(runs, why not) for the FP8 GEMM on this device.");
   m.def("fp8_gemm_compiled", [] { return FUSEDENC_HAS_FP8_GEMM != 0; });
+  m.def("fp8_format", [](int device) { return std::string(fp8_format_name(fp8_format(device))); },
+        "The device's e4m3 flavour, \"e4m3fn\" (OCP) or \"e4m3fnuz\" (gfx94x): torch.float8_<name>.");
   m.def("sm90_fp8_gemm_applies", [](int device, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
                                     uintptr_t a_scale, uintptr_t w, int64_t ldw, uintptr_t w_scale, uintptr_t bias,
                                     uintptr_t d, int64_t ldd, int out_dtype, int act, bool fast_accum,

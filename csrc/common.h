@@ -94,6 +94,16 @@ inline DeviceFacts device_facts(int device) {
   return f;
 }
 
+// The device's architecture name (vendor.h's gpuDeviceArchName), asked once per device.
+inline std::string device_arch_name(int device) {
+  static std::mutex mu;
+  static std::vector<std::string> table;
+  std::lock_guard<std::mutex> lock(mu);
+  if (device >= static_cast<int>(table.size())) table.resize(device + 1);
+  if (table[device].empty()) FUSEDENC_CHECK_GPU(gpuDeviceArchName(device, &table[device]));
+  return table[device];
+}
+
 // Makes `device` current for the guard's lifetime and restores the caller's
 // device after, so the core never leaves the process on another device.
 class DeviceGuard {

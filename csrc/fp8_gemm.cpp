@@ -19,10 +19,47 @@ uint32_t align_of(const void* p, int64_t row_bytes) {
   return static_cast<uint32_t>(v & (~v + 1));
 }
 
+// AMD GPUs by FP8 flavour, from the arch name ("gfx942:sramecc+:xnack-"): gfx94x (MI300)
+// has the FNUZ e4m3 MFMA, gfx95x (MI350) the OCP one; others have no FP8 GEMM in hipBLASLt
+// with per-row scales (gfx12's OCP FP8 kernels lack the vector scales).
+enum class AmdFp8 { none, fnuz, ocp };
+AmdFp8 amd_fp8_family(const std::string& arch) {
+  if (arch.rfind("gfx94", 0) == 0) return AmdFp8::fnuz;
+  if (arch.rfind("gfx95", 0) == 0) return AmdFp8::ocp;
+  return AmdFp8::none;
+}
+
 }  // namespace
 
+Fp8Format fp8_format(int device) {
+#if defined(FUSEDENC_HIP)
+  return amd_fp8_family(device_arch_name(device)) == AmdFp8::fnuz ? Fp8Format::e4m3fnuz : Fp8Format::e4m3fn;
+#else
+  (void)device;
+  return Fp8Format::e4m3fn;
+#endif
+}
+
+const char* fp8_format_name(Fp8Format f) { return f == Fp8Format::e4m3fnuz ? "e4m3fnuz" : "e4m3fn"; }
+
 bool fp8_gemm_status(int device, std::string* why) {
-#if FUSEDENC_HAS_FP8_GEMM
+#if FUSEDENC_HAS_FP8_GEMM && defined(FUSEDENC_HIP)
+  const std::string arch = device_arch_name(device);
+  switch (amd_fp8_family(arch)) {
+    case AmdFp8::fnuz: return true;
+    case AmdFp8::ocp:
+#if FUSEDENC_HAS_FP8_OCP
+      return true;
+#else
+      if (why) *why = std::string(FUSEDENC_FP8_OCP_MISSING) + " (this GPU is " + arch + ")";
+      return false;
+#endif
+    case AmdFp8::none: break;
+  }
+  if (why) *why = "hipBLASLt runs FP8 GEMMs with per-row scales on gfx94x (MI300, FNUZ e4m3) and gfx95x "
+                  "(MI350, OCP e4m3) only; this GPU is " + arch;
+  return false;
+#elif FUSEDENC_HAS_FP8_GEMM
   const DeviceFacts& f = device_facts(device);
   if (f.cc_major < 9) {
     if (why) *why = "FP8 GEMMs with per-row scales need compute capability 9.0 or newer (this GPU has " +
@@ -115,6 +152,21 @@ void set_pointers(blasLtMatmulDesc_t desc, const Fp8GemmArgs& g, bool reads_bias
   }
 }
 
+// The operands' library type: the device's e4m3 flavour (the device is part of the plan key).
+blasDataType_t fp8_data_type(int device) {
+#if defined(FUSEDENC_HIP)
+  if (fp8_format(device) == Fp8Format::e4m3fnuz) return BLAS_R_8F_E4M3_FNUZ;
+#if FUSEDENC_HAS_FP8_OCP
+  return BLAS_R_8F_E4M3;
+#else
+  throw std::runtime_error(std::string("fusedenc fp8_gemm: ") + FUSEDENC_FP8_OCP_MISSING);  // status refused first
+#endif
+#else
+  (void)device;
+  return BLAS_R_8F_E4M3;
+#endif
+}
+
 std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, const Epilogue& epi,
                                   const Fp8GemmArgs& g) {
   auto plan = std::make_unique<Fp8Plan>();
@@ -124,21 +176,19 @@ std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, cons
   // the layout FP8 needs), its B our activations; its A scale is per output channel,
   // its B scale per activation row.
   const blasOperation_t op_t = BLAS_OP_T, op_n = BLAS_OP_N;
-  const int32_t outer_vec = BLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-  const int8_t fast = key.fast_accum ? 1 : 0;
   FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
   FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
-  FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_A_SCALE_MODE, &outer_vec, sizeof(outer_vec)));
-  FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_B_SCALE_MODE, &outer_vec, sizeof(outer_vec)));
-  FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+  FUSEDENC_CHECK_BLAS(blasLtSetOuterVectorScales(plan->desc));  // per-row / per-channel, not per-tensor
+  FUSEDENC_CHECK_BLAS(blasLtSetFastAccum(plan->desc, key.fast_accum ? 1 : 0));  // a no-op on hipBLASLt
   FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_EPILOGUE, &epi.value, sizeof(epi.value)));
   if (epi.reads_bias) {
     const int32_t bias_t = static_cast<int32_t>(out_t);
     FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_t, sizeof(bias_t)));
   }
   set_pointers(plan->desc, g, epi.reads_bias);
-  FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_w, BLAS_R_8F_E4M3, key.k, key.n, key.ldw));
-  FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_a, BLAS_R_8F_E4M3, key.k, key.m, key.lda));
+  const blasDataType_t fp8_t = fp8_data_type(key.device);
+  FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_w, fp8_t, key.k, key.n, key.ldw));
+  FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_a, fp8_t, key.k, key.m, key.lda));
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_d, out_t, key.n, key.m, key.ldd));
 
   // An algorithm that needs no workspace first: cuBLASLt's FP8 kernels that take one are

@@ -5,7 +5,9 @@
 //
 // relu and the tanh GELU come from the library epilogue where it has them for FP8;
 // other activations run the bias_activation kernel after the GEMM (as gemm.h does).
-// CUDA only for now (vendor.h's FUSEDENC_HAS_FP8_GEMM); fp8_gemm_status() says why not.
+// cuBLASLt 12.9+ on Hopper; hipBLASLt 0.10+ on gfx94x (MI300: FNUZ e4m3, largest 240) and
+// hipBLASLt 1.0+ on gfx95x (OCP e4m3) (vendor.h's FUSEDENC_HAS_FP8_GEMM); fp8_format() says
+// which flavour the operands are in, fp8_gemm_status() whether it runs and if not why.
 #pragma once
 
 #include <cstddef>
@@ -13,6 +15,7 @@
 #include <string>
 
 #include "common.h"
+#include "kernels/fp8_convert.h"
 
 namespace fusedenc {
 
@@ -40,6 +43,11 @@ struct Fp8GemmArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
+
+// The e4m3 flavour of `device`: e4m3fnuz on gfx94x (MI300), e4m3fn (OCP) everywhere else.
+// The operands of fp8_gemm and the codes fp8_quantize_rows writes are in it.
+Fp8Format fp8_format(int device);
+const char* fp8_format_name(Fp8Format f);  // "e4m3fn" / "e4m3fnuz": torch.float8_<name>
 
 // Whether this build and `device` run fp8_gemm; when not, `why` says what is missing.
 bool fp8_gemm_status(int device, std::string* why);

@@ -39,6 +39,14 @@ using gpuError_t = hipError_t;
 #define gpuDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
 #define gpuDevAttrComputeCapabilityMinor hipDeviceAttributeComputeCapabilityMinor
 
+// The GPU's architecture name, e.g. "gfx942:sramecc+:xnack-" (what decides its FP8 flavour).
+inline gpuError_t gpuDeviceArchName(int device, std::string* name) {
+  hipDeviceProp_t prop;
+  const hipError_t err = hipGetDeviceProperties(&prop, device);
+  if (err == hipSuccess) *name = prop.gcnArchName;
+  return err;
+}
+
 #if defined(__HIPCC__)
 using gpu_half = __half;
 using gpu_bf16 = __hip_bfloat16;
@@ -88,10 +96,56 @@ using blasOperation_t = hipblasOperation_t;
 // SWISH_EXT / SWISH_BIAS_EXT arrived with hipBLASLt 1.0 (ROCm 7.0).  Older
 // releases get the BIAS epilogue plus our activation kernel instead; the
 // capability report says which one a build has.
-// FP8 (fusedenc.fp8): not wired for hipBLASLt yet (its FNUZ formats on MI300 and its
-// vector-scale attributes differ from cuBLASLt's); the capability report says so.
+// FP8 GEMM with one fp32 scale per row of each operand (fusedenc.fp8).  hipBLASLt has
+// two APIs for it: 0.10-0.12 (ROCm 6.3/6.4) take the vectors through the
+// A/B_SCALE_POINTER_VEC_EXT attributes; 1.0 (ROCm 7.0) removed those (its header turns
+// them into static_asserts) for cuBLASLt's A/B_SCALE_MODE = OUTER_VEC_32F with the plain
+// scale pointers.  The e4m3 flavour follows the GPU (fp8_gemm.cpp decides from the
+// arch name): FNUZ (HIP_R_8F_E4M3_FNUZ, ROCm 6.0+) on gfx94x/MI300, OCP (HIP_R_8F_E4M3,
+// ROCm 6.3+) on gfx95x, whose FP8 kernels first ship in hipBLASLt 1.0.  hipBLASLt
+// has no fast-accumulation switch (MI300's FP8 MFMA always sums in fp32).
+#if defined(HIPBLASLT_VERSION_MAJOR) && \
+    (HIPBLASLT_VERSION_MAJOR >= 1 || (HIPBLASLT_VERSION_MAJOR == 0 && HIPBLASLT_VERSION_MINOR >= 10))
+#define FUSEDENC_HAS_FP8_GEMM 1
+#define BLAS_R_8F_E4M3_FNUZ HIP_R_8F_E4M3_FNUZ
+#if HIPBLASLT_VERSION_MAJOR >= 1
+#define FUSEDENC_HAS_FP8_OCP 1  // gfx95x: OCP e4m3 operands
+#define BLAS_R_8F_E4M3 HIP_R_8F_E4M3
+#define BLASLT_MATMUL_DESC_A_SCALE_POINTER HIPBLASLT_MATMUL_DESC_A_SCALE_POINTER
+#define BLASLT_MATMUL_DESC_B_SCALE_POINTER HIPBLASLT_MATMUL_DESC_B_SCALE_POINTER
+// Both operands' scales as vectors (A: one per row of op(A), B: one per column of op(B)).
+inline blasStatus_t blasLtSetOuterVectorScales(blasLtMatmulDesc_t desc) {
+  const hipblasLtMatmulMatrixScale_t mode = HIPBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+  blasStatus_t st = hipblasLtMatmulDescSetAttribute(desc, HIPBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode));
+  if (st != HIPBLAS_STATUS_SUCCESS) return st;
+  return hipblasLtMatmulDescSetAttribute(desc, HIPBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode));
+}
+#else
+#define FUSEDENC_HAS_FP8_OCP 0
+#define FUSEDENC_FP8_OCP_MISSING "OCP e4m3 GEMMs (gfx95x) need hipBLASLt 1.0 (ROCm 7.0) or newer"
+// The _VEC_EXT pointer attributes are themselves the vector mode: nothing else to set.
+#define BLASLT_MATMUL_DESC_A_SCALE_POINTER HIPBLASLT_MATMUL_DESC_A_SCALE_POINTER_VEC_EXT
+#define BLASLT_MATMUL_DESC_B_SCALE_POINTER HIPBLASLT_MATMUL_DESC_B_SCALE_POINTER_VEC_EXT
+inline blasStatus_t blasLtSetOuterVectorScales(blasLtMatmulDesc_t) { return HIPBLAS_STATUS_SUCCESS; }
+#endif
+inline blasStatus_t blasLtSetFastAccum(blasLtMatmulDesc_t, int8_t) { return HIPBLAS_STATUS_SUCCESS; }
+#else
 #define FUSEDENC_HAS_FP8_GEMM 0
-#define FUSEDENC_FP8_MISSING "hipBLASLt FP8 (FNUZ formats, vector scales) is not wired in fusedenc yet"
+#define FUSEDENC_FP8_MISSING "hipBLASLt older than 0.10 (ROCm 6.3) has no per-row (vector) FP8 scales"
+#endif
+#if FUSEDENC_HAS_FP8_GEMM && defined(__HIPCC__)
+// e4m3 codes are written by fusedenc's own bit-exact conversion (kernels/fp8_convert.h),
+// FNUZ or OCP as the kernel's argument says: ROCm 6.x's hip_fp8.h picks one flavour per
+// build target, and our reference (torch's conversion after a clamp) is the contract.
+#include "kernels/fp8_convert.h"
+struct gpu_fp8_e4m3 {
+  uint8_t __x;
+};
+// OCP e4m3 from fp32, rounded to nearest even, saturating to +-448 (NaN stays NaN).
+__device__ __forceinline__ gpu_fp8_e4m3 gpu_to_e4m3(float v) {
+  return gpu_fp8_e4m3{fusedenc::fp8_e4m3_from_float(v, fusedenc::Fp8Format::e4m3fn)};
+}
+#endif
 
 #if defined(HIPBLASLT_VERSION_MAJOR) && HIPBLASLT_VERSION_MAJOR >= 1
 #define FUSEDENC_HAS_SWISH_EPILOGUE 1
@@ -193,6 +247,15 @@ using gpuError_t = cudaError_t;
 #define gpuDevAttrComputeCapabilityMajor cudaDevAttrComputeCapabilityMajor
 #define gpuDevAttrComputeCapabilityMinor cudaDevAttrComputeCapabilityMinor
 
+// The GPU's architecture name, "sm_90" style.
+inline gpuError_t gpuDeviceArchName(int device, std::string* name) {
+  int major = 0, minor = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (err == cudaSuccess) *name = "sm_" + std::to_string(major) + std::to_string(minor);
+  return err;
+}
+
 #if defined(__CUDACC__)
 using gpu_half = __half;
 using gpu_bf16 = __nv_bfloat16;
@@ -248,6 +311,17 @@ using blasOperation_t = cublasOperation_t;
 #define BLASLT_MATMUL_DESC_B_SCALE_MODE CUBLASLT_MATMUL_DESC_B_SCALE_MODE
 #define BLASLT_MATMUL_DESC_FAST_ACCUM CUBLASLT_MATMUL_DESC_FAST_ACCUM
 #define BLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+#define FUSEDENC_HAS_FP8_OCP 1
+// Both operands' scales as vectors (A: one per row of op(A), B: one per column of op(B)).
+inline blasStatus_t blasLtSetOuterVectorScales(blasLtMatmulDesc_t desc) {
+  const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+  blasStatus_t st = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode));
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  return cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode));
+}
+inline blasStatus_t blasLtSetFastAccum(blasLtMatmulDesc_t desc, int8_t fast) {
+  return cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast));
+}
 #else
 #define FUSEDENC_HAS_FP8_GEMM 0
 #define FUSEDENC_FP8_MISSING "cuBLASLt older than 12.9 has no per-row (outer-vector) FP8 scales"

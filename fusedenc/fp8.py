@@ -3,9 +3,14 @@
 The scheme is the one the issue names: weights in e4m3 with one fp32 scale per output
 channel, activations in e4m3 with one fp32 scale per row, products accumulated in fp32
 and the GEMM's output in fp16/bf16.  A scale maps the row's (or channel's) largest
-magnitude onto e4m3's largest finite value, 448, so nothing saturates:
+magnitude onto e4m3's largest finite value, so nothing saturates:
 
-    scale = amax(|row|) / 448,   q = e4m3(row / scale),   row ~= q * scale
+    scale = amax(|row|) / max,   q = e4m3(row / scale),   row ~= q * scale
+
+e4m3 comes in two flavours and the device picks (``format_for``): OCP's
+(``torch.float8_e4m3fn``, max 448) on NVIDIA, AMD gfx95x and the CPU, and the FNUZ one of
+AMD's MI300 (gfx94x; ``torch.float8_e4m3fnuz``, max 240, exponent bias 8, no -0, 0x80 the
+only NaN).  The reference math below takes the format; the kernels write the same codes.
 
 ``scaled_linear`` is what an FP8 GEMM with row and column scales computes (cuBLASLt's
 outer-vector scaling, ``torch._scaled_mm`` with row-wise scales): ``(qx qw^T) * sx[m] *
@@ -35,13 +40,40 @@ from . import core, dtypes, norm_fold
 from .activations import apply_activation, canonical_activation
 from .device import current_stream
 
-__all__ = ["E4M3", "E4M3_MAX", "BLOCK_GEMMS", "CALIBRATION_HEADROOM", "Calibration", "Quantized", "QuantizedWeights",
-           "calibrate", "dequantize", "linear",
+__all__ = ["E4M3", "E4M3_MAX", "E4M3_FNUZ", "Fp8Format", "BLOCK_GEMMS", "CALIBRATION_HEADROOM", "Calibration", "Quantized", "QuantizedWeights",
+           "calibrate", "dequantize", "format_for", "linear",
            "producers_disabled", "producers_write_fp8", "quantize_blocks", "quantize_config", "quantize_rows",
            "scaled_linear"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(E4M3).max
+
+
+class Fp8Format(NamedTuple):
+    """An e4m3 flavour: the torch dtype of its codes and its largest finite value."""
+
+    dtype: torch.dtype
+    max: float
+
+
+E4M3_FNUZ = Fp8Format(torch.float8_e4m3fnuz, 240.0)  # torch.finfo(torch.float8_e4m3fnuz).max
+_OCP = Fp8Format(E4M3, E4M3_MAX)
+_BY_NAME = {"e4m3fn": _OCP, "e4m3fnuz": E4M3_FNUZ}
+
+
+def format_for(device: Any) -> Fp8Format:
+    """The e4m3 flavour of ``device`` (a ``torch.device`` or a tensor): what the core's FP8
+    kernels read and write there (``core.fp8.fp8_format``), OCP where no core runs."""
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    if device.type != "cuda":
+        return _OCP
+    return _BY_NAME[core.fp8.fp8_format(device)]
+
+
+def _format_of(q: torch.Tensor) -> Fp8Format:
+    """The flavour of codes ``q`` (their dtype says it)."""
+    return E4M3_FNUZ if q.dtype == E4M3_FNUZ.dtype else _OCP
 
 
 class Quantized(NamedTuple):
@@ -51,20 +83,24 @@ class Quantized(NamedTuple):
     scale: torch.Tensor
 
 
-def quantize_rows(x: torch.Tensor) -> Quantized:
+def quantize_rows(x: torch.Tensor, fmt: Optional[Fp8Format] = None) -> Quantized:
     """``x`` (``[rows, k]``, floating) in e4m3 with one scale per row.  For a weight
-    ``[out, in]`` that is one scale per output channel."""
+    ``[out, in]`` that is one scale per output channel.  ``fmt``: the e4m3 flavour, by
+    default ``x``'s device's (``format_for``); the kernel runs only in that one."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
         raise TypeError(f"x must be a 2-D floating tensor, got {getattr(x, 'dtype', type(x))} of shape {getattr(x, 'shape', '?')}")
-    if x.dtype in dtypes.SUPPORTED and x.stride(1) == 1 and x.shape[0] and core.fp8_status(x.device)[0]:
-        q = torch.empty(x.shape, dtype=E4M3, device=x.device)
+    native = format_for(x.device)
+    fmt = native if fmt is None else fmt
+    if (x.dtype in dtypes.SUPPORTED and x.stride(1) == 1 and x.shape[0] and fmt == native
+            and core.fp8_status(x.device)[0]):  # fmt: skip
+        q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
         scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         core.fp8_quantize_rows(x, q.view(torch.uint8), scale, current_stream(x.device))
         return Quantized(q, scale)
     xf = x.float()
     amax = xf.abs().amax(dim=1) if x.shape[1] else xf.new_zeros(x.shape[0])  # NaN/inf propagate
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
-    return Quantized((xf / scale[:, None]).to(E4M3), scale)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / fmt.max)
+    return Quantized((xf / scale[:, None]).to(fmt.dtype), scale)
 
 
 # The A/B switch for FP8 written by its producers (``FUSEDENC_FP8_PRODUCERS=0`` for a process).
@@ -74,7 +110,8 @@ _producers = os.environ.get("FUSEDENC_FP8_PRODUCERS", "").lower() not in ("0", "
 def producers_write_fp8(device: torch.device) -> bool:
     """Whether the FP8 mode's LayerNorm kernels write their outputs in e4m3 too on ``device``
     (the codes ``quantize_rows`` would make, so this changes speed, never results)."""
-    return _producers and device.type == "cuda" and core.fp8_status(device)[0]
+    # The LayerNorm kernels write OCP codes only: on MI300 (FNUZ) a pass quantizes instead.
+    return _producers and device.type == "cuda" and core.fp8_status(device)[0] and format_for(device) == _OCP
 
 
 @contextlib.contextmanager
@@ -113,8 +150,11 @@ def _check_operand(t: object, name: str) -> None:
     if not isinstance(t, Quantized):
         raise TypeError(f"{name} must be a fusedenc.fp8.Quantized (from quantize_rows), got {type(t).__name__}")
     q, scale = t
-    if not isinstance(q, torch.Tensor) or q.dtype != E4M3 or q.dim() != 2:
-        raise TypeError(f"{name}.q must be a 2-D {E4M3} tensor, got {getattr(q, 'dtype', type(q))}")
+    want = format_for(q.device).dtype if isinstance(q, torch.Tensor) else E4M3
+    if not isinstance(q, torch.Tensor) or q.dtype not in (E4M3, E4M3_FNUZ.dtype) or q.dim() != 2:
+        raise TypeError(f"{name}.q must be a 2-D {want} tensor, got {getattr(q, 'dtype', type(q))}")
+    if q.device.type == "cuda" and q.dtype != want:
+        raise TypeError(f"{name}.q is {q.dtype}, but the FP8 kernels on {q.device} read {want}")
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != (q.shape[0],):
         raise TypeError(f"{name}.scale must be float32 of shape ({q.shape[0]},), got {getattr(scale, 'dtype', type(scale))} "
                         f"{tuple(getattr(scale, 'shape', ()))}")  # fmt: skip
@@ -143,7 +183,7 @@ def linear(
     unit column stride to write into (returned).
 
     ``out_scale`` (``[N]`` fp32): the output in e4m3 instead, ``e4m3(act(...) * out_scale)``
-    saturating at +-448: the next GEMM's input with static per-column scales (calibration;
+    saturating at +-max (448; 240 for FNUZ codes, which the operands' dtype picks): the next GEMM's input with static per-column scales (calibration;
     the next weight carries ``1 / out_scale``).  On Hopper with ``fast_accum``, fp16 and an
     activation its epilogue has, the GEMM writes the codes itself; elsewhere a 16-bit result
     is scaled and converted after it (rounded to 16 bits once more than the kernel's).
@@ -195,6 +235,8 @@ def _check_linear(x: Quantized, weight: Quantized, bias: Optional[torch.Tensor],
         raise ValueError(f"K={k}: FP8 GEMMs need K a positive multiple of 16")
     if x.q.device != weight.q.device:
         raise ValueError(f"x is on {x.q.device}, the weight on {weight.q.device}")
+    if x.q.dtype != weight.q.dtype:
+        raise TypeError(f"x is {x.q.dtype}, the weight {weight.q.dtype}: one e4m3 flavour for both")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.dtype != out_dtype or tuple(bias.shape) != (n,):
             raise TypeError(f"bias must be {out_dtype} of shape ({n},), got {getattr(bias, 'dtype', type(bias))} "
@@ -230,9 +272,10 @@ def _linear_e4m3(x, weight, bias, activation, out_dtype, fast_accum, out_scale) 
         raise TypeError(f"out_scale must be float32 of shape ({n},) on {device}, got "
                         f"{getattr(out_scale, 'dtype', type(out_scale))} {tuple(getattr(out_scale, 'shape', ()))} "
                         f"on {getattr(out_scale, 'device', '?')}")  # fmt: skip
+    fmt = _format_of(x.q)
     if device.type == "cuda":
         _require_fp8(device)
-        codes = torch.empty((m, n), dtype=E4M3, device=device)
+        codes = torch.empty((m, n), dtype=fmt.dtype, device=device)
         if m == 0:
             return codes
         scale = out_scale.contiguous()
@@ -245,7 +288,7 @@ def _linear_e4m3(x, weight, bias, activation, out_dtype, fast_accum, out_scale) 
     else:  # the reference: the activation on the fp32 sum, not rounded to 16 bits first
         y = scaled_linear(x, weight, None, torch.float32)
         y = apply_activation(y if bias is None else y + bias.float(), activation)
-    return e4m3_columns(y, out_scale)
+    return e4m3_columns(y, out_scale, fmt)
 
 
 #: The GEMMs of an encoder block, by the name ``EncoderBlock.quantize(keep=...)`` takes.
@@ -288,13 +331,16 @@ class Calibration:
         amax = seen[1]
         if not torch.isfinite(amax).all():
             raise ValueError(f"calibration: the block's {OBSERVED[what]} was not finite on the sample inputs")
-        return torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / E4M3_MAX), torch.ones_like(amax))
+        fmax = format_for(amax.device).max  # the codes these scales are for are the device's
+        return torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / fmax), torch.ones_like(amax))
 
 
-def e4m3_columns(x: torch.Tensor, out_scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 codes of ``x * out_scale`` per column, saturated at +-448 (NaN stays NaN): what a
-    producer with static scales writes, as a pass where the producer cannot write it."""
-    return (x.float() * out_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+def e4m3_columns(x: torch.Tensor, out_scale: torch.Tensor, fmt: Optional[Fp8Format] = None) -> torch.Tensor:
+    """e4m3 codes of ``x * out_scale`` per column, saturated at +-max (NaN stays NaN): what a
+    producer with static scales writes, as a pass where the producer cannot write it.
+    ``fmt``: the flavour, by default ``x``'s device's (``format_for``)."""
+    fmt = format_for(x.device) if fmt is None else fmt
+    return (x.float() * out_scale).clamp_(-fmt.max, fmt.max).to(fmt.dtype)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from . import core, dtypes, gemm_routes, norm_fold
+from . import fp8 as fp8_mode
 from .activations import ACTIVATIONS
 
 __all__ = ["capabilities"]
@@ -60,9 +61,14 @@ def capabilities() -> dict[str, Any]:
     }
     # FP8 (fusedenc.fp8): what this build holds, and whether the current GPU runs it.
     compiled = core.fp8_compiled()
+    library = "hipBLASLt" if info and info["vendor"] == "hip" else "cuBLASLt"
     fp8: dict[str, Any] = {
-        "gemm": "cuBLASLt e4m3 GEMM, fp32 scale per activation row and per weight channel" if compiled else None,
+        "gemm": f"{library} e4m3 GEMM, fp32 scale per activation row and per weight channel" if compiled else None,
         "quantize": "fusedenc row-wise e4m3 kernel" if compiled else None,
+        # The e4m3 flavour of the current GPU's codes (torch.float8_<format>): "e4m3fn" (OCP:
+        # NVIDIA, AMD gfx95x) or "e4m3fnuz" (AMD gfx94x, MI300), and its largest finite value.
+        "format": "e4m3fn",
+        "max": 448.0,
         # Output dtypes of the Hopper FP8 GEMM with the activation in its epilogue (sm90).
         "sm90_epilogue_gemm": core.sm90_fp8_gemm_kernels() if compiled else [],
         # ... and of its form writing e4m3 with static column scales (a calibrated FFN1 -> FFN2).
@@ -71,8 +77,10 @@ def capabilities() -> dict[str, Any]:
         "reason": "",
     }
     if torch.cuda.is_available():
-        ok, why = core.fp8_status(torch.device("cuda", torch.cuda.current_device()))
-        fp8.update(runs_here=ok, reason=why)
+        device = torch.device("cuda", torch.cuda.current_device())
+        ok, why = core.fp8_status(device)
+        fmt = fp8_mode.format_for(device)
+        fp8.update(runs_here=ok, reason=why, format=str(fmt.dtype).replace("torch.float8_", ""), max=fmt.max)
     else:
         fp8["reason"] = "no GPU: fusedenc.fp8 runs its PyTorch reference"
     report["fp8"] = fp8

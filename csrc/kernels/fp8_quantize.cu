@@ -37,20 +37,24 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(Fp8QuantizeArgs 
   if (threadIdx.x == 0) {
     float r = warp_max[0];
     for (int w = 1; w < kThreads / FUSEDENC_WARP_SIZE; ++w) r = fp8_amax_combine(r, warp_max[w]);
-    const float s = fp8_row_scale(r);
+    const float s = fp8_row_scale(r, args.format);
     row_scale = s;
     args.scale[row] = s;
   }
   __syncthreads();
   const float s = row_scale;
-  gpu_fp8_e4m3* q = reinterpret_cast<gpu_fp8_e4m3*>(args.q + row * args.ldq);
-  for (int64_t i = threadIdx.x; i < args.k; i += kThreads) q[i] = fp8_code(load(x + i), s);
+  uint8_t* q = args.q + row * args.ldq;
+  for (int64_t i = threadIdx.x; i < args.k; i += kThreads) q[i] = fp8_code_byte(load(x + i), s, args.format);
 }
 
 // The fast path: one warp per row, the row held in registers (16-byte loads, at most
 // kMaxVec of them per lane), so it is read once and no shared memory or block barrier
 // is needed.  Rows too long for the registers, or not 16-byte aligned, take the kernel above.
 constexpr int kRowsPerBlock = 4;
+// Lanes per warp as the host launches them (vendor.h: 32 on NVIDIA, 64 on HIP, where FP8
+// runs on wave64 CDNA GPUs only: gfx94x / gfx95x); the kernel derives its rows per block
+// from blockDim, so the launch and the kernel cannot disagree on the row a warp owns.
+constexpr int kLaunchWarp = FUSEDENC_WARP_SIZE;
 // The longest row the warp kernel takes: 8 x 32 lanes x 16 bytes (2048 fp16 values).  With
 // 16 slots (4096) the registers cut occupancy and the block kernel measured faster
 // (2304-wide rows: 64 -> 76 us at 16384 rows on the H100).
@@ -62,10 +66,10 @@ struct alignas(16) Vec16 {
 };
 
 template <typename T, int kSlots>
-__global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_warp_kernel(Fp8QuantizeArgs args) {
+__global__ void __launch_bounds__(kRowsPerBlock * kLaunchWarp) fp8_quantize_warp_kernel(Fp8QuantizeArgs args) {
   constexpr int V = 16 / sizeof(T);
   const int lane = threadIdx.x % FUSEDENC_WARP_SIZE;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / FUSEDENC_WARP_SIZE;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / FUSEDENC_WARP_SIZE) + threadIdx.x / FUSEDENC_WARP_SIZE;
   if (row >= args.rows) return;  // whole warps leave together: the shuffles below stay full
   const int64_t nvec = args.k / V;
   const Vec16<T>* x = reinterpret_cast<const Vec16<T>*>(static_cast<const T*>(args.x) + row * args.ldx);
@@ -81,10 +85,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_warp_kernel(F
     }
   }
   for (int off = FUSEDENC_WARP_SIZE / 2; off > 0; off /= 2) m = fp8_amax_combine(m, gpu_shfl_xor(m, off));
-  const float s = fp8_row_scale(m);
+  const float s = fp8_row_scale(m, args.format);
   if (lane == 0) args.scale[row] = s;
   struct alignas(V) Codes {
-    gpu_fp8_e4m3 c[V];
+    uint8_t c[V];
   };
   Codes* q = reinterpret_cast<Codes*>(args.q + row * args.ldq);
 #pragma unroll
@@ -93,7 +97,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_warp_kernel(F
     if (i < nvec) {
       Codes out;
 #pragma unroll
-      for (int e = 0; e < V; ++e) out.c[e] = fp8_code(load(&vals[j].v[e]), s);
+      for (int e = 0; e < V; ++e) out.c[e] = fp8_code_byte(load(&vals[j].v[e]), s, args.format);
       q[i] = out;
     }
   }
@@ -111,11 +115,11 @@ void launch(const Fp8QuantizeArgs& a, gpuStream_t stream) {
   if (warp_path_fits<T>(a)) {
     // As few register slots as the row needs: fewer registers, more warps in flight.
     const unsigned blocks = static_cast<unsigned>((a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
-    const int64_t per_lane = (a.k / (16 / sizeof(T)) + 31) / 32;
+    const int64_t per_lane = (a.k / (16 / sizeof(T)) + kLaunchWarp - 1) / kLaunchWarp;
     if (per_lane <= 4) {
-      fp8_quantize_warp_kernel<T, 4><<<blocks, kRowsPerBlock * 32, 0, stream>>>(a);
+      fp8_quantize_warp_kernel<T, 4><<<blocks, kRowsPerBlock * kLaunchWarp, 0, stream>>>(a);
     } else {
-      fp8_quantize_warp_kernel<T, kMaxVec><<<blocks, kRowsPerBlock * 32, 0, stream>>>(a);
+      fp8_quantize_warp_kernel<T, kMaxVec><<<blocks, kRowsPerBlock * kLaunchWarp, 0, stream>>>(a);
     }
   } else {
     fp8_quantize_kernel<T><<<static_cast<unsigned>(a.rows), kThreads, 0, stream>>>(a);
@@ -132,6 +136,7 @@ void fp8_quantize_rows(const Fp8QuantizeArgs& a, gpuStream_t stream) {
   if (a.rows == 0) return;
   if (!a.x || !a.q || !a.scale) bad("null pointer");
   if (a.rows > 0x7fffffff) bad("too many rows");
+  if (a.format != Fp8Format::e4m3fn && a.format != Fp8Format::e4m3fnuz) bad("unknown e4m3 format");
 #if FUSEDENC_HAS_FP8_GEMM
   switch (a.dtype) {
     case DType::f16: launch<gpu_half>(a, stream); break;

@@ -2,15 +2,17 @@
 // fp32 scale per row, the activation side of fusedenc's FP8 GEMM (fp8.py holds the
 // reference math, which this kernel matches bit for bit):
 //
-//   scale = amax(|row|) / 448   (1 for a row of zeros; NaN or inf in a row propagate)
-//   q     = e4m3(row / scale)   (IEEE division, round to nearest even)
+//   scale = amax(|row|) / max   (1 for a row of zeros; NaN or inf in a row propagate;
+//                                max 448 for OCP e4m3, 240 for MI300's FNUZ e4m3)
+//   q     = e4m3(row / scale)   (IEEE division, round to nearest even, saturating)
 //
-// CUDA only for now (vendor.h's FUSEDENC_HAS_FP8_GEMM).
+// Builds with FP8 GEMMs only (vendor.h's FUSEDENC_HAS_FP8_GEMM).
 #pragma once
 
 #include <cstdint>
 
 #include "../common.h"
+#include "fp8_convert.h"
 
 namespace fusedenc {
 
@@ -22,6 +24,7 @@ struct Fp8QuantizeArgs {
   uint8_t* q = nullptr;  // [rows, k] e4m3 codes, row stride ldq
   int64_t ldq = 0;
   float* scale = nullptr;  // [rows]
+  Fp8Format format = Fp8Format::e4m3fn;  // the device's flavour (fp8_gemm.h's fp8_format)
 };
 
 // Checks the arguments (throws std::invalid_argument), then launches on `stream`.

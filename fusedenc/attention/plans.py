@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from .. import fp8
 from .backends import BACKENDS, FALLBACK_ORDER, AttentionBackend
 from .call import ALIGN_BYTES, AttentionCall, describe_call, table_key, validate
 from .tables import clear_tables, tables_for
@@ -200,6 +201,11 @@ def _make_bias_fn(call: AttentionCall, backend: AttentionBackend, attn_bias) -> 
     return bias_copy_and_mask
 
 
+def _device_codes(call: AttentionCall) -> fp8.Fp8Format:
+    """The e4m3 flavour of the call's device (``fusedenc.fp8.format_for``)."""
+    return fp8.format_for(torch.device(call.device_type, call.device_index if call.device_type == "cuda" else None))
+
+
 class Plan:
     """Everything decided for one call signature; ``run`` is the per-call hot path."""
 
@@ -210,7 +216,10 @@ class Plan:
         self.backend = backend
         self.kernel = backend.kernel
         self.native_mask = backend.native_mask
-        self.writes_e4m3 = backend.native_mask and backend.writes_e4m3  # run(..., out_scale=) allowed
+        # run(..., out_scale=) allowed: the kernels write OCP e4m3 codes, so not on an MI300
+        # (FNUZ codes there: the caller's pass quantizes instead).
+        self.writes_e4m3 = (backend.native_mask and backend.writes_e4m3
+                            and _device_codes(call).dtype == torch.float8_e4m3fn)  # fmt: skip
         self.bias_fn = None if backend.native_mask else _make_bias_fn(call, backend, attn_bias)
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(call.head_dim)
         b, s, h, d = call.batch, call.seq, call.heads, call.head_dim
@@ -224,7 +233,7 @@ class Plan:
         """The attention output as ``[B*S, H*Dh]`` rows; ``out_scale`` (only where
         ``writes_e4m3``): float32 ``[H*Dh]``, the rows then e4m3 codes of ``out * out_scale``."""
         if self.empty:
-            return q.new_empty((self.rows, self.cols), dtype=q.dtype if out_scale is None else torch.float8_e4m3fn)
+            return q.new_empty((self.rows, self.cols), dtype=q.dtype if out_scale is None else fp8.format_for(q).dtype)
         if self.native_mask:  # bias and mask go in as the caller gave them; [B, S, H, Dh] comes out
             if out_scale is not None:
                 out = self.kernel(q, k, v, attn_bias, self.scale, key_padding_mask, out_scale=out_scale)

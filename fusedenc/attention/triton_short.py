@@ -153,7 +153,9 @@ def _short_attention_kernel(
         denom = tl.where(denom == 0.0, 1.0, denom)
         o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / denom[:, None]
 
-        if HAS_OUT_SCALE:  # e4m3 codes of o * out_scale[column], saturated at +-448 (NaN stays NaN)
+        # e4m3 codes of o * out_scale[column], saturated at +-448 (NaN stays NaN): OCP codes
+        # only (fusedenc.fp8.format_for; plans.Plan turns this off on FNUZ devices)
+        if HAS_OUT_SCALE:
             o = o * tl.load(out_scale_ptr + h * HEAD_DIM + dims)[None, :]
             o = tl.where(o > 448.0, 448.0, tl.where(o < -448.0, -448.0, o))
         out_ptrs = out_ptr + (b * seq + rows)[:, None] * out_row_stride + h * HEAD_DIM + dims[None, :]

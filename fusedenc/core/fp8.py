@@ -35,6 +35,22 @@ def fp8_status(device: torch.device) -> tuple[bool, str]:
 _status_by_index: dict[int, tuple[bool, str]] = {}
 
 
+def fp8_format(device: torch.device) -> str:
+    """The e4m3 flavour the core's FP8 kernels use on ``device``: ``"e4m3fn"`` (OCP: NVIDIA,
+    AMD gfx95x) or ``"e4m3fnuz"`` (AMD gfx94x, MI300), the ``torch.float8_<name>`` of its
+    codes.  ``"e4m3fn"`` where the core is not active on ``device`` (the reference runs)."""
+    module = native_module()
+    if module is None or not active_on(device) or not hasattr(module, "fp8_format"):
+        return "e4m3fn"
+    name = _format_by_index.get(device.index)
+    if name is None:  # a property of the device: asked once
+        name = _format_by_index[device.index] = str(module.fp8_format(device.index))
+    return name
+
+
+_format_by_index: dict[int, str] = {}
+
+
 def sm90_fp8_gemm_applies(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool = False,
