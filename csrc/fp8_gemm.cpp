@@ -194,7 +194,7 @@ std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, cons
   // An algorithm that needs no workspace first: cuBLASLt's FP8 kernels that take one are
   // preceded by a memset of it, and in a CUDA graph the memset and the dependency gap after
   // it cost ~4 us a GEMM, more than the workspace-free kernels lose (H100, static FP8 t82 /
-  // bt4 stacks: +2.4% / +2.2% positions/s at 256 positions, +0.5% at 1024; bench/NOTES.md).
+  // bt4 stacks: +2.9% / +2.2% positions/s at 256 positions, +0.6% at 1024; bench/NOTES.md).
   blasLtMatmulHeuristicResult_t result{};
   int found = 0;
   for (const size_t ws : {size_t{0}, key.workspace_bytes}) {
