@@ -31,6 +31,8 @@ quietly.  +-inf in a row likewise (inf / inf).
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import os
 from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
@@ -284,7 +286,8 @@ def _linear_e4m3(x, weight, bias, activation, out_dtype, fast_accum, out_scale) 
             stream = current_stream(device)
             core.fp8_gemm(*args, True, stream, core.workspace(device, stream), out_scale=scale)
             return codes
-        y = linear(x, weight, bias, activation, out_dtype=out_dtype, fast_accum=fast_accum).float()
+        # 16-bit output (the fallback GEMM's), coded in one pass by e4m3_columns
+        y = linear(x, weight, bias, activation, out_dtype=out_dtype, fast_accum=fast_accum)
     else:  # the reference: the activation on the fp32 sum, not rounded to 16 bits first
         y = scaled_linear(x, weight, None, torch.float32)
         y = apply_activation(y if bias is None else y + bias.float(), activation)
@@ -340,7 +343,26 @@ def e4m3_columns(x: torch.Tensor, out_scale: torch.Tensor, fmt: Optional[Fp8Form
     producer with static scales writes, as a pass where the producer cannot write it.
     ``fmt``: the flavour, by default ``x``'s device's (``format_for``)."""
     fmt = format_for(x.device) if fmt is None else fmt
+    if _fused_columns(x, out_scale, fmt):
+        from . import triton_e4m3  # imports Triton: only for a CUDA tensor
+
+        return triton_e4m3.e4m3_columns(x, out_scale)
     return (x.float() * out_scale).clamp_(-fmt.max, fmt.max).to(fmt.dtype)
+
+
+def _fused_columns(x: torch.Tensor, out_scale: torch.Tensor, fmt: Fp8Format) -> bool:
+    """Whether ``e4m3_columns`` runs as one Triton kernel (the same codes, one pass instead of
+    three): a CUDA 2-D tensor with a unit column stride, OCP codes, Triton importable."""
+    if not (x.is_cuda and x.dim() == 2 and (x.shape[1] <= 1 or x.stride(1) == 1)
+            and fmt.dtype == torch.float8_e4m3fn and out_scale.dtype == torch.float32
+            and out_scale.is_contiguous() and x.dtype in (torch.float16, torch.bfloat16, torch.float32)):  # fmt: skip
+        return False
+    return _have_triton()
+
+
+@functools.lru_cache(maxsize=None)
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @contextlib.contextmanager
