@@ -12,6 +12,9 @@ Implementations (one process, the same file, the same input planes):
                         e.g. reduce-overhead: CUDA graphs)
   fusedenc              fusedenc.lc0.load_network's Lc0Network, eager
   fusedenc-graph        the same, its whole forward captured as one CUDA graph per batch size
+  fusedenc-fp8-static   with ``--fp8``: the same net with its body in FP8
+                        (``quantize("fp8", fast_accum=True, calibration=256 other positions)``),
+                        one CUDA graph per batch size; checked by the FP8 rule below
   lc0:<backend>         with ``--lc0 BINARY``: lc0's own ``backendbench`` on the same file
                         (``--lc0-backend``, default cuda-fp16), run in the same process's
                         turn; its median positions/s.  lc0 is not a dependency: point
@@ -25,6 +28,10 @@ biases) and the heads, so the report says what each costs per call.
 Correctness before timing, at the smallest batch: every implementation's policy, WDL and
 moves-left against the reference in fp32 (TF32 off), with the project's rule
 ``max|out - ref32| <= slack * 2 * max|torch - ref32| + atol`` (slack 1.5, ``--check-slack``).
+The FP8 row cannot meet a 16-bit bound: its check is a gross-error guard (every output
+finite, ``||out - ref32|| / ||ref32|| <= 0.25`` over the heads together), and the report gives
+issue 21's gate metrics beside it: policy top-1 agreement and WDL max |diff| against the
+fp16 fusedenc net (bench/fp8_accuracy.py --lc0 measures them on many positions).
 Timing: device events, warm-up, median of ``--reps`` (>= 20) calls; compile and capture
 time measured apart.  Writes ``<out-dir>/lc0_<tag>.json`` and ``.txt``.
 """
@@ -80,6 +87,26 @@ def _graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+#: The FP8 row's gross-error guard: relative error of the heads against fp32 (FP8 nets measure
+#: a few percent; a wrong layout or scale gives ~100%).
+FP8_REL_BOUND = 0.25
+FP8_IMPL = "fusedenc-fp8-static"
+
+
+def _rel_err(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    o = torch.cat([out[k].double().flatten() for k in ref])
+    r = torch.cat([ref[k].double().flatten() for k in ref])
+    return ((o - r).norm() / r.norm()).item() if torch.isfinite(o).all() else float("inf")
+
+
+def _fp8_check(out, fp16_out, ref, bound: float) -> dict[str, Any]:
+    """The FP8 row's check record: the guard, and the gate metrics against the fp16 net."""
+    rel = _rel_err(out, ref)
+    agree = (out["policy"].argmax(-1) == fp16_out["policy"].argmax(-1)).float().mean().item()
+    wdl = (out["wdl"].double() - fp16_out["wdl"].double()).abs().max().item()
+    return {"rel_err": rel, "bound": bound, "ok": rel <= bound, "policy_top1_vs_fp16": agree, "wdl_max_diff_vs_fp16": wdl}
 
 
 def _max_err(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -151,6 +178,10 @@ def run_net(
             name = "torch-compile" if mode == "default" else f"torch-compile:{mode}"
             impls[name] = torch.compile(torch_net, mode=None if mode == "default" else mode)
     graph = "fusedenc-graph" in wanted and device.type == "cuda"
+    fp8_net = None
+    if getattr(args, "fp8", False) and device.type == "cuda":
+        cal = _planes(256, device, dtype, args.seed + 7919)  # not the positions checked or timed
+        fp8_net = Lc0Network(file, dtype=dtype, device=device).quantize("fp8", fast_accum=True, calibration=cal)
     batches = args.batch_sizes
     rec: dict[str, Any] = {"net": path, "description": desc, "rows": [], "check": {}}
     # Correctness at the smallest batch, before any timing.
@@ -170,6 +201,11 @@ def run_net(
         ok[name] = err <= bound
         rec["check"][name] = {"err": err, "bound": bound, "ok": ok[name]}
         print(f"   check {name:28s} err {err:.3g} <= {bound:.3g}  {'ok' if ok[name] else 'FAILED: not timed'}")
+    if fp8_net is not None:
+        c = rec["check"][FP8_IMPL] = _fp8_check(fp8_net(x), fast(x), ref, FP8_REL_BOUND)
+        ok[FP8_IMPL] = c["ok"]
+        print(f"   check {FP8_IMPL:28s} rel err {c['rel_err']:.3g} <= {c['bound']}  {'ok' if c['ok'] else 'FAILED: not timed'}"
+              f"; against fp16: policy top-1 {c['policy_top1_vs_fp16']:.2%}, WDL max |diff| {c['wdl_max_diff_vs_fp16']:.4f}")
     for b in batches:
         x = _planes(b, device, dtype, args.seed + b)
         for name, fn in impls.items():
@@ -184,6 +220,9 @@ def run_net(
         if graph and ok["fusedenc"]:
             ms = _time_graphed(lambda x=x: fast(x), device, args.reps)
             rec["rows"].append({"batch": b, "impl": "fusedenc-graph", "ms": ms, "nps": b / (ms * 1e-3)})
+        if fp8_net is not None and ok[FP8_IMPL]:
+            ms = _time_graphed(lambda x=x: fp8_net(x), device, args.reps)
+            rec["rows"].append({"batch": b, "impl": FP8_IMPL, "ms": ms, "nps": b / (ms * 1e-3)})
         if getattr(args, "parts", False) and device.type == "cuda" and ok["fusedenc"]:
             rec.setdefault("parts", {})[str(b)] = time_parts(fast, x, args.reps, device)
         if getattr(args, "lc0", None):
@@ -215,6 +254,17 @@ def report(rec: dict[str, Any]) -> list[str]:
             vs_best = f"{r['nps'] / best:.2f}x" if best else "-"
             vs_lc0 = f"{r['nps'] / lc0:.2f}x" if lc0 else "-"
             lines.append(f"   {b:>5}  {r['impl']:28s} {r['nps']:>12,.0f} {r['ms']:>9.3f} {ratio:>8} {vs_best:>12} {vs_lc0:>6}")
+    c = rec["check"].get(FP8_IMPL)
+    if c is not None:
+        speed = []
+        for b in sorted({r["batch"] for r in rec["rows"]}):
+            got = {r["impl"]: r["nps"] for r in rec["rows"] if r["batch"] == b}
+            fp16 = max((v for k, v in got.items() if k in ("fusedenc", "fusedenc-graph")), default=None)
+            if FP8_IMPL in got and fp16:
+                speed.append(f"{got[FP8_IMPL] / fp16:.2f}x at batch {b}")
+        lines.append(f"   {FP8_IMPL} against the faster fusedenc fp16 row: {', '.join(speed) or 'not timed'}; relative error "
+                     f"{c['rel_err']:.3g} against fp32 (guard {c['bound']}); against fp16 at the check batch: policy "
+                     f"top-1 {c['policy_top1_vs_fp16']:.2%}, WDL max |diff| {c['wdl_max_diff_vs_fp16']:.4f}")  # fmt: skip
     for b, parts in rec.get("parts", {}).items():
         whole = next((r["ms"] for r in rec["rows"] if r["batch"] == int(b) and r["impl"] == "fusedenc-graph"), None)
         shares = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
@@ -237,6 +287,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lc0", metavar="BINARY", help="an lc0 binary: time its backendbench on the same net")
     ap.add_argument("--lc0-backend", default="cuda-fp16", help="lc0 backend for --lc0 (default cuda-fp16)")
     ap.add_argument("--lc0-batches", type=int, default=100, help="batches per size for --lc0 (lc0's --batches)")
+    ap.add_argument("--fp8", action="store_true", help="also the net's FP8 mode (static, fast accumulation), graphed")
     ap.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), default="float16")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)

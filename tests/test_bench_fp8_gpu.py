@@ -57,3 +57,19 @@ def test_nps_fp8_rows_run_and_pass_on_the_gpu(tmp_path):
     assert lines["best_torch_fp8"]["impl"].startswith("torch-fp8"), lines
     # The fast accumulation row really asked for it (the graph runner over a fast_accum stack).
     assert impls["fusedenc-fp8-fast"]["info"]["fast_accum"] is True
+
+
+def test_lc0_fp8_row_runs_and_is_checked_on_the_gpu(tmp_path):
+    """bench/lc0.py --fp8: the whole net's FP8 row passes its guard, is timed, and reports the
+    gate metrics against the fp16 net."""
+    require_fp8_gpu()
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "lc0.py"), "--synthetic", "tiny", "--batch-sizes", "8",
+           "--fp8", "--reps", "20", "--out-dir", str(tmp_path), "--tag", "gpu"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
+    with open(tmp_path / "lc0_gpu.json", encoding="utf-8") as f:
+        rec = json.load(f)["results"][0]
+    c = rec["check"]["fusedenc-fp8-static"]
+    assert c["ok"] and 0 < c["rel_err"] <= c["bound"], c  # FP8 is never exact
+    assert 0.0 <= c["policy_top1_vs_fp16"] <= 1.0 and c["wdl_max_diff_vs_fp16"] >= 0.0
+    assert [r["batch"] for r in rec["rows"] if r["impl"] == "fusedenc-fp8-static"] == [8]

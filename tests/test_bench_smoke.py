@@ -190,6 +190,27 @@ def test_lc0_backendbench_row_is_parsed_and_failures_are_reported(tmp_path, monk
         lc0_bench.lc0_backendbench(str(fake), "net.pb.gz", 64, "cuda-fp16", 10)
 
 
+def test_lc0_fp8_check_guards_and_reports_the_gate_metrics(monkeypatch):
+    """bench/lc0.py --fp8's check: passes a few percent of error, fails garbage and NaN, and its
+    gate metrics are against the fp16 outputs."""
+    monkeypatch.syspath_prepend(BENCH)
+    import lc0 as lc0_bench  # bench/lc0.py
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    ref = {"policy": torch.randn(64, 1858, generator=g), "wdl": torch.softmax(torch.randn(64, 3, generator=g), -1)}
+    fp16 = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in ref.items()}
+    near = {k: v * (1 + 0.03 * torch.randn(v.shape, generator=g)) for k, v in ref.items()}
+    c = lc0_bench._fp8_check(near, fp16, ref, lc0_bench.FP8_REL_BOUND)
+    assert c["ok"] and 0.02 < c["rel_err"] < 0.04, c
+    assert c["policy_top1_vs_fp16"] == (near["policy"].argmax(-1) == fp16["policy"].argmax(-1)).float().mean().item()
+    assert c["wdl_max_diff_vs_fp16"] == (near["wdl"].double() - fp16["wdl"].double()).abs().max().item()
+    garbage = {k: torch.randn(v.shape, generator=g) for k, v in ref.items()}
+    assert not lc0_bench._fp8_check(garbage, fp16, ref, lc0_bench.FP8_REL_BOUND)["ok"]
+    nan = {k: v.clone() for k, v in near.items()}
+    nan["wdl"][3, 1] = float("nan")
+    assert not lc0_bench._fp8_check(nan, fp16, ref, lc0_bench.FP8_REL_BOUND)["ok"]
+
+
 def test_fp8_accuracy_tiny(tmp_path):
     """bench/fp8_accuracy.py: every configuration's row, and fp8 measurably worse than fp16."""
     out = tmp_path / "fp8.txt"
