@@ -204,6 +204,10 @@ LC0_CONFIGS = [
     ("fp8, FFN2 fp16", {"keep": ("ffn2",)}),
     ("fp8, ends fp16", {"ends": True}),
     ("fp8, static FFN2 input", {"static": True}),  # calibration on 256 other random positions
+    # One GEMM kind in FP8, the rest fp16: the least FP8 that still buys speed (the gate's
+    # "which mixed configuration" question; on random-weight nets none reaches 99%).
+    ("fp8, FFN1 only", {"keep": ("qkv", "out_proj", "ffn2")}),
+    ("fp8, QKV only", {"keep": ("out_proj", "ffn1", "ffn2")}),
 ]
 
 
