@@ -42,8 +42,8 @@ from . import core, dtypes, norm_fold
 from .activations import apply_activation, canonical_activation
 from .device import current_stream
 
-__all__ = ["E4M3", "E4M3_MAX", "E4M3_FNUZ", "Fp8Format", "BLOCK_GEMMS", "CALIBRATION_HEADROOM", "Calibration", "Quantized", "QuantizedWeights",
-           "calibrate", "dequantize", "format_for", "linear",
+__all__ = ["E4M3", "E4M3_MAX", "E4M3_FNUZ", "Fp8Format", "BLOCK_GEMMS", "CALIBRATION_HEADROOM", "Calibration",
+           "Quantized", "QuantizedWeights", "calibrate", "dequantize", "format_for", "linear",
            "producers_disabled", "producers_write_fp8", "quantize_blocks", "quantize_config", "quantize_rows",
            "scaled_linear"]
 
@@ -185,8 +185,9 @@ def linear(
     unit column stride to write into (returned).
 
     ``out_scale`` (``[N]`` fp32): the output in e4m3 instead, ``e4m3(act(...) * out_scale)``
-    saturating at +-max (448; 240 for FNUZ codes, which the operands' dtype picks): the next GEMM's input with static per-column scales (calibration;
-    the next weight carries ``1 / out_scale``).  On Hopper with ``fast_accum``, fp16 and an
+    saturating at +-max (448; 240 for FNUZ codes, which the operands' dtype picks): the next
+    GEMM's input with static per-column scales (calibration; the next weight carries
+    ``1 / out_scale``).  On Hopper with ``fast_accum``, fp16 and an
     activation its epilogue has, the GEMM writes the codes itself; elsewhere a 16-bit result
     is scaled and converted after it (rounded to 16 bits once more than the kernel's).
     """
