@@ -77,6 +77,7 @@ inline int dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
 struct DeviceFacts {
   int sm_count = 0;
   int cc_major = 0, cc_minor = 0;  // compute capability (HIP: as the runtime reports it)
+  int fp8_flavour = kGpuFp8None;   // the e4m3 flavour FP8 GEMMs read here (vendor.h)
 };
 
 // By value: a reference into the table would dangle once another device grows it.
@@ -89,19 +90,10 @@ inline DeviceFacts device_facts(int device) {
   if (f.sm_count == 0) {
     FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.cc_major, gpuDevAttrComputeCapabilityMajor, device));
     FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.cc_minor, gpuDevAttrComputeCapabilityMinor, device));
+    FUSEDENC_CHECK_GPU(gpuDeviceFp8Flavour(device, &f.fp8_flavour, nullptr));
     FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.sm_count, gpuDevAttrMultiProcessorCount, device));
   }
   return f;
-}
-
-// The device's architecture name (vendor.h's gpuDeviceArchName), asked once per device.
-inline std::string device_arch_name(int device) {
-  static std::mutex mu;
-  static std::vector<std::string> table;
-  std::lock_guard<std::mutex> lock(mu);
-  if (device >= static_cast<int>(table.size())) table.resize(device + 1);
-  if (table[device].empty()) FUSEDENC_CHECK_GPU(gpuDeviceArchName(device, &table[device]));
-  return table[device];
 }
 
 // Makes `device` current for the guard's lifetime and restores the caller's

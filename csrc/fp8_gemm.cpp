@@ -19,54 +19,22 @@ uint32_t align_of(const void* p, int64_t row_bytes) {
   return static_cast<uint32_t>(v & (~v + 1));
 }
 
-// AMD GPUs by FP8 flavour, from the arch name ("gfx942:sramecc+:xnack-"): gfx94x (MI300)
-// has the FNUZ e4m3 MFMA, gfx95x (MI350) the OCP one; others have no FP8 GEMM in hipBLASLt
-// with per-row scales (gfx12's OCP FP8 kernels lack the vector scales).
-enum class AmdFp8 { none, fnuz, ocp };
-AmdFp8 amd_fp8_family(const std::string& arch) {
-  if (arch.rfind("gfx94", 0) == 0) return AmdFp8::fnuz;
-  if (arch.rfind("gfx95", 0) == 0) return AmdFp8::ocp;
-  return AmdFp8::none;
-}
-
 }  // namespace
 
 Fp8Format fp8_format(int device) {
-#if defined(FUSEDENC_HIP)
-  return amd_fp8_family(device_arch_name(device)) == AmdFp8::fnuz ? Fp8Format::e4m3fnuz : Fp8Format::e4m3fn;
-#else
-  (void)device;
-  return Fp8Format::e4m3fn;
-#endif
+  return device_facts(device).fp8_flavour == kGpuFp8Fnuz ? Fp8Format::e4m3fnuz : Fp8Format::e4m3fn;
 }
 
 const char* fp8_format_name(Fp8Format f) { return f == Fp8Format::e4m3fnuz ? "e4m3fnuz" : "e4m3fn"; }
 
 bool fp8_gemm_status(int device, std::string* why) {
-#if FUSEDENC_HAS_FP8_GEMM && defined(FUSEDENC_HIP)
-  const std::string arch = device_arch_name(device);
-  switch (amd_fp8_family(arch)) {
-    case AmdFp8::fnuz: return true;
-    case AmdFp8::ocp:
-#if FUSEDENC_HAS_FP8_OCP
-      return true;
-#else
-      if (why) *why = std::string(FUSEDENC_FP8_OCP_MISSING) + " (this GPU is " + arch + ")";
-      return false;
-#endif
-    case AmdFp8::none: break;
+#if FUSEDENC_HAS_FP8_GEMM
+  if (device_facts(device).fp8_flavour != kGpuFp8None) return true;
+  if (why) {  // the refusal's reason: asked again (the facts keep only the answer)
+    int flavour = kGpuFp8None;
+    FUSEDENC_CHECK_GPU(gpuDeviceFp8Flavour(device, &flavour, why));
   }
-  if (why) *why = "hipBLASLt runs FP8 GEMMs with per-row scales on gfx94x (MI300, FNUZ e4m3) and gfx95x "
-                  "(MI350, OCP e4m3) only; this GPU is " + arch;
   return false;
-#elif FUSEDENC_HAS_FP8_GEMM
-  const DeviceFacts& f = device_facts(device);
-  if (f.cc_major < 9) {
-    if (why) *why = "FP8 GEMMs with per-row scales need compute capability 9.0 or newer (this GPU has " +
-                    std::to_string(f.cc_major) + "." + std::to_string(f.cc_minor) + ")";
-    return false;
-  }
-  return true;
 #else
   (void)device;
   if (why) *why = FUSEDENC_FP8_MISSING;
@@ -152,21 +120,6 @@ void set_pointers(blasLtMatmulDesc_t desc, const Fp8GemmArgs& g, bool reads_bias
   }
 }
 
-// The operands' library type: the device's e4m3 flavour (the device is part of the plan key).
-blasDataType_t fp8_data_type(int device) {
-#if defined(FUSEDENC_HIP)
-  if (fp8_format(device) == Fp8Format::e4m3fnuz) return BLAS_R_8F_E4M3_FNUZ;
-#if FUSEDENC_HAS_FP8_OCP
-  return BLAS_R_8F_E4M3;
-#else
-  throw std::runtime_error(std::string("fusedenc fp8_gemm: ") + FUSEDENC_FP8_OCP_MISSING);  // status refused first
-#endif
-#else
-  (void)device;
-  return BLAS_R_8F_E4M3;
-#endif
-}
-
 std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, const Epilogue& epi,
                                   const Fp8GemmArgs& g) {
   auto plan = std::make_unique<Fp8Plan>();
@@ -186,7 +139,7 @@ std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, cons
     FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_t, sizeof(bias_t)));
   }
   set_pointers(plan->desc, g, epi.reads_bias);
-  const blasDataType_t fp8_t = fp8_data_type(key.device);
+  const blasDataType_t fp8_t = blasLtFp8Type(device_facts(key.device).fp8_flavour);  // the device is in the key
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_w, fp8_t, key.k, key.n, key.ldw));
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_a, fp8_t, key.k, key.m, key.lda));
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_d, out_t, key.n, key.m, key.ldd));

@@ -11,7 +11,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
+
+// The e4m3 flavours of FP8 GEMM operands (gpuDeviceFp8Flavour): none, OCP (e4m3fn: NVIDIA,
+// AMD gfx95x), FNUZ (e4m3fnuz: AMD gfx94x, MI300).
+constexpr int kGpuFp8None = 0, kGpuFp8Ocp = 1, kGpuFp8Fnuz = 2;
 
 #if defined(FUSEDENC_HIP)
 // ---------------------------------------------------------------- ROCm / HIP --
@@ -39,12 +44,29 @@ using gpuError_t = hipError_t;
 #define gpuDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
 #define gpuDevAttrComputeCapabilityMinor hipDeviceAttributeComputeCapabilityMinor
 
-// The GPU's architecture name, e.g. "gfx942:sramecc+:xnack-" (what decides its FP8 flavour).
-inline gpuError_t gpuDeviceArchName(int device, std::string* name) {
+// The e4m3 flavour the FP8 GEMM reads on `device` (kGpuFp8*), from its architecture name
+// ("gfx942:sramecc+:xnack-"): gfx94x (MI300) has the FNUZ e4m3 MFMA, gfx95x (MI350) the OCP
+// one (hipBLASLt 1.0+); others have no hipBLASLt FP8 GEMM with per-row scales (gfx12's OCP
+// kernels lack the vector scales).  kGpuFp8None sets `why` (when given) to the reason.
+inline gpuError_t gpuDeviceFp8Flavour(int device, int* flavour, std::string* why) {
   hipDeviceProp_t prop;
   const hipError_t err = hipGetDeviceProperties(&prop, device);
-  if (err == hipSuccess) *name = prop.gcnArchName;
-  return err;
+  if (err != hipSuccess) return err;
+  const std::string arch = prop.gcnArchName;
+  *flavour = kGpuFp8None;
+  if (arch.rfind("gfx94", 0) == 0) {
+    *flavour = kGpuFp8Fnuz;
+  } else if (arch.rfind("gfx95", 0) == 0) {
+#if defined(HIPBLASLT_VERSION_MAJOR) && HIPBLASLT_VERSION_MAJOR >= 1
+    *flavour = kGpuFp8Ocp;
+#else
+    if (why) *why = "OCP e4m3 GEMMs (gfx95x) need hipBLASLt 1.0 (ROCm 7.0) or newer (this GPU is " + arch + ")";
+#endif
+  } else if (why) {
+    *why = "hipBLASLt runs FP8 GEMMs with per-row scales on gfx94x (MI300, FNUZ e4m3) and gfx95x "
+           "(MI350, OCP e4m3) only; this GPU is " + arch;
+  }
+  return hipSuccess;
 }
 
 #if defined(__HIPCC__)
@@ -100,17 +122,18 @@ using blasOperation_t = hipblasOperation_t;
 // two APIs for it: 0.10-0.12 (ROCm 6.3/6.4) take the vectors through the
 // A/B_SCALE_POINTER_VEC_EXT attributes; 1.0 (ROCm 7.0) removed those (its header turns
 // them into static_asserts) for cuBLASLt's A/B_SCALE_MODE = OUTER_VEC_32F with the plain
-// scale pointers.  The e4m3 flavour follows the GPU (fp8_gemm.cpp decides from the
+// scale pointers.  The e4m3 flavour follows the GPU (gpuDeviceFp8Flavour, from the
 // arch name): FNUZ (HIP_R_8F_E4M3_FNUZ, ROCm 6.0+) on gfx94x/MI300, OCP (HIP_R_8F_E4M3,
 // ROCm 6.3+) on gfx95x, whose FP8 kernels first ship in hipBLASLt 1.0.  hipBLASLt
 // has no fast-accumulation switch (MI300's FP8 MFMA always sums in fp32).
 #if defined(HIPBLASLT_VERSION_MAJOR) && \
     (HIPBLASLT_VERSION_MAJOR >= 1 || (HIPBLASLT_VERSION_MAJOR == 0 && HIPBLASLT_VERSION_MINOR >= 10))
 #define FUSEDENC_HAS_FP8_GEMM 1
-#define BLAS_R_8F_E4M3_FNUZ HIP_R_8F_E4M3_FNUZ
 #if HIPBLASLT_VERSION_MAJOR >= 1
-#define FUSEDENC_HAS_FP8_OCP 1  // gfx95x: OCP e4m3 operands
-#define BLAS_R_8F_E4M3 HIP_R_8F_E4M3
+// The library type of FP8 operands in `flavour` (gpuDeviceFp8Flavour's answer, never none).
+inline blasDataType_t blasLtFp8Type(int flavour) {
+  return flavour == kGpuFp8Fnuz ? HIP_R_8F_E4M3_FNUZ : HIP_R_8F_E4M3;
+}
 #define BLASLT_MATMUL_DESC_A_SCALE_POINTER HIPBLASLT_MATMUL_DESC_A_SCALE_POINTER
 #define BLASLT_MATMUL_DESC_B_SCALE_POINTER HIPBLASLT_MATMUL_DESC_B_SCALE_POINTER
 // Both operands' scales as vectors (A: one per row of op(A), B: one per column of op(B)).
@@ -121,8 +144,11 @@ inline blasStatus_t blasLtSetOuterVectorScales(blasLtMatmulDesc_t desc) {
   return hipblasLtMatmulDescSetAttribute(desc, HIPBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode));
 }
 #else
-#define FUSEDENC_HAS_FP8_OCP 0
-#define FUSEDENC_FP8_OCP_MISSING "OCP e4m3 GEMMs (gfx95x) need hipBLASLt 1.0 (ROCm 7.0) or newer"
+inline blasDataType_t blasLtFp8Type(int flavour) {
+  // gpuDeviceFp8Flavour answers OCP only with hipBLASLt 1.0+, and fp8_gemm asks it first.
+  if (flavour != kGpuFp8Fnuz) throw std::logic_error("fusedenc: OCP e4m3 operands need hipBLASLt 1.0 or newer");
+  return HIP_R_8F_E4M3_FNUZ;
+}
 // The _VEC_EXT pointer attributes are themselves the vector mode: nothing else to set.
 #define BLASLT_MATMUL_DESC_A_SCALE_POINTER HIPBLASLT_MATMUL_DESC_A_SCALE_POINTER_VEC_EXT
 #define BLASLT_MATMUL_DESC_B_SCALE_POINTER HIPBLASLT_MATMUL_DESC_B_SCALE_POINTER_VEC_EXT
@@ -247,13 +273,19 @@ using gpuError_t = cudaError_t;
 #define gpuDevAttrComputeCapabilityMajor cudaDevAttrComputeCapabilityMajor
 #define gpuDevAttrComputeCapabilityMinor cudaDevAttrComputeCapabilityMinor
 
-// The GPU's architecture name, "sm_90" style.
-inline gpuError_t gpuDeviceArchName(int device, std::string* name) {
+// The e4m3 flavour the FP8 GEMM reads on `device` (kGpuFp8*): OCP from compute capability
+// 9.0 on (cuBLASLt's outer-vector scales), none before (`why`, when given, says so).
+inline gpuError_t gpuDeviceFp8Flavour(int device, int* flavour, std::string* why) {
   int major = 0, minor = 0;
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (err == cudaSuccess) *name = "sm_" + std::to_string(major) + std::to_string(minor);
-  return err;
+  if (err != cudaSuccess) return err;
+  *flavour = major >= 9 ? kGpuFp8Ocp : kGpuFp8None;
+  if (*flavour == kGpuFp8None && why) {
+    *why = "FP8 GEMMs with per-row scales need compute capability 9.0 or newer (this GPU has " +
+           std::to_string(major) + "." + std::to_string(minor) + ")";
+  }
+  return cudaSuccess;
 }
 
 #if defined(__CUDACC__)
@@ -304,14 +336,10 @@ using blasOperation_t = cublasOperation_t;
 // cuBLASLt 12.9+ on Hopper.  e4m3 storage and conversions come from cuda_fp8.h.
 #if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
 #define FUSEDENC_HAS_FP8_GEMM 1
-#define BLAS_R_8F_E4M3 CUDA_R_8F_E4M3
 #define BLASLT_MATMUL_DESC_A_SCALE_POINTER CUBLASLT_MATMUL_DESC_A_SCALE_POINTER
 #define BLASLT_MATMUL_DESC_B_SCALE_POINTER CUBLASLT_MATMUL_DESC_B_SCALE_POINTER
-#define BLASLT_MATMUL_DESC_A_SCALE_MODE CUBLASLT_MATMUL_DESC_A_SCALE_MODE
-#define BLASLT_MATMUL_DESC_B_SCALE_MODE CUBLASLT_MATMUL_DESC_B_SCALE_MODE
-#define BLASLT_MATMUL_DESC_FAST_ACCUM CUBLASLT_MATMUL_DESC_FAST_ACCUM
-#define BLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
-#define FUSEDENC_HAS_FP8_OCP 1
+// The library type of FP8 operands (OCP e4m3, the only flavour gpuDeviceFp8Flavour gives here).
+inline blasDataType_t blasLtFp8Type(int) { return CUDA_R_8F_E4M3; }
 // Both operands' scales as vectors (A: one per row of op(A), B: one per column of op(B)).
 inline blasStatus_t blasLtSetOuterVectorScales(blasLtMatmulDesc_t desc) {
   const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
