@@ -78,13 +78,16 @@ struct PlusSquare {
   CUTLASS_HOST_DEVICE T operator()(T const& acc, T const& x) const { return acc + x * x; }
 };
 
-// The tile configuration: output tile, cluster and kernel/epilogue schedules.
-template <class Tile, class Cluster, class KernelSchedule, class EpilogueSchedule>
+// The tile configuration: output tile, cluster, kernel/epilogue schedules and the
+// epilogue's subtile (the piece of the output tile one pass of the epilogue handles).
+template <class Tile, class Cluster, class KernelSchedule, class EpilogueSchedule,
+          class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto>
 struct Config {
   using TileShape = Tile;
   using ClusterShape = Cluster;
   using Schedule = KernelSchedule;
   using EpiSchedule = EpilogueSchedule;
+  using EpiTile = EpilogueTile;
 };
 
 // 128 x 128 tiles, no cluster, pingpong: two consumer warpgroups take turns, so one's
@@ -183,7 +186,7 @@ struct Kernel {
   using ElementC = std::conditional_t<WithC, Element, void>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, ElementC, LayoutD, kAlign,
+      typename Cfg::EpiTile, ElementAcc, float, ElementC, LayoutD, kAlign,
       ElementD, LayoutD, kAlignD, typename Cfg::EpiSchedule, Tree>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB,
