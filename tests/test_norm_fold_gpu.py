@@ -64,6 +64,7 @@ def _ws():
         (4096 + 40, 1024, 1536),  # bt4 FFN1, M not a multiple of the tile
         (16384, 768, 32),  # smolgen's compress: one partial N tile
         (8192 + 8, 768, 3072),  # bert-base FFN1
+        (16384 + 40, 1024, 3072),  # bt4 QKV: the wide-tile kernel without an activation, M partial
     ],
 )
 def test_norm_gemm_is_layer_norm_then_linear(dtype, act, m, k, n, gen):

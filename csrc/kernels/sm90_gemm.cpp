@@ -16,12 +16,14 @@ namespace fusedenc {
 
 #ifdef FUSEDENC_HAVE_SM90_GEMM
 // Keep in step with FUSEDENC_SM90_GEMM_INSTANCES in CMakeLists.txt (a missing
-// unit is a link error, not a silent gap): per dtype, one norm kernel (every
-// activation, chosen at run time) and one residual kernel.
+// unit is a link error, not a silent gap): per dtype, the norm kernel (every activation,
+// chosen at run time) in three tile configurations, the residual kernel and the FP8 kernel.
 #define FUSEDENC_SM90_DTYPES(X) X(f16) X(bf16)
 namespace sm90 {
 #define FUSEDENC_DECLARE(D)                                                     \
   bool norm_##D(const GemmArgs& g, const NormFold& f, int sm_count);           \
+  bool norm_act_##D(const GemmArgs& g, const NormFold& f, int sm_count);       \
+  bool norm_wide_##D(const GemmArgs& g, const NormFold& f, int sm_count);      \
   bool residual_##D(const GemmArgs& g, const ResidualNorm& r, int sm_count);   \
   bool fp8_##D(const GemmArgs& g, const float* a_scale, const float* w_scale, int sm_count);
 FUSEDENC_SM90_DTYPES(FUSEDENC_DECLARE)
@@ -41,7 +43,9 @@ using Fp8OutFn = bool (*)(const GemmArgs&, const float*, const float*, const flo
 // The kernels this build holds for a dtype (all null: none).  The norm and fp8 kernels
 // take every activation as an argument; for fp8 the dtype is the output's.
 struct Kernels {
-  NormFn norm = nullptr;
+  NormFn norm = nullptr;       // no activation (QKV, compress)
+  NormFn norm_act = nullptr;   // with an activation in the epilogue (FFN1)
+  NormFn norm_wide = nullptr;  // no activation, long main loop (see pick_norm)
   ResidualFn residual = nullptr;
   Fp8Fn fp8 = nullptr;
   Fp8OutFn fp8out = nullptr;  // the FP8 kernel writing e4m3 (its dtype: the bias's)
@@ -49,9 +53,13 @@ struct Kernels {
 
 Kernels kernels_for(DType dtype) {
 #ifdef FUSEDENC_HAVE_SM90_GEMM
-  if (dtype == DType::f16) return {&sm90::norm_f16, &sm90::residual_f16, &sm90::fp8_f16, &sm90::fp8out_f16};
-#define FUSEDENC_CASE(D) \
-  if (dtype == DType::D) return {&sm90::norm_##D, &sm90::residual_##D, &sm90::fp8_##D, nullptr};
+  if (dtype == DType::f16)
+    return {&sm90::norm_f16, &sm90::norm_act_f16, &sm90::norm_wide_f16, &sm90::residual_f16, &sm90::fp8_f16,
+            &sm90::fp8out_f16};
+#define FUSEDENC_CASE(D)                                                                                 \
+  if (dtype == DType::D)                                                                                 \
+    return {&sm90::norm_##D, &sm90::norm_act_##D, &sm90::norm_wide_##D, &sm90::residual_##D, &sm90::fp8_##D, \
+            nullptr};
   FUSEDENC_SM90_DTYPES(FUSEDENC_CASE)
 #undef FUSEDENC_CASE
 #else
@@ -106,6 +114,20 @@ thread_local int t_sm_limit = 0;
 int launch_sms(int device) {
   const int sms = device_facts(device).sm_count;
   return t_sm_limit > 0 ? std::min(t_sm_limit, sms) : sms;
+}
+}  // namespace
+
+namespace {
+// Which norm kernel runs a call (bench/NOTES.md has the measurements behind each rule):
+// an activation in the epilogue takes the 64 x 64-subtile kernel; no activation takes the
+// cooperative 256 x 128 tile when the main loop is long (K >= 1024) and the problem spans
+// many waves of those tiles (its epilogue is not overlapped, and a wave's tail is twice
+// as long), else the pingpong 128 x 128 one.
+NormFn pick_norm(const Kernels& k, const GemmArgs& g, Activation epilogue_act, int sms) {
+  if (epilogue_act != Activation::none) return k.norm_act;
+  const int64_t wide_tiles = ((g.m + 255) / 256) * ((g.n + 127) / 128);
+  if (g.k >= 1024 && wide_tiles >= 4 * int64_t{sms}) return k.norm_wide;
+  return k.norm;
 }
 }  // namespace
 
@@ -174,9 +196,10 @@ bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
 }
 
 bool sm90_gemm(const GemmArgs& g) {
-  NormFn fn = kernels_for(g.dtype).norm;
-  if (!fn) throw std::invalid_argument("fusedenc sm90 gemm: no kernel for this dtype and activation");
-  return fn(g, NormFold{}, launch_sms(g.device));
+  const Kernels k = kernels_for(g.dtype);
+  if (!k.norm) throw std::invalid_argument("fusedenc sm90 gemm: no kernel for this dtype and activation");
+  const int sms = launch_sms(g.device);
+  return pick_norm(k, g, g.act, sms)(g, NormFold{}, sms);
 }
 
 namespace {
@@ -244,19 +267,20 @@ bool sm90_fold_applies(const GemmArgs& g, const char** why) {
 }
 
 bool sm90_norm_gemm(const GemmArgs& g, const NormFold& fold) {
-  NormFn fn = kernels_for(g.dtype).norm;
-  if (!fn) throw std::invalid_argument("fusedenc sm90 norm gemm: no kernel for this dtype and activation");
+  const Kernels k = kernels_for(g.dtype);
+  if (!k.norm) throw std::invalid_argument("fusedenc sm90 norm gemm: no kernel for this dtype and activation");
   if (g.c) throw std::invalid_argument("fusedenc sm90 norm gemm: takes no residual");
   if ((fold.rstd == nullptr) != (fold.shift == nullptr))
     throw std::invalid_argument("fusedenc sm90 norm gemm: rstd and shift come together");
   const char* why = "";
   if (!shape_fits(g, &why, false)) throw std::invalid_argument(std::string("fusedenc sm90 norm gemm: ") + why);
   DeviceGuard guard(g.device);
-  if (in_epilogue(g.act)) return fn(g, fold, launch_sms(g.device));
+  const int sms = launch_sms(g.device);
+  if (in_epilogue(g.act)) return pick_norm(k, g, g.act, sms)(g, fold, sms);
   // The bias goes in the epilogue, the activation in the pass after it (see in_epilogue).
   GemmArgs plain = g;
   plain.act = Activation::none;
-  if (!fn(plain, fold, launch_sms(g.device))) return false;
+  if (!pick_norm(k, plain, Activation::none, sms)(plain, fold, sms)) return false;
   bias_activation(g.d, g.ldd, g.m, g.n, nullptr, g.dtype, g.act, g.stream);
   return true;
 }

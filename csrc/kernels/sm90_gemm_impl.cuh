@@ -102,6 +102,25 @@ using DefaultConfig = Config<cute::Shape<cute::_128, cute::_128, cute::_64>, cut
                              cutlass::epilogue::TmaWarpSpecialized>;
 static_assert(kStatsTileM == 128 && kStatsTileN == 128, "sm90_gemm.h's stats tile is the kernel tile");
 
+// The norm tree with an activation: the same kernel with 64 x 64 epilogue subtiles instead
+// of CUTLASS's 64 x 32 (half as many subtile passes, each with twice the independent work,
+// so the activation's dependent chain is better hidden).  Measured on an H100 (us, fp16):
+// FFN1 + swish 16384 x 768 -> 2304 109 -> 106, 65536 rows 467 -> 429; FFN1 + mish
+// 16384 x 1024 -> 1536 104 -> 94, 65536 rows 449 -> 389.  With no activation the 64 x 32
+// subtiles stay faster (QKV 16384 x 768 -> 2304: 97 against 100), so both are built.
+using NormActConfig = Config<cute::Shape<cute::_128, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_1, cute::_1>,
+                             cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                             cutlass::epilogue::TmaWarpSpecialized, cute::Shape<cute::_64, cute::_64>>;
+
+// The norm tree with no activation and a long main loop (QKV at K >= 1024): cooperative
+// 256 x 128 tiles (two warpgroups share B: less shared-memory traffic per FLOP) with
+// 128 x 64 subtiles.  The cooperative epilogue is not overlapped, so it pays only where
+// the main loop is long: measured (us) QKV 16384 x 1024 -> 3072 200 -> 187, 65536 rows
+// 754 -> 682, but 16384 x 768 -> 2304 97 -> 120.
+using NormWideConfig = Config<cute::Shape<cute::_256, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_1, cute::_1>,
+                              cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                              cutlass::epilogue::TmaWarpSpecializedCooperative, cute::Shape<cute::_128, cute::_64>>;
+
 namespace fusion = cutlass::epilogue::fusion;
 using cute::_0;
 using cute::_1;
@@ -163,13 +182,16 @@ using Fp8OutTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, cutl
 
 // FP8 tiles read 128 bytes of K per stage, like the 16-bit tiles' 64 elements.  Hopper's
 // fast FP8 accumulation (partial sums stay in the tensor cores' accumulator): measured on
-// an H100 at t82's FFN1 (65536 x 2304 x 768, swish) this pingpong kernel takes 326 us,
-// the same tile with CUTLASS's accurate main loop (fp32 promotion) 695 us pingpong and
-// 399 cooperative, cooperative fast with a 2 x 1 cluster 363, fp16 394, cuBLASLt FP8 +
-// the activation pass 486 (bench/NOTES.md).  So fp8_gemm sends only fast_accum calls here.
-using Fp8Config = Config<cute::Shape<cute::_128, cute::_128, cute::_128>, cute::Shape<cute::_1, cute::_1, cute::_1>,
-                         cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
-                         cutlass::epilogue::TmaWarpSpecialized>;
+// an H100 at t82's FFN1 (65536 x 2304 x 768, swish) a 128 x 128 pingpong kernel took
+// 326 us, the same tile with CUTLASS's accurate main loop (fp32 promotion) 695 us
+// pingpong and 399 cooperative, fp16 394, cuBLASLt FP8 + the activation pass 486
+// (bench/NOTES.md).  So fp8_gemm sends only fast_accum calls here.  Cooperative 256 x 128
+// tiles with 128 x 64 epilogue subtiles, no cluster, measured faster than that pingpong
+// tile (e4m3 output, us): 16384 x 768 -> 2304 swish 86 -> 85, 65536 rows 356 -> 303;
+// 16384 x 1024 -> 1536 mish 76 -> 71, 65536 rows 337 -> 251.
+using Fp8Config = Config<cute::Shape<cute::_256, cute::_128, cute::_128>, cute::Shape<cute::_1, cute::_1, cute::_1>,
+                         cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
+                         cutlass::epilogue::TmaWarpSpecializedCooperative, cute::Shape<cute::_128, cute::_64>>;
 
 template <class Element, class Tree, bool WithC, class Cfg = DefaultConfig, class ElementAB = Element,
           class ElementD = Element>
@@ -324,9 +346,9 @@ bool run_fp8_out(const GemmArgs& g, const float* a_scale, const float* w_scale, 
 }  // namespace fusedenc
 
 // One unit's instantiation: the functions sm90_gemm.cpp's table points at.
-#define FUSEDENC_SM90_NORM_INSTANCE(NAME, ELEMENT)                                        \
+#define FUSEDENC_SM90_NORM_INSTANCE(NAME, ELEMENT, CONFIG)                                \
   namespace fusedenc { namespace sm90 {                                                  \
-  bool NAME(const GemmArgs& g, const NormFold& f, int sm_count) { return run_norm<ELEMENT>(g, f, sm_count); } \
+  bool NAME(const GemmArgs& g, const NormFold& f, int sm_count) { return run_norm<ELEMENT, CONFIG>(g, f, sm_count); } \
   } }
 #define FUSEDENC_SM90_RESIDUAL_INSTANCE(NAME, ELEMENT)                                             \
   namespace fusedenc { namespace sm90 {                                                           \
