@@ -75,12 +75,6 @@ bool env_enabled() {
 
 std::atomic<bool> g_enabled{env_enabled()};
 
-bool env_pdl() {
-  const char* v = std::getenv("FUSEDENC_SM90_PDL");
-  return !(v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0));
-}
-const bool g_pdl = env_pdl();
-
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
@@ -110,7 +104,6 @@ bool sm90_residual_gemm_compiled(DType dtype) { return kernels_for(dtype).residu
 
 void set_sm90_gemm_enabled(bool on) { g_enabled.store(on); }
 bool sm90_gemm_enabled() { return g_enabled.load(); }
-bool sm90_launch_pdl() { return g_pdl; }
 
 namespace {
 // Per thread: a CUDA graph is captured by one thread, and another thread's launches keep

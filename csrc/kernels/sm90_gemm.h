@@ -106,9 +106,4 @@ bool sm90_gemm_enabled();
 void set_sm90_sm_limit(int n);
 int sm90_sm_limit();
 
-// Whether the Hopper kernels launch as programmatic dependents of the kernel before them
-// (PDL: their prologue overlaps that kernel's tail; they wait for its results inside,
-// griddepcontrol.wait).  On unless FUSEDENC_SM90_PDL=0 (an A/B switch).
-bool sm90_launch_pdl();
-
 }  // namespace fusedenc
