@@ -17,7 +17,8 @@ namespace fusedenc {
 #ifdef FUSEDENC_HAVE_SM90_GEMM
 // Keep in step with FUSEDENC_SM90_GEMM_INSTANCES in CMakeLists.txt (a missing
 // unit is a link error, not a silent gap): per dtype, the norm kernel (every activation,
-// chosen at run time) in three tile configurations, the residual kernel and the FP8 kernel.
+// chosen at run time) in three tile configurations (pick_norm), the residual kernel and
+// the FP8 kernel.
 #define FUSEDENC_SM90_DTYPES(X) X(f16) X(bf16)
 namespace sm90 {
 #define FUSEDENC_DECLARE(D)                                                     \
@@ -115,16 +116,14 @@ int launch_sms(int device) {
   const int sms = device_facts(device).sm_count;
   return t_sm_limit > 0 ? std::min(t_sm_limit, sms) : sms;
 }
-}  // namespace
 
-namespace {
 // Which norm kernel runs a call (bench/NOTES.md has the measurements behind each rule):
 // an activation in the epilogue takes the 64 x 64-subtile kernel; no activation takes the
 // cooperative 256 x 128 tile when the main loop is long (K >= 1024) and the problem spans
 // many waves of those tiles (its epilogue is not overlapped, and a wave's tail is twice
 // as long), else the pingpong 128 x 128 one.
-NormFn pick_norm(const Kernels& k, const GemmArgs& g, Activation epilogue_act, int sms) {
-  if (epilogue_act != Activation::none) return k.norm_act;
+NormFn pick_norm(const Kernels& k, const GemmArgs& g, int sms) {
+  if (g.act != Activation::none) return k.norm_act;
   const int64_t wide_tiles = ((g.m + 255) / 256) * ((g.n + 127) / 128);
   if (g.k >= 1024 && wide_tiles >= 4 * int64_t{sms}) return k.norm_wide;
   return k.norm;
@@ -199,7 +198,7 @@ bool sm90_gemm(const GemmArgs& g) {
   const Kernels k = kernels_for(g.dtype);
   if (!k.norm) throw std::invalid_argument("fusedenc sm90 gemm: no kernel for this dtype and activation");
   const int sms = launch_sms(g.device);
-  return pick_norm(k, g, g.act, sms)(g, NormFold{}, sms);
+  return pick_norm(k, g, sms)(g, NormFold{}, sms);
 }
 
 namespace {
@@ -276,11 +275,11 @@ bool sm90_norm_gemm(const GemmArgs& g, const NormFold& fold) {
   if (!shape_fits(g, &why, false)) throw std::invalid_argument(std::string("fusedenc sm90 norm gemm: ") + why);
   DeviceGuard guard(g.device);
   const int sms = launch_sms(g.device);
-  if (in_epilogue(g.act)) return pick_norm(k, g, g.act, sms)(g, fold, sms);
+  if (in_epilogue(g.act)) return pick_norm(k, g, sms)(g, fold, sms);
   // The bias goes in the epilogue, the activation in the pass after it (see in_epilogue).
   GemmArgs plain = g;
   plain.act = Activation::none;
-  if (!pick_norm(k, plain, Activation::none, sms)(plain, fold, sms)) return false;
+  if (!pick_norm(k, plain, sms)(plain, fold, sms)) return false;
   bias_activation(g.d, g.ldd, g.m, g.n, nullptr, g.dtype, g.act, g.stream);
   return true;
 }
