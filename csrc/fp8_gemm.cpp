@@ -132,7 +132,7 @@ std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, cons
   FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
   FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
   FUSEDENC_CHECK_BLAS(blasLtSetOuterVectorScales(plan->desc));  // per-row / per-channel, not per-tensor
-  FUSEDENC_CHECK_BLAS(blasLtSetFastAccum(plan->desc, key.fast_accum ? 1 : 0));  // a no-op on hipBLASLt
+  FUSEDENC_CHECK_BLAS(blasLtSetFastAccum(plan->desc, key.fast_accum ? 1 : 0));  // a no-op where the library has no switch (vendor.h)
   FUSEDENC_CHECK_BLAS(blasLtMatmulDescSetAttribute(plan->desc, BLASLT_MATMUL_DESC_EPILOGUE, &epi.value, sizeof(epi.value)));
   if (epi.reads_bias) {
     const int32_t bias_t = static_cast<int32_t>(out_t);
@@ -144,8 +144,8 @@ std::unique_ptr<Fp8Plan> try_plan(blasLtHandle_t handle, const Fp8Key& key, cons
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_a, fp8_t, key.k, key.m, key.lda));
   FUSEDENC_CHECK_BLAS(blasLtMatrixLayoutCreate(&plan->layout_d, out_t, key.n, key.m, key.ldd));
 
-  // An algorithm that needs no workspace first: cuBLASLt's FP8 kernels that take one are
-  // preceded by a memset of it, and in a CUDA graph the memset and the dependency gap after
+  // An algorithm that needs no workspace first: the library's FP8 kernels that take one are
+  // preceded by a memset of it, and in a captured graph the memset and the dependency gap after
   // it cost ~4 us a GEMM, more than the workspace-free kernels lose (H100, static FP8 t82 /
   // bt4 stacks: +2.9% / +2.2% positions/s at 256 positions, +0.6% at 1024; bench/NOTES.md).
   blasLtMatmulHeuristicResult_t result{};
@@ -212,7 +212,7 @@ void fp8_gemm(const Fp8GemmArgs& g) {
     if (!sm90_fp8_gemm(g)) bad("e4m3 output: CUTLASS refused the problem");
     return;
   }
-  // An activation cuBLASLt cannot fuse: the Hopper kernel applies it in its epilogue
+  // An activation the library cannot fuse: the Hopper kernel applies it in its epilogue
   // instead of a pass over the output (as gemm() does for 16-bit GEMMs).
   if (sm90_fp8_gemm_applies(g) && sm90_fp8_gemm(g)) return;
   DeviceGuard guard(g.device);

@@ -1,13 +1,13 @@
 // fp8_gemm: one BLASLt call for   D = act((A_q @ W_q^T) * a_scale[m] * w_scale[n] + bias)
 // on row-major float8 e4m3 operands with one fp32 scale per row of each (per activation
-// row, per weight output channel: cuBLASLt's outer-vector scaling), fp32 accumulation,
+// row, per weight output channel: the library's outer-vector scaling), fp32 accumulation,
 // D in fp16 or bf16.  The reference math is fusedenc/fp8.py (scaled_linear).
 //
 // relu and the tanh GELU come from the library epilogue where it has them for FP8;
 // other activations run the bias_activation kernel after the GEMM (as gemm.h does).
-// cuBLASLt 12.9+ on Hopper; hipBLASLt 0.10+ on gfx94x (MI300: FNUZ e4m3, largest 240) and
-// hipBLASLt 1.0+ on gfx95x (OCP e4m3) (vendor.h's FUSEDENC_HAS_FP8_GEMM); fp8_format() says
-// which flavour the operands are in, fp8_gemm_status() whether it runs and if not why.
+// Which libraries and GPUs run it, and in which e4m3 flavour, is vendor.h's to say
+// (FUSEDENC_HAS_FP8_GEMM, gpuDeviceFp8Flavour); fp8_format() gives the flavour the operands
+// are in, fp8_gemm_status() whether it runs and if not why.
 #pragma once
 
 #include <cstddef>
@@ -44,7 +44,7 @@ struct Fp8GemmArgs {
   size_t workspace_bytes = 0;
 };
 
-// The e4m3 flavour of `device`: e4m3fnuz on gfx94x (MI300), e4m3fn (OCP) everywhere else.
+// The e4m3 flavour of `device` (vendor.h's gpuDeviceFp8Flavour): e4m3fnuz or e4m3fn (OCP).
 // The operands of fp8_gemm and the codes fp8_quantize_rows writes are in it.
 Fp8Format fp8_format(int device);
 const char* fp8_format_name(Fp8Format f);  // "e4m3fn" / "e4m3fnuz": torch.float8_<name>
