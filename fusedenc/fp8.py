@@ -31,14 +31,12 @@ quietly.  +-inf in a row likewise (inf / inf).
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 import os
 from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import core, dtypes, norm_fold
+from . import core, dtypes, gemm_routes, norm_fold
 from .activations import apply_activation, canonical_activation
 from .device import current_stream
 
@@ -358,12 +356,7 @@ def _fused_columns(x: torch.Tensor, out_scale: torch.Tensor, fmt: Fp8Format) -> 
             and fmt.dtype == torch.float8_e4m3fn and out_scale.dtype == torch.float32
             and out_scale.is_contiguous() and x.dtype in (torch.float16, torch.bfloat16, torch.float32)):  # fmt: skip
         return False
-    return _have_triton()
-
-
-@functools.lru_cache(maxsize=None)
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return gemm_routes.triton_available()
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ installed, and ``core.gemm`` imports the kernel module at the first routed call.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import NamedTuple, Optional
 
@@ -54,8 +55,10 @@ class RouteKey(NamedTuple):
 _ROUTES: dict[RouteKey, GemmConfig] = {}
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
-    """Whether the Triton package is installed (without importing it)."""
+    """Whether the Triton package is installed (without importing it).  Asked once per
+    process: ``fp8.e4m3_columns`` asks on every call, and a failed lookup walks sys.path."""
     return importlib.util.find_spec("triton") is not None
 
 
