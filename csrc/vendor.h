@@ -171,6 +171,10 @@ struct gpu_fp8_e4m3 {
 __device__ __forceinline__ gpu_fp8_e4m3 gpu_to_e4m3(float v) {
   return gpu_fp8_e4m3{fusedenc::fp8_e4m3_from_float(v, fusedenc::Fp8Format::e4m3fn)};
 }
+// Two of them, a's code in the low byte.
+__device__ __forceinline__ uint16_t gpu_to_e4m3x2(float a, float b) {
+  return static_cast<uint16_t>(gpu_to_e4m3(a).__x | (gpu_to_e4m3(b).__x << 8));
+}
 #endif
 
 #if defined(HIPBLASLT_VERSION_MAJOR) && HIPBLASLT_VERSION_MAJOR >= 1
@@ -362,6 +366,10 @@ __device__ __forceinline__ gpu_fp8_e4m3 gpu_to_e4m3(float v) {
   gpu_fp8_e4m3 out;
   out.__x = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
   return out;
+}
+// Two of them in one instruction, a's code in the low byte.
+__device__ __forceinline__ uint16_t gpu_to_e4m3x2(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 #endif
 

@@ -95,6 +95,26 @@ def test_the_folded_body_with_smolgen_beside_qkv(tmp_path, preset, batch, side_s
 
 
 @pytest.mark.gpu
+def test_by_default_smolgen_goes_beside_qkv_only_inside_a_graph(tmp_path, gen):
+    """The default (None): each layer's smolgen before its block when the net runs eagerly
+    (the side stream's switches cost host time that eager calls are bound by), beside the
+    QKV GEMM while a CUDA graph is captured; both held to the reference."""
+    path = tmp_path / "tiny.pb.gz"
+    write_preset(path, "tiny", seed=7)
+    nets = []
+
+    def keep(net):
+        nets.append(net)
+        return net
+
+    with layer_norm_folding("force"):
+        _check(path, torch.float16, "cuda", 16, gen, run=keep)
+        assert not nets[0]._side_streams, "an eager call took the side stream"
+        _check(path, torch.float16, "cuda", 16, gen, run=lambda net: keep(net).graph_runner((16,)))
+        assert nets[1]._side_streams, "the captured graph ran smolgen before each block"
+
+
+@pytest.mark.gpu
 def test_a_side_sm_count_that_leaves_qkv_nothing_is_refused(tiny_path, gen):
     net = load_network(str(tiny_path), dtype=torch.float16, device="cuda")
     planes = random_planes(4, gen).to("cuda", torch.float16)

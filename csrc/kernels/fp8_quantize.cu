@@ -42,9 +42,9 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(Fp8QuantizeArgs 
     args.scale[row] = s;
   }
   __syncthreads();
-  const float s = row_scale;
+  const Fp8Divisor d = fp8_divisor(row_scale);
   uint8_t* q = args.q + row * args.ldq;
-  for (int64_t i = threadIdx.x; i < args.k; i += kThreads) q[i] = fp8_code_byte(load(x + i), s, args.format);
+  for (int64_t i = threadIdx.x; i < args.k; i += kThreads) q[i] = fp8_code_byte(load(x + i), d, args.format);
 }
 
 // The fast path: one warp per row, the row held in registers (16-byte loads, at most
@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * kLaunchWarp) fp8_quantize_warp
   for (int off = FUSEDENC_WARP_SIZE / 2; off > 0; off /= 2) m = fp8_amax_combine(m, gpu_shfl_xor(m, off));
   const float s = fp8_row_scale(m, args.format);
   if (lane == 0) args.scale[row] = s;
+  const Fp8Divisor d = fp8_divisor(s);
   struct alignas(V) Codes {
     uint8_t c[V];
   };
@@ -97,7 +98,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * kLaunchWarp) fp8_quantize_warp
     if (i < nvec) {
       Codes out;
 #pragma unroll
-      for (int e = 0; e < V; ++e) out.c[e] = fp8_code_byte(load(&vals[j].v[e]), s, args.format);
+      for (int e = 0; e < V; ++e) out.c[e] = fp8_code_byte(load(&vals[j].v[e]), d, args.format);
       q[i] = out;
     }
   }

@@ -107,19 +107,19 @@ __device__ __forceinline__ void group_amax(float& v, int group_shift, float* scr
 }
 
 // One vector's e4m3 codes (fp8_rows.cuh: the quantization kernel's rule, so the codes are
-// bit-identical to quantizing `out`).
+// bit-identical to quantizing `out`), converted two at a time.
 template <int kV>
 struct alignas(kV) Codes {
-  uint8_t c[kV];
+  uint16_t pair[kV / 2];
 };
 template <typename V>
-__device__ __forceinline__ Codes<V::size> fp8_codes(const V& o, float scale) {
+__device__ __forceinline__ Codes<V::size> fp8_codes(const V& o, const Fp8Divisor& d) {
   Codes<V::size> q;
 #if FUSEDENC_HAS_FP8_GEMM
 #pragma unroll
-  for (int j = 0; j < V::size; ++j) q.c[j] = fp8_code(to_float(o.v[j]), scale).__x;
+  for (int j = 0; j < V::size / 2; ++j) q.pair[j] = fp8_code_pair(to_float(o.v[2 * j]), to_float(o.v[2 * j + 1]), d);
 #else
-  (void)o; (void)scale;  // never launched: the host refuses q_out without FP8
+  (void)o; (void)d;  // never launched: the host refuses q_out without FP8
 #endif
   return q;
 }
@@ -252,9 +252,10 @@ layer_norm_kernel(const T* __restrict__ x, const T* residual, const T* __restric
   if (!live) return;
   const float scale = fp8_row_scale(amax);
   if (lane == 0) q_scale[row] = scale;
+  const Fp8Divisor divisor = fp8_divisor(scale);
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
-    if (has[c]) *reinterpret_cast<Codes<kV>*>(q_out + row * s.ldq + column(c)) = fp8_codes(o[c], scale);
+    if (has[c]) *reinterpret_cast<Codes<kV>*>(q_out + row * s.ldq + column(c)) = fp8_codes(o[c], divisor);
   }
 }
 

@@ -44,6 +44,10 @@ __all__ = ["Lc0GraphRunner", "Lc0Network", "load_network"]
 # Measured on an H100 (bench/NOTES.md): at 256 positions (16384 rows) 8 SMs gain 1-2% (4 are
 # too few for the chain to finish inside QKV, 12 send dense1 to cuBLASLt, whose clustered
 # kernels wait for a free GPC); at 1024 positions no count gains, so smolgen runs before.
+# Only for a CUDA graph (captured, or warmed up for capture by Lc0GraphRunner): run eagerly,
+# the stream switches, events and SM limits cost host time a graph replays for free, and
+# eager Lc0 calls are host-bound at these batches (measured on the H100 machine: bt4 256
+# 13.5 -> 10.4 ms a call, t82 256 24.9 -> 19.2, without the side stream).
 _SIDE_SMS_ROWS, _SIDE_SMS_SMALL, _SIDE_SMS_LARGE = 16384, 8, 0
 
 
@@ -184,10 +188,12 @@ class Lc0Network(nn.Module):
         eps = BODY_LAYER_NORM_EPS
         kw = {"dtype": dtype, "device": device}
         self.d_model, self.heads, self.dtype = d, heads, dtype
-        # SMs smolgen's small kernels get beside each QKV GEMM (None: by batch size; 0: none,
-        # smolgen runs before its block).  The side streams are made on first use, per device.
+        # SMs smolgen's small kernels get beside each QKV GEMM (None: by batch size while a CUDA
+        # graph is captured, none when run eagerly; 0: none, smolgen runs before its block).
+        # The side streams are made on first use, per device.
         self.smolgen_side_sms: Optional[int] = None
         self._side_streams: dict = {}
+        self._for_graph = False  # set by Lc0GraphRunner while it warms up and captures
 
         # Embedding.
         e64 = w["ip_emb_preproc_b"].numel()
@@ -305,6 +311,8 @@ class Lc0Network(nn.Module):
             return 0
         n = self.smolgen_side_sms
         if n is None:
+            if not (getattr(self, "_for_graph", False) or torch.cuda.is_current_stream_capturing()):
+                return 0
             return _SIDE_SMS_SMALL if rows.shape[0] <= _SIDE_SMS_ROWS else _SIDE_SMS_LARGE
         sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < sms:
@@ -431,6 +439,15 @@ class Lc0GraphRunner(BucketedGraphs):
     def __call__(self, planes: torch.Tensor) -> dict[str, torch.Tensor]:
         self.net._check(planes)
         return self._dispatch((planes,))
+
+    def _capture(self, bucket: int):
+        # The warm-up takes the path the capture will (smolgen beside QKV: its plans and
+        # streams are made before capture, like everything else).
+        self.net._for_graph = True
+        try:
+            return super()._capture(bucket)
+        finally:
+            self.net._for_graph = False
 
 
 def load_network(
