@@ -91,7 +91,12 @@ def _net(dtype: torch.dtype, seed: int):
 def test_peer_net_is_the_emulated_reference_net(gen):
     """The peer on an fp32 model, its GEMM emulated, computes what the FP8 check's oracle does
     (peers.reference_forward with every GEMM in fusedenc.fp8's math): the same codes meet the
-    same GEMM; only attention's and LayerNorm's fp32 rounding differ."""
+    same GEMM; only attention's and LayerNorm's fp32 rounding differ.  That rounding can move a
+    value across an e4m3 rounding boundary, and the flipped code (one e4m3 step) spreads to the
+    layers after it: over 200 seeds the two nets' relative difference reached 0.029 of the FP8
+    error (typically 1e-5 of it), while the median value agreed to 1e-7.  So: most values
+    agree to fp32 rounding, and the whole stays far below what another FP8 scheme would give
+    (the fp16 model against the oracle: 1.0x the FP8 error, median difference 1e-2)."""
     run, model = _net(torch.float32, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
     x = randn((4, run.seq_len, run.preset.d_model), torch.float32, gen=gen)
     with torch.inference_mode():
@@ -101,7 +106,9 @@ def test_peer_net_is_the_emulated_reference_net(gen):
         ref = reference_forward(block_state_dicts(model), x, run, torch.float64)
     fp8_err = nps.rel_err(emulated, ref)
     assert 1e-3 < fp8_err < 0.1, fp8_err
-    assert nps.rel_err(out, emulated) < 1e-3 * fp8_err, (nps.rel_err(out, emulated), fp8_err)
+    median = ((out - emulated).abs() / emulated.abs().clamp_min(1e-6)).median().item()
+    assert median < 1e-5, (median, gen.seed_value)
+    assert nps.rel_err(out, emulated) < 0.1 * fp8_err, (nps.rel_err(out, emulated), fp8_err, gen.seed_value)
     # The original fp32 model is untouched (the peer is a copy).
     assert isinstance(model.blocks[0].in_proj, nn.Linear)
     assert nps.rel_err(model(x), ref) < 1e-5
