@@ -64,6 +64,27 @@ def test_quantize_kernel_special_rows_and_strided_input():
     assert torch.equal(odd.scale.cpu()[ok], ref.scale[ok]) and torch.equal(_bits(odd.q)[4:], _bits(ref.q)[4:])
 
 
+def test_quantize_kernel_codes_at_rounding_boundaries():
+    """The kernels divide by a row's scale through its reciprocal and one FMA correction
+    (fp8_rows.cuh), which must round as IEEE division does: values that are exact e4m3
+    midpoints times a scale that is not a power of two (ties to even), their neighbours one
+    ulp away, -0, and rows whose scale is outside [2^-100, 2^100] (the division fallback)."""
+    require_fp8_gpu()
+    mids = torch.tensor([1.0625, 1.1875, 17.0, 19.0, 0.015625 * 1.5, 2.0**-9 * 1.5, 416.0, 432.0])
+    rows = []
+    for s in (3.0, 0.7, 1.0 / 3.0, 1e-20, 5e20, 1e-36, 1e35):  # the last two: the fallback
+        base = (mids * s).float()
+        row = torch.cat([base, base.nextafter(torch.full_like(base, float("inf"))),
+                         base.nextafter(torch.full_like(base, -float("inf"))), -base,
+                         torch.tensor([-0.0, 0.0, 448.0 * s])])  # fmt: skip
+        rows.append(row.float())
+    x = torch.stack(rows)
+    got = fp8.quantize_rows(x.to(DEV))
+    want = fp8.quantize_rows(x)
+    assert torch.equal(got.scale.cpu(), want.scale)
+    assert torch.equal(_bits(got.q), _bits(want.q)), (_bits(got.q) != _bits(want.q)).nonzero()[:8]
+
+
 def _operands(m, n, k, gen, out_dtype, with_bias=True):
     x = randn((m, k), torch.float32, gen=gen)
     w = randn((n, k), torch.float32, gen=gen, scale=k**-0.5)
