@@ -122,8 +122,7 @@ def gemm_fp8_folded(z, gamma, beta, w, b, col_scale, eps=1e-5):
     sum, fp16 values) in e4m3 with static per-column scales ``col_scale``, ``w * gamma`` in e4m3
     per output channel, fp32 sums, then ``rstd * (acc - mean * colsum) + w @ beta + b`` with the
     row statistics of ``z`` and the column sums of the quantized folded weight."""
-    fmax = torch.finfo(torch.float8_e4m3fn).max
-    zq = (z / col_scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn).float() * col_scale
+    zq = fp8.e4m3_columns(z, 1.0 / col_scale).float() * col_scale  # as FFN1's static codes are made
     wg = dequantize(quantize_rows(w * gamma[None, :]))
     mean = z.mean(dim=-1, keepdim=True)
     rstd = torch.rsqrt((z - mean).pow(2).mean(dim=-1, keepdim=True) + eps)
@@ -235,20 +234,18 @@ def run_preset(name: str, batch: int, seed: int, device: torch.device) -> list[s
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         configs.insert(2, ("fp8 (torch._scaled_mm)", False, False, lambda i, g: gemm_scaled_mm))
     # The LN-folded FP8 rows' static column scales: the sums' column amax on another random
-    # batch through the fp16 run, with fusedenc.fp8's headroom.
+    # batch through the fp16 run, made into scales as calibration makes them.
     sample = torch.randn((batch, s, d), generator=gen).to(device)
-    fmax = torch.finfo(torch.float8_e4m3fn).max
     folded = {}
     for outl in stacks:
         amax: dict = {}
         forward(stacks[outl], sample, cfg, lambda i, g: gemm_fp16, round16=True, sums=amax)
-        folded[outl] = {k: torch.where(a > 0, a * (fp8.CALIBRATION_HEADROOM / fmax), torch.ones_like(a))
-                        for k, a in amax.items()}  # fmt: skip
-    configs += [("fp8, LN folded", False, "folded", lambda i, g: gemm_fp8),
-                ("fp8, LN folded, outl.", True, "folded", lambda i, g: gemm_fp8)]  # fmt: skip
+        folded[outl] = {k: fp8.static_scales(a) for k, a in amax.items()}
+    folded_rows = ("fp8, LN folded", "fp8, LN folded, outl.")
+    configs += [(label, outl, False, lambda i, g: gemm_fp8) for label, outl in zip(folded_rows, (False, True))]
     for label, outl, smooth, pick in configs:
-        fold = folded[outl] if smooth == "folded" else None
-        outs = forward(stacks[outl], x, cfg, pick, round16=True, smooth=smooth is True, folded=fold)
+        fold = folded[outl] if label in folded_rows else None
+        outs = forward(stacks[outl], x, cfg, pick, round16=True, smooth=smooth, folded=fold)
         per = [_metrics(o, r) for o, r in zip(outs, refs[outl])]
         cos, rel = per[-1]
         worst = max(range(layers), key=lambda i: per[i][1])

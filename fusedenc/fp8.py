@@ -333,8 +333,15 @@ class Calibration:
         amax = seen[1]
         if not torch.isfinite(amax).all():
             raise ValueError(f"calibration: the block's {OBSERVED[what]} was not finite on the sample inputs")
-        fmax = format_for(amax.device).max  # the codes these scales are for are the device's
-        return torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / fmax), torch.ones_like(amax))
+        return static_scales(amax)
+
+
+def static_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Per-column scales for static e4m3 codes (a code stands for ``code * scale``) from the
+    largest magnitudes calibration saw: ``CALIBRATION_HEADROOM`` above them, 1 for a column of
+    zeros, in the flavour of ``amax``'s device (the codes these scales are for are its)."""
+    fmax = format_for(amax.device).max
+    return torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / fmax), torch.ones_like(amax))
 
 
 def e4m3_columns(x: torch.Tensor, out_scale: torch.Tensor, fmt: Optional[Fp8Format] = None) -> torch.Tensor:
