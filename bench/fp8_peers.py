@@ -15,7 +15,10 @@
   fusedenc-fp8-graph  the same through the stack's CUDA-graph runner.
   fusedenc-fp8-fast   ``.quantize("fp8", fast_accum=True)`` through the graph runner.
   fusedenc-fp8-static the same with ``calibration=`` 64 random sequences (not the checked
-                      input): FFN1 writes FFN2's input in e4m3 with static column scales.
+                      input): FFN1 writes FFN2's input in e4m3 with static column scales, and
+                      where the Hopper kernels run the LayerNorms are folded into the GEMMs
+                      (``fusedenc.fp8_fold``: the library default when calibrated).
+  fusedenc-fp8-static-ln  the same with ``fold_norms=False``: the LayerNorm passes (the A/B).
 
 The FP8 check's oracle is here too: ``emulated_linear``, FP8's GEMM in fusedenc.fp8's
 reference math, for ``peers.reference_forward`` to run the same net with every GEMM in
@@ -54,9 +57,9 @@ __all__ = [
 
 #: The FP8 implementations, in the order they run (after the fp16 ones).
 FP8_IMPLS = ("torch-fp8", "torch-fp8-compile", "fusedenc-fp8", "fusedenc-fp8-graph", "fusedenc-fp8-fast",
-             "fusedenc-fp8-static")
+             "fusedenc-fp8-static", "fusedenc-fp8-static-ln")
 #: The ones that replay CUDA graphs (need a GPU).
-GRAPH_IMPLS = ("fusedenc-fp8-graph", "fusedenc-fp8-fast", "fusedenc-fp8-static")
+GRAPH_IMPLS = ("fusedenc-fp8-graph", "fusedenc-fp8-fast", "fusedenc-fp8-static", "fusedenc-fp8-static-ln")
 #: TorchBlock's four GEMM modules, in the order a layer runs them.
 GEMM_MODULES = ("in_proj", "out_proj", "ffn1", "ffn2")
 
@@ -175,15 +178,17 @@ def fusedenc_fp8_status(device: torch.device) -> tuple[bool, str]:
 def make_fusedenc_fp8(model: TorchEncoder, run: Run, device: torch.device, batches: list[int], name: str) -> Impl:
     """The fusedenc rows' EncoderStack (same weights), ``.quantize("fp8")`` as the row ``name``
     (one of the fusedenc-fp8 rows of ``FP8_IMPLS``) says; eager or graphs."""
-    graph, static = name in GRAPH_IMPLS, name == "fusedenc-fp8-static"
+    graph, static = name in GRAPH_IMPLS, name.startswith("fusedenc-fp8-static")
+    fold_norms = name != "fusedenc-fp8-static-ln"
     fast_accum = static or name == "fusedenc-fp8-fast"
     calibration = None
     if static:  # its own random sequences: the checked input is not what the scales saw
         g = torch.Generator().manual_seed(1234)
         calibration = torch.randn(64, run.seq_len, run.preset.d_model, generator=g).to(device, run.dtype)
-    stack = load_fusedenc_stack(model, run, device).quantize("fp8", fast_accum=fast_accum, calibration=calibration)
+    stack = load_fusedenc_stack(model, run, device).quantize("fp8", fast_accum=fast_accum, calibration=calibration,
+                                                             fold_norms=fold_norms)  # fmt: skip
     how = 'EncoderStack.quantize("fp8"' + (", fast_accum=True" if fast_accum else "") + (
-        ", calibration=64 random sequences)" if static else ")")
+        ", calibration=64 random sequences" if static else "") + ("" if fold_norms else ", fold_norms=False") + ")"
     if not graph:
         impl = Impl(name, stack)
         impl.notes.append(f"{how}, eager")

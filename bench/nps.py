@@ -72,8 +72,9 @@ FP8 (issue 21), ``--dtype fp8``: the model is built in float16 and the FP8
 implementations of bench/fp8_peers.py run beside the fp16 ones, so one run gives
 every ratio: torch-fp8 and torch-fp8-compile (the torchao-style row-wise
 ``torch._scaled_mm`` peer on the torch model's weights), fusedenc-fp8 (eager),
-fusedenc-fp8-graph, fusedenc-fp8-fast (fast accumulation) and fusedenc-fp8-static (fast, with
-static FFN2-input scales from calibration), graph runners.
+fusedenc-fp8-graph, fusedenc-fp8-fast (fast accumulation), fusedenc-fp8-static (fast, with
+static scales from calibration; the LayerNorms folded into the FP8 GEMMs where the Hopper
+kernels run) and fusedenc-fp8-static-ln (the same with the LayerNorm passes), graph runners.
 They cannot meet the fp16 rule; theirs is measured against what FP8 itself costs on
 this net: the same fp32 reference net with every GEMM in emulated FP8
 (fusedenc.fp8's reference math; the rest fp32) has relative error

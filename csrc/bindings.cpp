@@ -288,9 +288,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("fp8_gemm", [](int device, uintptr_t stream, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
                        uintptr_t a_scale, uintptr_t w, int64_t ldw, uintptr_t w_scale, uintptr_t bias, uintptr_t d,
                        int64_t ldd, int out_dtype, int act, bool fast_accum, uintptr_t workspace,
-                       size_t workspace_bytes, uintptr_t out_scale) {
+                       size_t workspace_bytes, uintptr_t out_scale, uintptr_t shift, uintptr_t colsum) {
     Fp8GemmArgs g;
     g.out_scale = ptr<const float>(out_scale);
+    g.shift = ptr<const float>(shift);
+    g.colsum = ptr<const float>(colsum);
     g.device = device; g.stream = reinterpret_cast<gpuStream_t>(stream);
     g.m = m; g.n = n; g.k = k;
     g.a = ptr<const void>(a); g.lda = lda; g.a_scale = ptr<const float>(a_scale);
@@ -302,9 +304,9 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("device"), py::arg("stream"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("a"), py::arg("lda"),
      py::arg("a_scale"), py::arg("w"), py::arg("ldw"), py::arg("w_scale"), py::arg("bias"), py::arg("d"),
      py::arg("ldd"), py::arg("out_dtype"), py::arg("act"), py::arg("fast_accum"), py::arg("workspace"),
-     py::arg("workspace_bytes"), py::arg("out_scale") = 0,
-     "D = act((A_q @ W_q^T) * a_scale * w_scale + bias) on e4m3 operands; with out_scale, D in e4m3 "
-     "(fp8_gemm.h).");
+     py::arg("workspace_bytes"), py::arg("out_scale") = 0, py::arg("shift") = 0, py::arg("colsum") = 0,
+     "D = act((A_q @ W_q^T) * a_scale * w_scale + shift * colsum + bias) on e4m3 operands (shift/colsum: "
+     "a folded LayerNorm, a_scale then rstd); with out_scale, D in e4m3 (fp8_gemm.h).");
   m.def("fp8_gemm_status", [](int device) {
     std::string why;
     const bool ok = fp8_gemm_status(device, &why);
@@ -316,10 +318,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("sm90_fp8_gemm_applies", [](int device, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,
                                     uintptr_t a_scale, uintptr_t w, int64_t ldw, uintptr_t w_scale, uintptr_t bias,
                                     uintptr_t d, int64_t ldd, int out_dtype, int act, bool fast_accum,
-                                    uintptr_t out_scale) {
+                                    uintptr_t out_scale, uintptr_t shift, uintptr_t colsum) {
     Fp8GemmArgs g;
     g.fast_accum = fast_accum;
     g.out_scale = ptr<const float>(out_scale);
+    g.shift = ptr<const float>(shift);
+    g.colsum = ptr<const float>(colsum);
     g.device = device; g.m = m; g.n = n; g.k = k;
     g.a = ptr<const void>(a); g.lda = lda; g.a_scale = ptr<const float>(a_scale);
     g.w = ptr<const void>(w); g.ldw = ldw; g.w_scale = ptr<const float>(w_scale);
@@ -330,8 +334,57 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(ok, std::string(ok ? "" : why));
   }, py::arg("device"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("a"), py::arg("lda"), py::arg("a_scale"),
      py::arg("w"), py::arg("ldw"), py::arg("w_scale"), py::arg("bias"), py::arg("d"), py::arg("ldd"),
-     py::arg("out_dtype"), py::arg("act"), py::arg("fast_accum"), py::arg("out_scale") = 0,
+     py::arg("out_dtype"), py::arg("act"), py::arg("fast_accum"), py::arg("out_scale") = 0, py::arg("shift") = 0,
+     py::arg("colsum") = 0,
      "Whether fp8_gemm would run the Hopper FP8 epilogue kernel for this call, and if not why.");
+  // The FP8 residual GEMM (sm90_gemm.h): the FP8 mode with LayerNorms folded.
+  auto fp8_residual_args = [](int device, uintptr_t stream, int64_t m, int64_t n, int64_t k, uintptr_t a,
+                              int64_t lda, uintptr_t w, int64_t ldw, uintptr_t w_scale, uintptr_t bias,
+                              uintptr_t d, int64_t ldd, int dtype) {
+    Fp8GemmArgs g;
+    g.device = device; g.stream = reinterpret_cast<gpuStream_t>(stream);
+    g.m = m; g.n = n; g.k = k;
+    g.a = ptr<const void>(a); g.lda = lda;
+    g.w = ptr<const void>(w); g.ldw = ldw; g.w_scale = ptr<const float>(w_scale);
+    g.bias = ptr<const void>(bias); g.d = ptr<void>(d); g.ldd = ldd;
+    g.out_dtype = to_dtype(dtype); g.fast_accum = true;
+    return g;
+  };
+  m.def("sm90_fp8_residual_applies", [fp8_residual_args](int device, int64_t m, int64_t n, int64_t k, uintptr_t a,
+                                                         int64_t lda, uintptr_t w, int64_t ldw, uintptr_t w_scale,
+                                                         uintptr_t bias, uintptr_t c, int64_t ldc, uintptr_t d,
+                                                         int64_t ldd, int dtype) {
+    const Fp8GemmArgs g = fp8_residual_args(device, 0, m, n, k, a, lda, w, ldw, w_scale, bias, d, ldd, dtype);
+    const char* why = "";
+    const bool ok = sm90_fp8_residual_applies(g, ptr<const void>(c), ldc, &why);
+    return py::make_tuple(ok, std::string(ok ? "" : why));
+  }, "Whether the Hopper FP8 residual GEMM can run these arguments, and if not why.");
+  m.def("sm90_fp8_residual_gemm", [fp8_residual_args](int device, uintptr_t stream, int64_t m, int64_t n, int64_t k,
+                                                      uintptr_t a, int64_t lda, uintptr_t w, int64_t ldw,
+                                                      uintptr_t w_scale, uintptr_t bias, uintptr_t c, int64_t ldc,
+                                                      uintptr_t d, int64_t ldd, int dtype, float alpha,
+                                                      uintptr_t rstd, uintptr_t shift, uintptr_t gamma,
+                                                      uintptr_t beta, uintptr_t row_sum, uintptr_t row_sumsq,
+                                                      uintptr_t codes, int64_t ldq, uintptr_t code_scale,
+                                                      uintptr_t inv_code_scale, uintptr_t workspace,
+                                                      size_t workspace_bytes) {
+    Fp8GemmArgs g = fp8_residual_args(device, stream, m, n, k, a, lda, w, ldw, w_scale, bias, d, ldd, dtype);
+    g.workspace = ptr<void>(workspace); g.workspace_bytes = workspace_bytes;
+    ResidualNorm r;
+    r.rstd = ptr<const float>(rstd);
+    r.shift = ptr<const float>(shift);
+    r.gamma = ptr<const void>(gamma);
+    r.beta = ptr<const void>(beta);
+    r.row_sum = ptr<float>(row_sum);
+    r.row_sumsq = ptr<float>(row_sumsq);
+    Fp8Codes q;
+    q.q = ptr<void>(codes); q.ldq = ldq;
+    q.scale = ptr<const float>(code_scale); q.inv_scale = ptr<const float>(inv_code_scale);
+    if (m == 0) return true;
+    return sm90_fp8_residual_gemm(g, ptr<const void>(c), ldc, alpha, r, q);
+  }, "D = alpha * (w_scale * (A_q @ W_q^T) + bias) + R on e4m3 operands, with partial row sums and, with "
+     "codes, D's e4m3 codes (sm90_gemm.h). False: CUTLASS refused the problem and nothing ran.");
+  m.def("sm90_fp8_residual_compiled", [](int dtype) { return sm90_fp8_residual_compiled(to_dtype(dtype)); });
   // The 16-bit dtypes a kernel family was compiled for, by name.
   auto compiled_dtypes = [](bool (*compiled)(DType)) {
     py::list out;

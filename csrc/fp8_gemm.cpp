@@ -206,10 +206,11 @@ void fp8_gemm(const Fp8GemmArgs& g) {
   std::string why;
   if (!fp8_gemm_status(g.device, &why)) throw std::runtime_error("fusedenc fp8_gemm: " + why);
 #if FUSEDENC_HAS_FP8_GEMM
-  if (g.out_scale) {  // e4m3 output: the Hopper kernel or nothing (fusedenc.fp8 asks first)
+  if (g.out_scale || g.shift || g.colsum) {  // the Hopper kernel or nothing (fusedenc.fp8 asks first)
+    const char* what = g.out_scale ? "e4m3 output" : "a folded LayerNorm";
     const char* no = "";
-    if (!sm90_fp8_gemm_applies(g, &no)) bad(std::string("e4m3 output does not run here: ") + no);
-    if (!sm90_fp8_gemm(g)) bad("e4m3 output: CUTLASS refused the problem");
+    if (!sm90_fp8_gemm_applies(g, &no)) bad(std::string(what) + " does not run here: " + no);
+    if (!sm90_fp8_gemm(g)) bad(std::string(what) + ": CUTLASS refused the problem");
     return;
   }
   // An activation the library cannot fuse: the Hopper kernel applies it in its epilogue

@@ -37,6 +37,11 @@ struct Fp8GemmArgs {
   // folded into its weight).  Only the Hopper FP8 kernel writes them (fast_accum, an
   // activation its epilogue has, fp16 bias); sm90_fp8_gemm_applies says whether it runs.
   const float* out_scale = nullptr;
+  // A LayerNorm folded in (fusedenc.fp8's folded mode): A holds e4m3 codes of the
+  // un-normalized z (static column scales folded into W), a_scale holds rstd, and the
+  // epilogue adds shift[m] * colsum[n] ([m], [n] fp32; both or neither).  Hopper kernel only.
+  const float* shift = nullptr;
+  const float* colsum = nullptr;
   DType out_dtype = DType::f16;  // f16 or bf16 (with out_scale: the bias's dtype)
   Activation act = Activation::none;
   bool fast_accum = false;  // Hopper's faster, less precise FP8 accumulation

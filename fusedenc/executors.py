@@ -177,8 +177,8 @@ class Fp8Executor:
 
 
 class ObservingExecutor:
-    """Another executor, reporting the block's FFN1 and attention outputs to a calibration
-    (``fp8.calibrating``: what static FP8 scales are made from)."""
+    """Another executor, reporting the block's FFN1 and attention outputs and its LayerNorms'
+    inputs to a calibration (``fp8.calibrating``: what static FP8 scales are made from)."""
 
     __slots__ = ("base", "calibration", "block")
 
@@ -191,8 +191,14 @@ class ObservingExecutor:
             self.calibration.observe(self.block, y)
         return y
 
-    def layer_norm(self, *args, **kw):
-        return self.base.layer_norm(*args, **kw)
+    def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
+        # A post-LN block's LayerNorm input, alpha * (x + x_bias) + residual: what its codes'
+        # scales are made from where the LayerNorms are folded (fusedenc.fp8_fold).
+        which = "norm1" if w is self.block.norm1_weight else "norm2" if w is self.block.norm2_weight else None
+        if which is not None and residual is not None:
+            z = x.float() if x_bias is None else x.float() + x_bias.float()
+            self.calibration.observe(self.block, torch.add(residual.float(), z, alpha=alpha), which)
+        return self.base.layer_norm(x, w, b, eps, residual, alpha, x_bias)
 
     def layer_norm_sum(self, *args, **kw):
         return self.base.layer_norm_sum(*args, **kw)

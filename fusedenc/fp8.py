@@ -305,7 +305,12 @@ CALIBRATION_HEADROOM = 2.0
 
 #: What a calibration observes of each block: the inputs of its FP8 GEMMs that a producer
 #: can write in e4m3 with static scales (the producer's name, what the report calls it).
-OBSERVED = {"ffn1": "FFN1 output", "attention": "attention output"}
+#: The LayerNorms' inputs serve the mode with LayerNorms folded (``fusedenc.fp8_fold``).
+OBSERVED = {"ffn1": "FFN1 output", "attention": "attention output", "norm1": "first LayerNorm's input",
+            "norm2": "second LayerNorm's input"}
+
+#: The ``static`` producers that are LayerNorm inputs (codes written by the residual GEMMs).
+NORM_INPUTS = ("norm1", "norm2")
 
 
 class Calibration:
@@ -324,24 +329,28 @@ class Calibration:
         seen = self._amax.get((id(block), what))
         self._amax[(id(block), what)] = (block, amax if seen is None else torch.maximum(seen[1], amax))
 
-    def column_scales(self, block: Any, what: str = "ffn1") -> Optional[torch.Tensor]:
+    def column_scales(self, block: Any, what: str = "ffn1", power_of_two: bool = False) -> Optional[torch.Tensor]:
         """``block``'s per-column scales of ``what`` (the value a code stands for is
-        ``code * scale``), or None if calibration never saw it.  Raises if it saw NaN or inf."""
+        ``code * scale``; ``power_of_two``: see ``static_scales``), or None if calibration
+        never saw it.  Raises if it saw NaN or inf."""
         seen = self._amax.get((id(block), what))
         if seen is None or seen[0] is not block:
             return None
         amax = seen[1]
         if not torch.isfinite(amax).all():
             raise ValueError(f"calibration: the block's {OBSERVED[what]} was not finite on the sample inputs")
-        return static_scales(amax)
+        return static_scales(amax, power_of_two)
 
 
-def static_scales(amax: torch.Tensor) -> torch.Tensor:
+def static_scales(amax: torch.Tensor, power_of_two: bool = False) -> torch.Tensor:
     """Per-column scales for static e4m3 codes (a code stands for ``code * scale``) from the
     largest magnitudes calibration saw: ``CALIBRATION_HEADROOM`` above them, 1 for a column of
-    zeros, in the flavour of ``amax``'s device (the codes these scales are for are its)."""
+    zeros, in the flavour of ``amax``'s device (the codes these scales are for are its).
+    ``power_of_two``: rounded up to one (at most one binade more headroom, which e4m3's
+    uniform relative precision does not notice), so that dividing by it is exact."""
     fmax = format_for(amax.device).max
-    return torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / fmax), torch.ones_like(amax))
+    scales = torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / fmax), torch.ones_like(amax))
+    return torch.exp2(torch.ceil(torch.log2(scales))) if power_of_two else scales
 
 
 def e4m3_columns(x: torch.Tensor, out_scale: torch.Tensor, fmt: Optional[Fp8Format] = None) -> torch.Tensor:
@@ -396,7 +405,9 @@ class QuantizedWeights:
     ``static``: ``(producer, consumer, scales)`` triples from calibration: the producer
     (FFN1's GEMM, or ``"attention"``) writes e4m3 codes of its output divided by ``scales``
     (``out_scale``, ``attention_out_scale``), and the consumer's copy is made from its
-    weight times ``scales`` (per input column)."""
+    weight times ``scales`` (per input column).  A producer in ``NORM_INPUTS`` (consumer
+    None): the powers of two the LayerNorm inputs are coded with where the LayerNorms are
+    folded (``norm_code_scales``, ``fusedenc.fp8_fold``)."""
 
     def __init__(self, params: dict[str, torch.Tensor], fast_accum: bool = False,
                  static: Iterable[tuple[str, str, torch.Tensor]] = ()):  # fmt: skip
@@ -407,7 +418,11 @@ class QuantizedWeights:
         self._out_scale: dict[int, torch.Tensor] = {}
         self._in_scale: dict[int, torch.Tensor] = {}
         self._attention_out_scale: Optional[torch.Tensor] = None
+        self._norm_scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for producer, consumer, scales in static:
+            if producer in NORM_INPUTS:
+                self._norm_scales[producer] = (scales.float(), (1.0 / scales).float())
+                continue
             if producer == "attention":
                 self._attention_out_scale = (1.0 / scales).float()
             else:
@@ -420,6 +435,18 @@ class QuantizedWeights:
         if scale is not None and scale.device != weight.device:
             scale = self._out_scale[id(weight)] = scale.to(weight.device)
         return scale
+
+    @property
+    def folds_norms(self) -> bool:
+        """Whether calibration gave the LayerNorm inputs' code scales (``fp8_fold`` can run)."""
+        return len(self._norm_scales) == len(NORM_INPUTS)
+
+    def norm_code_scales(self, norm: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(c, 1 / c)`` of LayerNorm ``norm``'s input (a name in ``NORM_INPUTS``) on ``device``."""
+        scale, inv = self._norm_scales[norm]
+        if scale.device != device:
+            scale, inv = self._norm_scales[norm] = (scale.to(device), inv.to(device))
+        return scale, inv
 
     def attention_out_scale(self, device: torch.device) -> Optional[torch.Tensor]:
         """The attention output's per-column factor on ``device`` (calibrated), or None."""
@@ -451,11 +478,13 @@ class QuantizedWeights:
 
 def quantize_config(
     block: Any, mode: Optional[str], keep: Iterable[str], fast_accum: bool, calibration: Any = None,
+    fold_norms: bool = True,
 ) -> Optional[tuple[tuple[str, ...], bool, Optional[torch.Tensor]]]:  # fmt: skip
     """``EncoderBlock.quantize``'s arguments checked against the block (its weights' dtype
     and device, its widths): ``(kept GEMMs, fast_accum, static)``, ``static`` the
     ``QuantizedWeights`` triples of the calibrated inputs (FFN2's; the out-projection's unless
-    kept), or None for ``mode=None``.  ``calibration``: sample inputs of the block (run here) or a
+    kept; with ``fold_norms`` and no GEMM kept, the LayerNorm inputs'), or None for
+    ``mode=None``.  ``calibration``: sample inputs of the block (run here) or a
     ``Calibration`` of the model it belongs to."""
     if mode is None:
         return None
@@ -491,12 +520,18 @@ def quantize_config(
     attention = None if "out_proj" in keep else calibration.column_scales(block, "attention")
     if attention is not None:
         static.append(("attention", "out_proj", attention))
+    if fold_norms and not keep:
+        for norm in NORM_INPUTS:
+            scales = calibration.column_scales(block, norm, power_of_two=True)
+            if scales is not None:
+                static.append((norm, None, scales))
     return keep, bool(fast_accum), tuple(static)
 
 
 def quantize_blocks(
     blocks: Sequence[Any], mode: Optional[str], *, keep: Iterable[str] = (),
     layers: Optional[Iterable[int]] = None, fast_accum: bool = False, calibration: Optional[Calibration] = None,
+    fold_norms: bool = True,
 ) -> None:  # fmt: skip
     """``quantize(mode, ...)`` on ``blocks[i]`` (EncoderBlocks) for ``i`` in ``layers`` (default
     all, negative from the end), ``quantize(None)`` on the others; ``layers`` is checked
@@ -510,4 +545,5 @@ def quantize_blocks(
         chosen.add(i % n)
     keep = tuple(keep) if not isinstance(keep, str) else (keep,)
     for i, block in enumerate(blocks):
-        block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum, calibration=calibration)
+        block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum, calibration=calibration,
+                       fold_norms=fold_norms)

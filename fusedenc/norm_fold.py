@@ -39,12 +39,14 @@ from .norm import layer_norm
 __all__ = [
     "Folded",
     "applies",
+    "fills_gpu",
     "FoldCache",
     "NormedRows",
     "fold",
     "materialize",
     "mode",
     "norm_linear",
+    "normalized",
     "residual_linear",
     "stats",
 ]
@@ -130,11 +132,16 @@ class FoldCache:
         )
 
     def get(self, weight, bias, gamma, beta) -> Folded:
-        key = self._key(weight, bias, gamma, beta)
+        return self.cached(fold, weight, bias, gamma, beta)
+
+    def cached(self, make: Any, *sources: Optional[torch.Tensor]) -> Any:
+        """``make(*sources)``, made again when a source is replaced or changed in place
+        (``fusedenc.fp8_fold`` keeps its FP8 folds here too, ``make`` telling them apart)."""
+        key = (make,) + self._key(*sources)
         found = self._entries.get(key)
         if found is None:
             with torch.no_grad():
-                found = fold(weight, bias, gamma, beta)
+                found = make(*sources)
             with self._lock:
                 if len(self._entries) >= 64:
                     self._entries.clear()
@@ -160,7 +167,7 @@ def stats(z: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return rstd, -mean * rstd
 
 
-def _normalized(rows: NormedRows) -> torch.Tensor:
+def normalized(rows: NormedRows) -> torch.Tensor:
     """LN(z) in fp32 from the pending rows' statistics."""
     n = (rows.z.float() * rows.rstd[:, None] + rows.shift[:, None]) * rows.gamma.float()
     return n if rows.beta is None else n + rows.beta.float()
@@ -189,20 +196,25 @@ def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
     if not core.active_on(rows.device):
         return False
     t, dev = rows.shape[0], rows.device.index
-    tile_m, tile_n = core.stats_tile()
-    sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
     for b in blocks:
         d, f = b.d_model, b.d_ff
-        # The narrowest GEMMs (N = D) must give the persistent kernels four full waves of
-        # 128 x 128 tiles.  Measured on an H100 (whole Lc0 nets, bench/NOTES.md): folding
-        # gains ~4% at 256 positions (16384 rows, 5.8 waves at D = 768) but loses 3-9% at
-        # 64 (1.5-1.9 waves), where the folded epilogues' extra work is not hidden.
-        if (-(-t // tile_m)) * (-(-d // tile_n)) < 4 * sms:
+        if not fills_gpu(rows, d):
             return False
         shapes = ((3 * d, d, False), (d, d, True), (f, d, False), (d, f, True))  # QKV, out, FFN1, FFN2
         if not all(core.sm90_fold_fits(dev, rows.dtype, t, n, k, residual) for n, k, residual in shapes):
             return False
     return True
+
+
+def fills_gpu(rows: torch.Tensor, d: int) -> bool:
+    """Whether the folded GEMMs pay at ``rows`` [T, D] on its GPU (a speed rule, not a limit)."""
+    tile_m, tile_n = core.stats_tile()
+    sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
+    # The narrowest GEMMs (N = D) must give the persistent kernels four full waves of
+    # 128 x 128 tiles.  Measured on an H100 (whole Lc0 nets, bench/NOTES.md): folding
+    # gains ~4% at 256 positions (16384 rows, 5.8 waves at D = 768) but loses 3-9% at
+    # 64 (1.5-1.9 waves), where the folded epilogues' extra work is not hidden.
+    return (-(-rows.shape[0] // tile_m)) * (-(-d // tile_n)) >= 4 * sms
 
 
 # ------------------------------------------------------------ the GEMMs ----
@@ -269,7 +281,7 @@ def residual_linear(
         if core.sm90_residual_gemm(x, weight, z, bias, src, alpha, pending, sums[0], sums[1], stream, workspace):
             core.norm_stats(sums[0], sums[1], n, eps, rstd, shift, stream)
             return NormedRows(z, rstd, shift, gamma, beta)
-    r = residual if isinstance(residual, torch.Tensor) else _normalized(residual)
+    r = residual if isinstance(residual, torch.Tensor) else normalized(residual)
     acc = torch.mm(x.float(), weight.float().t())
     if bias is not None:
         acc = acc + bias.float()

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP8_ROWS = ("torch-fp8", "torch-fp8-compile", "torch-fp8-compile:reduce-overhead", "fusedenc-fp8",
-            "fusedenc-fp8-graph", "fusedenc-fp8-fast", "fusedenc-fp8-static")  # fmt: skip
+            "fusedenc-fp8-graph", "fusedenc-fp8-fast", "fusedenc-fp8-static", "fusedenc-fp8-static-ln")  # fmt: skip
 
 
 def _require_fp8():

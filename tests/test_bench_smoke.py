@@ -105,7 +105,8 @@ def test_nps_fp8_tiny(tmp_path):
     assert 1e-3 < f8["emulated_rel_err"] < 0.1 and f8["slack"] == 1.5, f8
     impls, skipped = run["impls"], run["skipped"]
     assert {"unfused", "torch", "fusedenc", "fusedenc-fp8"} <= set(impls), sorted(impls)
-    for name in ("torch-fp8-compile", "fusedenc-fp8-graph", "fusedenc-fp8-fast", "fusedenc-fp8-static"):
+    for name in ("torch-fp8-compile", "fusedenc-fp8-graph", "fusedenc-fp8-fast", "fusedenc-fp8-static",
+                 "fusedenc-fp8-static-ln"):
         assert skipped.get(name), (name, skipped)  # not run on CPU, and the table says why
     ran = ["fusedenc-fp8"]
     if "torch-fp8" in impls:  # this torch takes row-wise scales in torch._scaled_mm on the CPU

@@ -26,11 +26,14 @@ namespace sm90 {
   bool norm_act_##D(const GemmArgs& g, const NormFold& f, int sm_count);       \
   bool norm_wide_##D(const GemmArgs& g, const NormFold& f, int sm_count);      \
   bool residual_##D(const GemmArgs& g, const ResidualNorm& r, int sm_count);   \
-  bool fp8_##D(const GemmArgs& g, const float* a_scale, const float* w_scale, int sm_count);
+  bool fp8_##D(const GemmArgs& g, const Fp8Vectors& v, int sm_count);
 FUSEDENC_SM90_DTYPES(FUSEDENC_DECLARE)
 #undef FUSEDENC_DECLARE
-// fp16 only: e4m3 output (FFN1 writing FFN2's input in the FP8 mode).
-bool fp8out_f16(const GemmArgs& g, const float* a_scale, const float* w_scale, const float* out_scale, int sm_count);
+// fp16 only: e4m3 output (FFN1 writing FFN2's input in the FP8 mode), and the FP8 residual
+// kernel of the FP8 mode with LayerNorms folded.
+bool fp8out_f16(const GemmArgs& g, const Fp8Vectors& v, int sm_count);
+bool fp8residual_f16(const GemmArgs& g, const float* w_scale, const ResidualNorm& r, const Fp8Codes& codes,
+                     int sm_count);
 }  // namespace sm90
 #endif
 
@@ -38,8 +41,8 @@ namespace {
 
 using NormFn = bool (*)(const GemmArgs&, const NormFold&, int);
 using ResidualFn = bool (*)(const GemmArgs&, const ResidualNorm&, int);
-using Fp8Fn = bool (*)(const GemmArgs&, const float*, const float*, int);
-using Fp8OutFn = bool (*)(const GemmArgs&, const float*, const float*, const float*, int);
+using Fp8Fn = bool (*)(const GemmArgs&, const Fp8Vectors&, int);
+using Fp8ResidualFn = bool (*)(const GemmArgs&, const float*, const ResidualNorm&, const Fp8Codes&, int);
 
 // The kernels this build holds for a dtype (all null: none).  The norm and fp8 kernels
 // take every activation as an argument; for fp8 the dtype is the output's.
@@ -49,18 +52,19 @@ struct Kernels {
   NormFn norm_wide = nullptr;  // no activation, long main loop (see pick_norm)
   ResidualFn residual = nullptr;
   Fp8Fn fp8 = nullptr;
-  Fp8OutFn fp8out = nullptr;  // the FP8 kernel writing e4m3 (its dtype: the bias's)
+  Fp8Fn fp8out = nullptr;  // the FP8 kernel writing e4m3 (its dtype: the bias's)
+  Fp8ResidualFn fp8residual = nullptr;
 };
 
 Kernels kernels_for(DType dtype) {
 #ifdef FUSEDENC_HAVE_SM90_GEMM
   if (dtype == DType::f16)
     return {&sm90::norm_f16, &sm90::norm_act_f16, &sm90::norm_wide_f16, &sm90::residual_f16, &sm90::fp8_f16,
-            &sm90::fp8out_f16};
+            &sm90::fp8out_f16, &sm90::fp8residual_f16};
 #define FUSEDENC_CASE(D)                                                                                 \
   if (dtype == DType::D)                                                                                 \
     return {&sm90::norm_##D, &sm90::norm_act_##D, &sm90::norm_wide_##D, &sm90::residual_##D, &sm90::fp8_##D, \
-            nullptr};
+            nullptr, nullptr};
   FUSEDENC_SM90_DTYPES(FUSEDENC_CASE)
 #undef FUSEDENC_CASE
 #else
@@ -225,6 +229,8 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
     if (why) *why = reason;
     return false;
   };
+  const bool folded = f.shift || f.colsum;
+  if (folded && (!f.shift || !f.colsum)) return no("a folded LayerNorm needs both shift and colsum");
   if (f.out_scale) {
     // e4m3 output: only this kernel writes it, for every activation its epilogue has.
     if (!kernels_for(f.out_dtype).fp8out) return no("no e4m3-output FP8 kernel for this dtype in this build");
@@ -233,7 +239,11 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
       return no("e4m3 output: n, its row stride or its address not a multiple of 16 bytes");
   } else {
     if (!kernels_for(f.out_dtype).fp8) return no("no FP8 kernel for this output dtype in this build");
-    if (const char* reason = activation_stays_on_cublaslt(f.act, f.bias != nullptr)) return no(reason);
+    if (folded) {  // only this kernel folds: every activation its epilogue has
+      if (!in_epilogue(f.act)) return no("an activation the kernel's epilogue does not have");
+    } else if (const char* reason = activation_stays_on_cublaslt(f.act, f.bias != nullptr)) {
+      return no(reason);
+    }
   }
   if (!f.fast_accum) return no("accurate accumulation asked for: the kernel accumulates fast");
   // e4m3 rows: k and the operands' row strides count bytes; shape_fits checks D's (and the
@@ -241,19 +251,65 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
   if (f.k % 16 || f.lda % 16 || f.ldw % 16) return no("k or an operand's row stride not a multiple of 16 bytes");
   if (reinterpret_cast<uintptr_t>(f.a_scale) % 4 || reinterpret_cast<uintptr_t>(f.w_scale) % 4)
     return no("a scale vector not 4-byte aligned");
-  return shape_fits(fp8_as_gemm(f), why, true);
+  // The folded form has no cuBLASLt twin: it runs at every size.
+  return shape_fits(fp8_as_gemm(f), why, !folded);
 }
+
+namespace {
+Fp8Vectors fp8_vectors(const Fp8GemmArgs& f) {
+  Fp8Vectors v;
+  v.a_scale = f.a_scale; v.w_scale = f.w_scale; v.shift = f.shift; v.colsum = f.colsum; v.out_scale = f.out_scale;
+  return v;
+}
+}  // namespace
 
 bool sm90_fp8_gemm(const Fp8GemmArgs& f) {
   DeviceGuard guard(f.device);
-  if (f.out_scale) {
-    Fp8OutFn out_fn = kernels_for(f.out_dtype).fp8out;
-    if (!out_fn) throw std::invalid_argument("fusedenc sm90 fp8 gemm: no e4m3-output kernel for this dtype");
-    return out_fn(fp8_as_gemm(f), f.a_scale, f.w_scale, f.out_scale, launch_sms(f.device));
-  }
-  Fp8Fn fn = kernels_for(f.out_dtype).fp8;
+  const Kernels k = kernels_for(f.out_dtype);
+  Fp8Fn fn = f.out_scale ? k.fp8out : k.fp8;
   if (!fn) throw std::invalid_argument("fusedenc sm90 fp8 gemm: no kernel for this output dtype");
-  return fn(fp8_as_gemm(f), f.a_scale, f.w_scale, launch_sms(f.device));
+  return fn(fp8_as_gemm(f), fp8_vectors(f), launch_sms(f.device));
+}
+
+bool sm90_fp8_residual_compiled(DType dtype) { return kernels_for(dtype).fp8residual != nullptr; }
+
+bool sm90_fp8_residual_applies(const Fp8GemmArgs& f, const void* c, int64_t ldc, const char** why) {
+  auto no = [&](const char* reason) {
+    if (why) *why = reason;
+    return false;
+  };
+  if (!kernels_for(f.out_dtype).fp8residual) return no("no FP8 residual kernel for this dtype in this build");
+  if (!f.fast_accum) return no("accurate accumulation asked for: the kernel accumulates fast");
+  if (f.act != Activation::none) return no("an activation: the residual kernel has none");
+  if (f.a_scale || f.shift || f.colsum || f.out_scale) return no("per-row scales, a folded LayerNorm or e4m3 output");
+  if (!c) return no("no residual input");
+  if (f.k % 16 || f.lda % 16 || f.ldw % 16 || f.n % 16) return no("k, n or an operand's row stride not a multiple of 16 bytes");
+  if (reinterpret_cast<uintptr_t>(f.w_scale) % 4) return no("a scale vector not 4-byte aligned");
+  GemmArgs g = fp8_as_gemm(f);
+  g.c = c;
+  g.ldc = ldc;
+  return shape_fits(g, why, false);
+}
+
+bool sm90_fp8_residual_gemm(const Fp8GemmArgs& f, const void* c, int64_t ldc, float alpha, const ResidualNorm& r,
+                            const Fp8Codes& codes) {
+  const char* why = "";
+  if (!sm90_fp8_residual_applies(f, c, ldc, &why))
+    throw std::invalid_argument(std::string("fusedenc sm90 fp8 residual gemm: ") + why);
+  if (!f.w_scale) throw std::invalid_argument("fusedenc sm90 fp8 residual gemm: no weight scales");
+  if ((r.rstd == nullptr) != (r.shift == nullptr))
+    throw std::invalid_argument("fusedenc sm90 fp8 residual gemm: rstd and shift come together");
+  if ((r.row_sum == nullptr) != (r.row_sumsq == nullptr))
+    throw std::invalid_argument("fusedenc sm90 fp8 residual gemm: row_sum and row_sumsq come together");
+  if (codes.q && (!codes.scale || !codes.inv_scale || codes.ldq < f.n || codes.ldq % 16 ||
+                  reinterpret_cast<uintptr_t>(codes.q) % 16))
+    throw std::invalid_argument("fusedenc sm90 fp8 residual gemm: codes need both scales and 16-byte rows");
+  GemmArgs g = fp8_as_gemm(f);
+  g.c = c;
+  g.ldc = ldc;
+  g.alpha = alpha;
+  DeviceGuard guard(f.device);
+  return kernels_for(f.out_dtype).fp8residual(g, f.w_scale, r, codes, launch_sms(f.device));
 }
 
 bool sm90_fold_applies(const GemmArgs& g, const char** why) {

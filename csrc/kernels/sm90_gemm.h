@@ -52,6 +52,27 @@ struct ResidualNorm {
   float* row_sumsq = nullptr;
 };
 
+// The FP8 kernels' vectors (fp32; fp8_gemm.h's Fp8GemmArgs carries them): a_scale [m] (rstd
+// where a LayerNorm is folded), w_scale [n], shift [m] and colsum [n] (null: 0; a folded
+// LayerNorm's, as NormFold's), out_scale [n] (e4m3 output; null: 16-bit output).
+struct Fp8Vectors {
+  const float* a_scale = nullptr;
+  const float* w_scale = nullptr;
+  const float* shift = nullptr;
+  const float* colsum = nullptr;
+  const float* out_scale = nullptr;
+};
+
+// The FP8 residual GEMM's second output: e4m3 codes of D * inv_scale[n] (saturating), the
+// next GEMM's input with static per-column scales `scale` (= 1 / inv_scale, both powers of
+// two so that the epilogue's round trip through them is exact).  q null: no codes.
+struct Fp8Codes {
+  void* q = nullptr;  // [m, n] e4m3, row stride ldq bytes
+  int64_t ldq = 0;
+  const float* scale = nullptr;      // [n]
+  const float* inv_scale = nullptr;  // [n]
+};
+
 // Whether this build holds the kernel for (dtype, act) with `act` in its epilogue (exact
 // and tanh GELU, tanh and selu are not: a separate pass is faster; sm90_gemm.cpp).
 bool sm90_gemm_compiled(DType dtype, Activation act);
@@ -81,7 +102,8 @@ bool sm90_residual_gemm_compiled(DType dtype);
 bool sm90_fold_applies(const GemmArgs& args, const char** why = nullptr);
 
 // FP8 (fp8_gemm.h): D = act(a_scale[m] * w_scale[n] * (A W^T) + bias[n]) with A and W in
-// e4m3, for the activations the epilogue applies (sm90_gemm_applies' rule: not none, not
+// e4m3 (plus shift[m] * colsum[n] where a LayerNorm is folded: that form runs only here, for
+// every activation the epilogue has, on any number of tiles), for the activations the epilogue applies (sm90_gemm_applies' rule: not none, not
 // one cuBLASLt fuses, not one that runs faster as a pass) on problems that fill the GPU.
 // Its main loop accumulates fast (Hopper's FP8 accumulator, as cuBLASLt's fast_accum), so
 // only calls that ask for fast accumulation come here; accurate ones stay on cuBLASLt.
@@ -93,6 +115,17 @@ bool sm90_fp8_gemm(const Fp8GemmArgs& args);
 bool sm90_fp8_gemm_compiled(DType out_dtype);
 // Whether this build holds the e4m3-output form (out_scale) for a bias of `dtype`.
 bool sm90_fp8_e4m3_output_compiled(DType dtype);
+
+// The FP8 mode with LayerNorms folded (fusedenc.fp8): the residual GEMM on e4m3 operands,
+// D = alpha * (w_scale[n] * (A W^T) + bias) + R with ResidualNorm's R and statistics and,
+// with codes.q, D's e4m3 codes (Fp8Codes).  A's static column scales are folded into W, so
+// there is no a_scale.  fp16 only, fast accumulation, n a multiple of 16.  Throws
+// std::invalid_argument where the arguments break those rules (sm90_fp8_residual_applies
+// says whether they hold); returns false, having launched nothing, where CUTLASS refuses.
+bool sm90_fp8_residual_applies(const Fp8GemmArgs& args, const void* c, int64_t ldc, const char** why = nullptr);
+bool sm90_fp8_residual_gemm(const Fp8GemmArgs& args, const void* c, int64_t ldc, float alpha, const ResidualNorm& norm,
+                            const Fp8Codes& codes);
+bool sm90_fp8_residual_compiled(DType dtype);
 
 // A/B switch (fusedenc.testing / FUSEDENC_SM90_GEMM=0): off sends every GEMM to cuBLASLt.
 void set_sm90_gemm_enabled(bool on);

@@ -10,10 +10,14 @@
 //   residual: D = alpha * (acc + bias[n]) + R,  R = (C * rstd[m] + shift[m]) * gamma[n] + beta[n]
 //             (R = C when those are null), and per (row, 128-column tile) partial sums of
 //             D and D^2 for the LayerNorm that follows (no atomics: deterministic).
-//   fp8:      D = act(a_scale[m] * w_scale[n] * acc + bias[n]) with A and W in e4m3
-//             (fusedenc.fp8's per-row scales; fp8_gemm.h).
+//   fp8:      D = act(a_scale[m] * w_scale[n] * acc + (shift[m] * colsum[n] + bias[n])) with
+//             A and W in e4m3 (fusedenc.fp8's per-row scales; fp8_gemm.h).  Folding a
+//             LayerNorm, A holds codes of the un-normalized z and a_scale is rstd.
 //   fp8 out:  the same, then D = e4m3(out_scale[n] * D) (saturating): the next GEMM's
 //             e4m3 input with static per-column scales (calibration), written here.
+//   fp8 residual: the residual epilogue on e4m3 operands (acc scaled by w_scale[n]), and
+//             optionally e4m3 codes of D / code_scale[n] through a second store (the
+//             next GEMM's input with static per-column scales: no LayerNorm pass).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -161,24 +165,55 @@ using ResidualTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thre
                     RowVec<Tile, Element>,   // gamma (null: 1)
                     RowVec<Tile, Element>>>>>>;  // beta (null: 0)
 
-// FP8 (fusedenc.fp8): act(a_scale[m] * (w_scale[n] * acc) + bias[n]) on e4m3 operands.
+// FP8 (fusedenc.fp8): act(a_scale[m] * (w_scale[n] * acc) + (shift[m] * colsum[n] + bias[n]))
+// on e4m3 operands; shift and colsum null (0) but where a LayerNorm is folded (a_scale: rstd).
 template <class Tile, class Element>
-using Fp8Tree = fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, Element, float, kRound>,
+using Fp8Sum = fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+    ColVec<Tile>,  // a_scale (rstd)
+    fusion::Sm90EVT<Op<cutlass::multiplies>, RowVec<Tile, float>, fusion::Sm90AccFetch>,  // w_scale * acc
     fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
-        ColVec<Tile>,  // a_scale
-        fusion::Sm90EVT<Op<cutlass::multiplies>, RowVec<Tile, float>, fusion::Sm90AccFetch>,  // w_scale * acc
+        ColVec<Tile>,             // shift (null: 0)
+        RowVec<Tile, float>,      // colsum (null: 0)
         RowVec<Tile, Element>>>;  // bias (null: 0)
+template <class Tile, class Element>
+using Fp8Tree = fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, Element, float, kRound>, Fp8Sum<Tile, Element>>;
 
-// e4m3(out_scale[n] * act(a_scale[m] * (w_scale[n] * acc) + bias[n])): the activation in
-// fp32 (not rounded to 16 bits first), one saturating conversion (cvt.rn.satfinite).
+// e4m3(out_scale[n] * act(...)): the activation in fp32 (not rounded to 16 bits first), one
+// saturating conversion (cvt.rn.satfinite).
 template <class Tile, class Element>
 using Fp8OutTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, cutlass::float_e4m3_t, float, kRound>,
     RowVec<Tile, float>,  // out_scale
-    fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, float, float, kRound>,
-        fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
-            ColVec<Tile>,  // a_scale
-            fusion::Sm90EVT<Op<cutlass::multiplies>, RowVec<Tile, float>, fusion::Sm90AccFetch>,  // w_scale * acc
-            RowVec<Tile, Element>>>>;  // bias (null: 0)
+    fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, float, float, kRound>, Fp8Sum<Tile, Element>>>;
+
+// The FP8 residual: z = alpha * (w_scale[n] * acc + bias) + R (R as in ResidualTree), its row
+// statistics, then D = code_scale[n] * aux(inv_code_scale[n] * z) where aux stores e4m3 codes
+// of its input (saturating) and passes it on.  With power-of-two scales (fusedenc.fp8's
+// rule for these) both products are exact, so D is z rounded once, as ResidualTree's; a
+// tree has no node that stores one value and forwards another, hence the round trip.
+// Codes are stored from registers (two adjacent columns a store; no shared-memory stage).
+template <class Tile, class Element>
+using Fp8ResidualTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, Element, float, kRound>,
+    RowVec<Tile, float>,  // code_scale (null: 1)
+    fusion::Sm90EVT<fusion::Sm90AuxStore<0, cute::Shape<_1, _1>, cutlass::float_e4m3_t, kRound,
+                                         cutlass::layout::RowMajor, void, void>,  // codes (null: none)
+        fusion::Sm90EVT<Op<cutlass::multiplies>,
+            RowVec<Tile, float>,  // inv_code_scale (null: 1)
+            fusion::Sm90EVT<fusion::Sm90ColReduction<PlusSquare, cutlass::plus, cutlass::plus, 0, Tile, float, float, kRound,
+                                                     cute::Stride<_1, _0, int64_t>, 4, true, false>,
+                fusion::Sm90EVT<fusion::Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, Tile, float, float,
+                                                         kRound, cute::Stride<_1, _0, int64_t>, 4, true, false>,
+                    fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+                        fusion::Sm90ScalarBroadcast<float>,  // alpha
+                        fusion::Sm90EVT<Op<cutlass::plus>,   // w_scale * acc + bias
+                            fusion::Sm90EVT<Op<cutlass::multiplies>, RowVec<Tile, float>, fusion::Sm90AccFetch>,
+                            RowVec<Tile, Element>>,
+                        fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,  // (C * rstd + shift) * gamma + beta
+                            fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+                                fusion::Sm90SrcFetch<Element>,  // C
+                                ColVec<Tile>,                   // rstd (null: 1)
+                                ColVec<Tile>>,                  // shift (null: 0)
+                            RowVec<Tile, Element>,    // gamma (null: 1)
+                            RowVec<Tile, Element>>>>>>>>;  // beta (null: 0)
 
 // FP8 tiles read 128 bytes of K per stage, like the 16-bit tiles' 64 elements.  Hopper's
 // fast FP8 accumulation (partial sums stay in the tensor cores' accumulator): measured on
@@ -192,6 +227,13 @@ using Fp8OutTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, cutl
 using Fp8Config = Config<cute::Shape<cute::_256, cute::_128, cute::_128>, cute::Shape<cute::_1, cute::_1, cute::_1>,
                          cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
                          cutlass::epilogue::TmaWarpSpecializedCooperative, cute::Shape<cute::_128, cute::_64>>;
+
+// The FP8 residual GEMM: pingpong 128 x 128 tiles (128 bytes of K a stage), so its row
+// statistics come per 128-column tile like the 16-bit residual kernel's (kStatsTileM/N) and
+// its heavier epilogue overlaps the other warpgroup's main loop.
+using Fp8ResidualConfig = Config<cute::Shape<cute::_128, cute::_128, cute::_128>, cute::Shape<cute::_1, cute::_1, cute::_1>,
+                                 cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
+                                 cutlass::epilogue::TmaWarpSpecialized>;
 
 template <class Element, class Tree, bool WithC, class Cfg = DefaultConfig, class ElementAB = Element,
           class ElementD = Element>
@@ -309,35 +351,60 @@ bool run_residual(const GemmArgs& g, const ResidualNorm& r, int sm_count) {
   return launch<typename K::Gemm>(g, sm_count, t);
 }
 
+// The Fp8Sum arguments (shared by both FP8 trees).
 template <class Element>
-bool run_fp8(const GemmArgs& g, const float* a_scale, const float* w_scale, int sm_count) {
-  using K = Kernel<Element, Fp8Tree<typename Fp8Config::TileShape, Element>, false, Fp8Config, cutlass::float_e4m3_t>;
+auto fp8_sum_args(const GemmArgs& g, const Fp8Vectors& v) {
   const auto bias = static_cast<const Element*>(g.bias);
-  typename K::EpilogueArgs t{
-      {                                    // a_scale * (w_scale * acc) + bias
-       {a_scale, 1.f, {}},                 //   a_scale
-       {{w_scale, 1.f, {}}, {}, {}},       //   w_scale * acc
-       {bias, Element(0), {}},             //   bias
-       {}},
-      {g.act}};                            // act
+  return typename Fp8Sum<typename Fp8Config::TileShape, Element>::Arguments{
+      {v.a_scale, 1.f, {}},                                                       // a_scale
+      {{v.w_scale, 1.f, {}}, {}, {}},                                             // w_scale * acc
+      {{v.shift, 0.f, {}}, {v.colsum, 0.f, {}}, {bias, Element(0), {}}, {}},      // shift * colsum + bias
+      {}};
+}
+
+template <class Element>
+bool run_fp8(const GemmArgs& g, const Fp8Vectors& v, int sm_count) {
+  using K = Kernel<Element, Fp8Tree<typename Fp8Config::TileShape, Element>, false, Fp8Config, cutlass::float_e4m3_t>;
+  typename K::EpilogueArgs t{fp8_sum_args<Element>(g, v), {g.act}};  // act(a_scale * (w_scale * acc) + ...)
   return launch<typename K::Gemm>(g, sm_count, t);
 }
 
 template <class Element>
-bool run_fp8_out(const GemmArgs& g, const float* a_scale, const float* w_scale, const float* out_scale,
-                 int sm_count) {
+bool run_fp8_out(const GemmArgs& g, const Fp8Vectors& v, int sm_count) {
   using K = Kernel<Element, Fp8OutTree<typename Fp8Config::TileShape, Element>, false, Fp8Config,
                    cutlass::float_e4m3_t, cutlass::float_e4m3_t>;
-  const auto bias = static_cast<const Element*>(g.bias);
   typename K::EpilogueArgs t{
-      {out_scale, 1.f, {}},                  // out_scale *
-      {                                      // act(
-       {                                     //   a_scale * (w_scale * acc) + bias
-        {a_scale, 1.f, {}},
-        {{w_scale, 1.f, {}}, {}, {}},
-        {bias, Element(0), {}},
+      {v.out_scale, 1.f, {}},                        // out_scale *
+      {fp8_sum_args<Element>(g, v), {g.act}},        // act(...)
+      {}};
+  return launch<typename K::Gemm>(g, sm_count, t);
+}
+
+template <class Element>
+bool run_fp8_residual(const GemmArgs& g, const float* w_scale, const ResidualNorm& r, const Fp8Codes& codes,
+                      int sm_count) {
+  using Tile = typename Fp8ResidualConfig::TileShape;
+  using K = Kernel<Element, Fp8ResidualTree<Tile, Element>, true, Fp8ResidualConfig, cutlass::float_e4m3_t>;
+  const auto bias = static_cast<const Element*>(g.bias);
+  const auto gamma = static_cast<const Element*>(r.gamma);
+  const auto beta = static_cast<const Element*>(r.beta);
+  using StrideAux = cute::Stride<int64_t, _1, int64_t>;
+  typename K::EpilogueArgs t{
+      {codes.scale, 1.f, {}},                // code_scale *
+      {                                      // aux(
+       {                                     //   inv_code_scale * sumsq(sum(z))
+        {codes.inv_scale, 1.f, {}},
+        {                                    //     sumsq
+         {                                   //       sum
+          {                                  //         z = alpha * (w_scale * acc + bias) + R
+           {{g.alpha}, {}, {}},
+           {{{w_scale, 1.f, {}}, {}, {}}, {bias, Element(0), {}}, {}},
+           {{{}, {r.rstd, 1.f, {}}, {r.shift, 0.f, {}}, {}}, {gamma, Element(1), {}}, {beta, Element(0), {}}, {}},
+           {}},
+          {r.row_sum, 0.f, {}}},
+         {r.row_sumsq, 0.f, {}}},
         {}},
-       {g.act}},                             // )
+       {static_cast<cutlass::float_e4m3_t*>(codes.q), StrideAux{codes.ldq, _1{}, int64_t(0)}}},
       {}};
   return launch<typename K::Gemm>(g, sm_count, t);
 }
@@ -356,12 +423,15 @@ bool run_fp8_out(const GemmArgs& g, const float* a_scale, const float* w_scale, 
   } }
 #define FUSEDENC_SM90_FP8_INSTANCE(NAME, ELEMENT)                                                  \
   namespace fusedenc { namespace sm90 {                                                           \
-  bool NAME(const GemmArgs& g, const float* a_scale, const float* w_scale, int sm_count) {        \
-    return run_fp8<ELEMENT>(g, a_scale, w_scale, sm_count);                                       \
-  } } }
+  bool NAME(const GemmArgs& g, const Fp8Vectors& v, int sm_count) { return run_fp8<ELEMENT>(g, v, sm_count); } \
+  } }
 #define FUSEDENC_SM90_FP8_OUT_INSTANCE(NAME, ELEMENT)                                              \
   namespace fusedenc { namespace sm90 {                                                           \
-  bool NAME(const GemmArgs& g, const float* a_scale, const float* w_scale, const float* out_scale, \
+  bool NAME(const GemmArgs& g, const Fp8Vectors& v, int sm_count) { return run_fp8_out<ELEMENT>(g, v, sm_count); } \
+  } }
+#define FUSEDENC_SM90_FP8_RESIDUAL_INSTANCE(NAME, ELEMENT)                                         \
+  namespace fusedenc { namespace sm90 {                                                           \
+  bool NAME(const GemmArgs& g, const float* w_scale, const ResidualNorm& r, const Fp8Codes& codes, \
             int sm_count) {                                                                       \
-    return run_fp8_out<ELEMENT>(g, a_scale, w_scale, out_scale, sm_count);                        \
+    return run_fp8_residual<ELEMENT>(g, w_scale, r, codes, sm_count);                             \
   } } }

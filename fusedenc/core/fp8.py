@@ -54,11 +54,13 @@ _format_by_index: dict[int, str] = {}
 def sm90_fp8_gemm_applies(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool = False,
-    out_scale: Optional[torch.Tensor] = None,
+    out_scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None,
+    colsum: Optional[torch.Tensor] = None,
 ) -> tuple[bool, str]:  # fmt: skip
     """Whether ``fp8_gemm`` with these operands runs the Hopper FP8 epilogue kernel (else
     cuBLASLt), and if not why.  ``a``/``w``: e4m3 codes (or their uint8 views); with
-    ``out_scale``, ``out`` is e4m3 too (only that kernel writes it)."""
+    ``out_scale``, ``out`` is e4m3 too, and with ``shift``/``colsum`` a LayerNorm is folded
+    (only that kernel does either)."""
     module = native_module()
     if module is None:
         return False, "no native core"
@@ -67,7 +69,7 @@ def sm90_fp8_gemm_applies(
     ok, why = module.sm90_fp8_gemm_applies(
         a.device.index, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
         w_scale.data_ptr(), pointer(bias), out.data_ptr(), out.stride(0), _dtype_code(out, bias, out_scale),
-        ACTIVATION_IDS[activation], bool(fast_accum), pointer(out_scale),
+        ACTIVATION_IDS[activation], bool(fast_accum), pointer(out_scale), pointer(shift), pointer(colsum),
     )  # fmt: skip
     return bool(ok), str(why)
 
@@ -97,16 +99,63 @@ def fp8_quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, str
 def fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     bias: Optional[torch.Tensor], out: torch.Tensor, activation: str, fast_accum: bool, stream: int,
-    workspace: torch.Tensor, out_scale: Optional[torch.Tensor] = None,
+    workspace: torch.Tensor, out_scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None,
+    colsum: Optional[torch.Tensor] = None,
 ) -> None:  # fmt: skip
-    """``out = act((a @ w^T) * a_scale[:, None] * w_scale[None, :] + bias)`` on e4m3 ``a`` [M, K] and ``w`` [N, K];
-    with ``out_scale`` ([N] fp32), ``out`` (uint8 view) gets ``e4m3(out_scale[None, :] * that)``."""
+    """``out = act((a @ w^T) * a_scale[:, None] * w_scale[None, :] + shift[:, None] * colsum[None, :] + bias)``
+    on e4m3 ``a`` [M, K] and ``w`` [N, K] (``shift``/``colsum``: a folded LayerNorm, ``a_scale`` its
+    rstd; None: 0); with ``out_scale`` ([N] fp32), ``out`` (uint8 view) gets ``e4m3(out_scale[None, :] * that)``."""
     m, k = a.shape
     n = w.shape[0]
     native_module().fp8_gemm(
         a.device.index, stream, m, n, k, a.data_ptr(), a.stride(0), a_scale.data_ptr(), w.data_ptr(), w.stride(0),
         w_scale.data_ptr(), pointer(bias), out.data_ptr(), out.stride(0), _dtype_code(out, bias, out_scale),
         ACTIVATION_IDS[activation], fast_accum, workspace.data_ptr(), workspace.numel(), pointer(out_scale),
+        pointer(shift), pointer(colsum),
+    )  # fmt: skip
+
+
+def sm90_fp8_residual_compiled(dtype: torch.dtype) -> bool:
+    """Whether this build holds the Hopper FP8 residual GEMM (the FP8 mode with LayerNorms
+    folded) for ``dtype`` outputs."""
+    module = native_module()
+    return module is not None and bool(module.sm90_fp8_residual_compiled(DTYPE_CODES[dtype]))
+
+
+def sm90_fp8_residual_applies(
+    a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], c: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[bool, str]:  # fmt: skip
+    """Whether ``sm90_fp8_residual_gemm`` runs these operands, and if not why."""
+    module = native_module()
+    if module is None:
+        return False, "no native core"
+    m, k = a.shape
+    ok, why = module.sm90_fp8_residual_applies(
+        a.device.index, m, w.shape[0], k, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), w_scale.data_ptr(),
+        pointer(bias), c.data_ptr(), c.stride(0), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype],
+    )  # fmt: skip
+    return bool(ok), str(why)
+
+
+def sm90_fp8_residual_gemm(
+    a, w, w_scale, bias, c, out, alpha, pending, row_sum, row_sumsq, codes, code_scale, inv_code_scale,
+    stream, workspace,
+) -> bool:  # fmt: skip
+    """``out = alpha * (w_scale * (a @ w^T) + bias) + R`` on e4m3 ``a``/``w`` (uint8 views), ``R = c``
+    or, for ``pending`` (``norm_fold.NormedRows`` over ``c``), its LayerNorm; partial row sums of
+    ``out`` and ``out^2``; with ``codes`` (uint8 ``[M, N]``), e4m3 codes of ``out * inv_code_scale``.
+    False: nothing ran (CUTLASS refused)."""
+    m, k = a.shape
+    rstd = shift = gamma = beta = None
+    if pending is not None:
+        rstd, shift, gamma, beta = pending.rstd, pending.shift, pending.gamma, pending.beta
+    return native_module().sm90_fp8_residual_gemm(
+        a.device.index, stream, m, w.shape[0], k, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0),
+        w_scale.data_ptr(), pointer(bias), c.data_ptr(), c.stride(0), out.data_ptr(), out.stride(0),
+        DTYPE_CODES[out.dtype], alpha, pointer(rstd), pointer(shift), pointer(gamma), pointer(beta),
+        pointer(row_sum), pointer(row_sumsq), pointer(codes), 0 if codes is None else codes.stride(0),
+        pointer(code_scale), pointer(inv_code_scale), workspace.data_ptr(), workspace.numel(),
     )  # fmt: skip
 
 

@@ -1,0 +1,202 @@
+"""The FP8 mode with its LayerNorms folded into the GEMMs (issue 21).
+
+In the calibrated FP8 mode (``fusedenc.fp8``) each post-LN layer still runs two LayerNorm
+passes that write the normalized rows in fp16 and in e4m3: ~22% of a t82 layer at 256
+positions, memory-bound.  Here, as ``norm_fold`` does for 16-bit blocks, no pass is left:
+
+* the GEMM that ends a residual branch (out-projection, FFN2) reads e4m3 operands (its
+  input's static column scales folded into the weight's copy) and writes
+  ``z = alpha * (x W^T + b) + residual`` in fp16, the row sums of ``z`` and ``z^2`` for the
+  LayerNorm that follows, and e4m3 codes of ``z / c`` with static per-column scales ``c``
+  from calibration (``CodedRows``);
+* the GEMM that reads ``LN(z)`` (the next QKV, FFN1) reads those codes with
+  ``W * gamma * c`` in e4m3 (per output channel) and applies the norm in its epilogue:
+  ``rstd * (z (W gamma)^T) + shift * colsum + (W beta + b)``; FFN1 writes FFN2's e4m3
+  input as before.
+
+So the FP8 GEMMs read e4m3 codes of the un-normalized sum with static column scales instead
+of the normalized rows with one scale per row.  Measured in emulation (``bench/NOTES.md``):
+the same error as the per-row mode on the t82/bt4 presets, 1.1-1.2x the error with outlier
+channels (their gamma moves into the weight's K dimension, where one scale per output
+channel cannot isolate it).  ``EncoderBlock.quantize(..., fold_norms=False)`` keeps the
+LayerNorm passes.
+
+The scales ``c`` are powers of two (``fp8.static_scales(..., power_of_two=True)``): the epilogue stores the codes of ``z * (1 / c)`` and
+multiplies back by ``c`` (a CUTLASS epilogue tree stores one value and passes it on), which
+is exact only then.  Rounding a scale up to a power of two costs at most one binade of
+headroom, which e4m3's uniform relative precision does not notice.
+
+The kernels are Hopper's (``sm90_gemm.h``: the FP8 kernel with a folded LayerNorm, the FP8
+residual kernel); elsewhere, and in ``norm_fold.mode("force")``, the same math runs in torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from . import core, fp8, norm_fold
+from .activations import apply_activation
+from .device import current_stream
+from .norm_fold import NormedRows
+
+__all__ = ["CodedRows", "FoldedFp8", "applies", "fold_weight", "norm_linear", "residual_linear"]
+
+
+class CodedRows(NamedTuple):
+    """Rows pending their LayerNorm with e4m3 codes of ``z`` for the FP8 GEMM that reads them."""
+
+    rows: NormedRows
+    codes: Optional[torch.Tensor]  # [T, D] e4m3 codes of z / scale (None: not written)
+    scale: Optional[torch.Tensor]  # [D] fp32, powers of two
+
+
+class FoldedFp8(NamedTuple):
+    """A Linear layer reading ``LN(z)`` as e4m3 codes of ``z / c``: its FP8 copy and epilogue vectors."""
+
+    weight: fp8.Quantized  # e4m3(W * gamma * c) per output channel
+    colsum: torch.Tensor  # [N] fp32, row sums of the weight the codes are multiplied with (W * gamma, as coded)
+    bias: torch.Tensor  # [N] W beta + b, the model's dtype
+
+
+def fold_weight(
+    weight: torch.Tensor, bias: Optional[torch.Tensor], gamma: torch.Tensor, beta: Optional[torch.Tensor],
+    scale: torch.Tensor,
+) -> FoldedFp8:  # fmt: skip
+    """``weight`` [N, K] after a LayerNorm ``gamma``/``beta`` whose input arrives as codes of
+    ``z / scale``.  The column sums are of the weight as coded: they must cancel exactly what
+    the GEMM multiplies the row mean with."""
+    q = fp8.quantize_rows(weight.float() * (gamma.float() * scale)[None, :])
+    colsum = (fp8.dequantize(q) / scale[None, :]).sum(1)
+    b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+    if beta is not None:
+        b = weight.float() @ beta.float()
+    if bias is not None:
+        b = b + bias.float()
+    return FoldedFp8(q, colsum.contiguous(), b.to(weight.dtype).contiguous())
+
+
+def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
+    """Whether quantized ``blocks`` run on ``rows`` [T, D] with their LayerNorms folded:
+    every block post-LN, in FP8 with every GEMM, calibrated with the LayerNorm inputs'
+    scales (``quantize(..., fold_norms=True)``), and ``norm_fold.current_mode()`` ``force``,
+    or ``auto`` with the Hopper kernels for fp16 at a size where folding pays."""
+    mode = norm_fold.current_mode()
+    if mode == "off" or rows.shape[0] == 0:
+        return False
+    for b in blocks:
+        w8 = b._fp8
+        if w8 is None or b.norm_first or b.norm1_weight is None or not w8.folds_norms:
+            return False
+    if mode == "force":
+        return True
+    if rows.dtype != torch.float16 or not core.active_on(rows.device) or not core.sm90_fp8_residual_compiled(rows.dtype):
+        return False
+    if not all(b._fp8.fast_accum for b in blocks) or not core.fp8_status(rows.device)[0]:
+        return False  # the kernels accumulate fast only
+    dev, t = rows.device.index, rows.shape[0]
+    for b in blocks:
+        if not norm_fold.fills_gpu(rows, b.d_model):
+            return False
+        if not core.sm90_fold_fits(dev, rows.dtype, t, b.d_model, b.d_model, True):  # device and alignment rules
+            return False
+    return True
+
+
+def _native(device: torch.device) -> bool:
+    return norm_fold.current_mode() != "off" and device.type == "cuda" and core.active_on(device)
+
+
+def _kernel_args(stream: Optional[int], workspace: Optional[torch.Tensor], device: torch.device):
+    stream = current_stream(device) if stream is None else stream
+    return stream, (core.workspace(device, stream) if workspace is None else workspace)
+
+
+def norm_linear(
+    rows: CodedRows,
+    folded: FoldedFp8,
+    activation: str,
+    *,
+    out_dtype: torch.dtype,
+    out_scale: Optional[torch.Tensor] = None,
+    fast_accum: bool = True,
+    stream: Optional[int] = None,
+    workspace: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``act(LN(z) W^T + b)`` from the codes of ``z`` (``activation``: a canonical name), in
+    ``out_dtype``, or with ``out_scale`` ([N] fp32) as e4m3 codes of that times ``out_scale``."""
+    codes, pending = rows.codes, rows.rows
+    m, n = codes.shape[0], folded.weight.q.shape[0]
+    w = folded.weight
+    if out_scale is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
+    else:
+        out = torch.empty((m, n), dtype=codes.dtype, device=codes.device)
+    if m and fast_accum and _native(codes.device):
+        a, wq, out_k = codes.view(torch.uint8), w.q.view(torch.uint8), out if out_scale is None else out.view(torch.uint8)
+        ok, _ = core.sm90_fp8_gemm_applies(a, pending.rstd, wq, w.scale, folded.bias, out_k, activation, True,
+                                           out_scale, pending.shift, folded.colsum)  # fmt: skip
+        if ok:
+            stream, workspace = _kernel_args(stream, workspace, codes.device)
+            core.fp8_gemm(a, pending.rstd, wq, w.scale, folded.bias, out_k, activation, True, stream, workspace,
+                          out_scale=out_scale, shift=pending.shift, colsum=folded.colsum)  # fmt: skip
+            return out
+    acc = torch.mm(codes.float(), w.q.float().t()) * w.scale[None, :]
+    y = torch.addcmul(torch.addcmul(folded.bias.float(), pending.shift[:, None], folded.colsum), acc, pending.rstd[:, None])
+    y = apply_activation(y, activation)
+    if out_scale is None:
+        out.copy_(y)
+        return out
+    return fp8.e4m3_columns(y, out_scale, fp8.format_for(codes.device)) if m else out
+
+
+def residual_linear(
+    codes: torch.Tensor,
+    weight: fp8.Quantized,
+    bias: Optional[torch.Tensor],
+    residual: Union[torch.Tensor, NormedRows],
+    alpha: float,
+    gamma: torch.Tensor,
+    beta: Optional[torch.Tensor],
+    eps: float,
+    code_scale: Optional[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    fast_accum: bool = True,
+    stream: Optional[int] = None,
+    workspace: Optional[torch.Tensor] = None,
+) -> CodedRows:
+    """``z = alpha * (x W^T + b) + residual`` from e4m3 ``codes`` of ``x`` (their static column
+    scales are in ``weight``'s copy; a pending ``residual`` is normalized on the fly), with the
+    statistics of the LayerNorm ``gamma``/``beta``/``eps`` that follows and, for ``code_scale``
+    ``(c, 1 / c)``, e4m3 codes of ``z / c`` for the next GEMM."""
+    src = residual.z if isinstance(residual, NormedRows) else residual
+    m, n = codes.shape[0], weight.q.shape[0]
+    z = torch.empty((m, n), dtype=src.dtype, device=src.device)
+    out_codes = None if code_scale is None else torch.empty((m, n), dtype=codes.dtype, device=codes.device)
+    if m and fast_accum and _native(codes.device):
+        a, wq = codes.view(torch.uint8), weight.q.view(torch.uint8)
+        if core.sm90_fp8_residual_applies(a, wq, weight.scale, bias, src, z)[0]:
+            tm, tn = core.stats_tile()
+            sums = torch.empty((2, -(-n // tn), -(-m // tm) * tm), dtype=torch.float32, device=z.device)
+            rstd = torch.empty(m, dtype=torch.float32, device=z.device)
+            shift = torch.empty_like(rstd)
+            stream, workspace = _kernel_args(stream, workspace, z.device)
+            pending = residual if isinstance(residual, NormedRows) else None
+            scale, inv = (None, None) if code_scale is None else code_scale
+            if core.sm90_fp8_residual_gemm(
+                a, wq, weight.scale, bias, src, z, alpha, pending, sums[0], sums[1],
+                None if out_codes is None else out_codes.view(torch.uint8), scale, inv, stream, workspace,
+            ):  # fmt: skip
+                core.norm_stats(sums[0], sums[1], n, eps, rstd, shift, stream)
+                return CodedRows(NormedRows(z, rstd, shift, gamma, beta), out_codes, scale)
+    r = residual if isinstance(residual, torch.Tensor) else norm_fold.normalized(residual)
+    acc = torch.mm(codes.float(), weight.q.float().t()) * weight.scale[None, :]
+    if bias is not None:
+        acc = acc + bias.float()
+    zf = torch.add(r.float(), acc, alpha=alpha)
+    z.copy_(zf)
+    rstd, shift = norm_fold.stats(zf, eps)
+    if code_scale is not None and m:
+        out_codes = fp8.e4m3_columns(zf, code_scale[1], fp8.format_for(codes.device))
+    return CodedRows(NormedRows(z, rstd, shift, gamma, beta), out_codes, None if code_scale is None else code_scale[0])
