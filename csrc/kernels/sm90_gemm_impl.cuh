@@ -190,12 +190,10 @@ using Fp8OutTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, cutl
 // of its input (saturating) and passes it on.  With power-of-two scales (fusedenc.fp8's
 // rule for these) both products are exact, so D is z rounded once, as ResidualTree's; a
 // tree has no node that stores one value and forwards another, hence the round trip.
-// Codes are stored from registers (two adjacent columns a store; no shared-memory stage).
-template <class Tile, class Element>
+template <class Tile, class Element, class AuxStore>
 using Fp8ResidualTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, Element, float, kRound>,
     RowVec<Tile, float>,  // code_scale (null: 1)
-    fusion::Sm90EVT<fusion::Sm90AuxStore<0, cute::Shape<_1, _1>, cutlass::float_e4m3_t, kRound,
-                                         cutlass::layout::RowMajor, void, void>,  // codes (null: none)
+    fusion::Sm90EVT<AuxStore,  // codes (null: none)
         fusion::Sm90EVT<Op<cutlass::multiplies>,
             RowVec<Tile, float>,  // inv_code_scale (null: 1)
             fusion::Sm90EVT<fusion::Sm90ColReduction<PlusSquare, cutlass::plus, cutlass::plus, 0, Tile, float, float, kRound,
@@ -215,6 +213,19 @@ using Fp8ResidualTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies,
                             RowVec<Tile, Element>,    // gamma (null: 1)
                             RowVec<Tile, Element>>>>>>>>;  // beta (null: 0)
 
+// The codes' store: staged through shared memory and written by TMA, like D.
+template <class Cfg, class Element>
+struct TmaAuxOf {
+  using Epi = cutlass::epilogue::collective::detail::EpilogueDescriptor<typename Cfg::TileShape, typename Cfg::EpiTile,
+                                                                       Element, Element, typename Cfg::EpiSchedule>;
+  using Desc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<Epi, cutlass::layout::RowMajor,
+                                                                         cutlass::float_e4m3_t>;
+  using type = fusion::Sm90AuxStore<Desc::Stages, typename Epi::EpilogueTile, cutlass::float_e4m3_t, kRound,
+                                    typename Desc::Stride, typename Desc::SmemLayoutAtom, typename Desc::CopyOpR2S>;
+};
+template <class Cfg, class Element>
+using TmaAux = typename TmaAuxOf<Cfg, Element>::type;
+
 // FP8 tiles read 128 bytes of K per stage, like the 16-bit tiles' 64 elements.  Hopper's
 // fast FP8 accumulation (partial sums stay in the tensor cores' accumulator): measured on
 // an H100 at t82's FFN1 (65536 x 2304 x 768, swish) a 128 x 128 pingpong kernel took
@@ -230,10 +241,14 @@ using Fp8Config = Config<cute::Shape<cute::_256, cute::_128, cute::_128>, cute::
 
 // The FP8 residual GEMM: pingpong 128 x 128 tiles (128 bytes of K a stage), so its row
 // statistics come per 128-column tile like the 16-bit residual kernel's (kStatsTileM/N) and
-// its heavier epilogue overlaps the other warpgroup's main loop.
+// its heavy epilogue overlaps the other warpgroup's main loop; 64 x 32 subtiles, the codes
+// staged in shared memory and stored by TMA.  Measured on an H100 (us, 16384 x 768 out, with
+// codes): K 768 45.6 and K 2304 60.0, against 50.6 and 71.1 storing the codes from registers;
+// 64 x 64 subtiles 68.7 and 91.1 (bench/NOTES.md).  The epilogue bounds it: cuBLASLt's plain
+// FP8 GEMM takes 22.3 and 42.2.
 using Fp8ResidualConfig = Config<cute::Shape<cute::_128, cute::_128, cute::_128>, cute::Shape<cute::_1, cute::_1, cute::_1>,
                                  cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
-                                 cutlass::epilogue::TmaWarpSpecialized>;
+                                 cutlass::epilogue::TmaWarpSpecialized, cute::Shape<cute::_64, cute::_32>>;
 
 template <class Element, class Tree, bool WithC, class Cfg = DefaultConfig, class ElementAB = Element,
           class ElementD = Element>
@@ -383,8 +398,9 @@ bool run_fp8_out(const GemmArgs& g, const Fp8Vectors& v, int sm_count) {
 template <class Element>
 bool run_fp8_residual(const GemmArgs& g, const float* w_scale, const ResidualNorm& r, const Fp8Codes& codes,
                       int sm_count) {
-  using Tile = typename Fp8ResidualConfig::TileShape;
-  using K = Kernel<Element, Fp8ResidualTree<Tile, Element>, true, Fp8ResidualConfig, cutlass::float_e4m3_t>;
+  using Cfg = Fp8ResidualConfig;
+  using Tile = typename Cfg::TileShape;
+  using K = Kernel<Element, Fp8ResidualTree<Tile, Element, TmaAux<Cfg, Element>>, true, Cfg, cutlass::float_e4m3_t>;
   const auto bias = static_cast<const Element*>(g.bias);
   const auto gamma = static_cast<const Element*>(r.gamma);
   const auto beta = static_cast<const Element*>(r.beta);
