@@ -81,7 +81,8 @@ def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
     """Whether quantized ``blocks`` run on ``rows`` [T, D] with their LayerNorms folded:
     every block post-LN, in FP8 with every GEMM, calibrated with the LayerNorm inputs'
     scales (``quantize(..., fold_norms=True)``), and ``norm_fold.current_mode()`` ``force``,
-    or ``auto`` with the Hopper kernels for fp16 at a size where folding pays."""
+    or ``auto`` with the Hopper kernels for fp16, fast accumulation, an FFN activation their
+    epilogue applies, at a size where folding pays (so that no GEMM falls back to torch)."""
     mode = norm_fold.current_mode()
     if mode == "off" or rows.shape[0] == 0:
         return False
@@ -96,8 +97,11 @@ def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
     if not all(b._fp8.fast_accum for b in blocks) or not core.fp8_status(rows.device)[0]:
         return False  # the kernels accumulate fast only
     dev, t = rows.device.index, rows.shape[0]
+    in_epilogue = {act for dtype, act in core.sm90_gemm_kernels() if dtype == "float16"}
     for b in blocks:
-        if not norm_fold.fills_gpu(rows, b.d_model):
+        # FFN1's activation must be one the FP8 epilogue applies (not exact GELU, tanh, ...):
+        # the folded FFN1 writes e4m3 codes, which no pass after it could make.
+        if b.activation not in in_epilogue or not norm_fold.fills_gpu(rows, b.d_model):
             return False
         if not core.sm90_fold_fits(dev, rows.dtype, t, b.d_model, b.d_model, True):  # device and alignment rules
             return False

@@ -277,3 +277,22 @@ def test_gpu_folded_stack_runs_the_kernels_and_is_as_accurate_as_the_passes(gen)
     assert rel_err(folded, math) < e_fold, (rel_err(folded, math), e_fold)
     runner = s.graph_runner(64, (256,))
     assert torch.equal(runner(x), folded)  # the graph replays the same kernels
+
+
+@pytest.mark.gpu
+def test_gpu_fold_stays_off_where_a_kernel_would_not_run(gen):
+    """Exact GELU is not in the FP8 epilogue, slow accumulation not in the kernels, 64 positions
+    too few tiles: each keeps the LayerNorm passes (no GEMM may fall back to torch math)."""
+    require_fp8_gpu()
+    x = randn((256, 64, 768), torch.float16, "cuda", gen=gen)
+    sample = randn((64, 64, 768), torch.float16, "cuda", gen=gen)
+    swish = random_stack(2, 768, 12, 1536, gen, device="cuda").quantize("fp8", calibration=sample, fast_accum=True)
+    assert fp8_fold.applies(swish.blocks, x.view(-1, 768))
+    assert not fp8_fold.applies(swish.blocks, x[:64].reshape(-1, 768))  # 64 positions: too few tiles
+    gelu = random_stack(2, 768, 12, 1536, gen, device="cuda")
+    for b in gelu.blocks:
+        b.activation = "gelu"
+    gelu.quantize("fp8", calibration=sample, fast_accum=True)
+    assert not fp8_fold.applies(gelu.blocks, x.view(-1, 768))
+    slow = random_stack(2, 768, 12, 1536, gen, device="cuda").quantize("fp8", calibration=sample)
+    assert not fp8_fold.applies(slow.blocks, x.view(-1, 768))
