@@ -30,14 +30,14 @@ similarity and relative error ``||out - ref|| / ||ref||`` against the fp32 run:
                            the weights multiplied by it (SmoothQuant: in an engine the factor
                            folds into the LayerNorm's gamma and beta; here it is measured per
                            batch)
-  fp8, LN folded [outl.]   QKV and FFN1 with the LayerNorm before them folded in, as the fp16
-                           mode folds it (norm_fold), now in FP8: their input is the
-                           un-normalized residual sum z in e4m3 with static per-column scales
+  fp8, LN folded [outl.]   QKV and FFN1 with the LayerNorm before them folded in, as
+                           fusedenc.fp8_fold runs them (its torch math; the library's FP8
+                           mode when calibrated): their input is the un-normalized residual
+                           sum z in e4m3 with static power-of-two per-column scales
                            (calibrated on another random batch, fusedenc.fp8's headroom),
                            the weight W * gamma in e4m3 per output channel, and the epilogue
-                           rstd * (z W'^T - mean * colsum(W')) + W beta + b; the
-                           out-projection and FFN2 as in "fp8".  The accuracy question in
-                           front of an FP8 mode without LayerNorm passes (bench/NOTES.md)
+                           rstd * (z W'^T) + shift * colsum(W') + W beta + b; the
+                           out-projection and FFN2 as in "fp8" (bench/NOTES.md)
 
 Between ops every configuration rounds activations to fp16, as the engines store them;
 attention and LayerNorm run in fp32 on those fp16 values.
@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedenc
-from fusedenc import EncoderStack, fp8
+from fusedenc import EncoderStack, fp8, fp8_fold, norm_fold
 from fusedenc.activations import apply_activation
 from fusedenc.fp8 import dequantize, quantize_rows, scaled_linear
 
@@ -118,16 +118,15 @@ def _round(t: torch.Tensor, on: bool) -> torch.Tensor:
 
 
 def gemm_fp8_folded(z, gamma, beta, w, b, col_scale, eps=1e-5):
-    """``LN(z) @ w^T + b`` with the LayerNorm folded into an FP8 GEMM: ``z`` (the un-normalized
-    sum, fp16 values) in e4m3 with static per-column scales ``col_scale``, ``w * gamma`` in e4m3
-    per output channel, fp32 sums, then ``rstd * (acc - mean * colsum) + w @ beta + b`` with the
-    row statistics of ``z`` and the column sums of the quantized folded weight."""
-    zq = fp8.e4m3_columns(z, 1.0 / col_scale).float() * col_scale  # as FFN1's static codes are made
-    wg = dequantize(quantize_rows(w * gamma[None, :]))
-    mean = z.mean(dim=-1, keepdim=True)
-    rstd = torch.rsqrt((z - mean).pow(2).mean(dim=-1, keepdim=True) + eps)
-    shift = (w @ beta + (0 if b is None else b)).half().float()
-    return (rstd * (zq @ wg.t() - mean * wg.sum(dim=1)[None, :]) + shift).half().float()
+    """``LN(z) @ w^T + b`` with the LayerNorm folded into an FP8 GEMM, as fusedenc.fp8_fold runs
+    it (its torch math): ``z`` (the un-normalized sum, fp16 values) in e4m3 with static
+    power-of-two column scales ``col_scale``, ``w * gamma * col_scale`` in e4m3 per output
+    channel, fp32 sums, ``rstd * acc + shift * colsum + (w @ beta + b)``, rounded to fp16."""
+    rstd, shift = norm_fold.stats(z, eps)
+    rows = fp8_fold.CodedRows(norm_fold.NormedRows(z, rstd, shift, gamma, beta), fp8.e4m3_columns(z, 1.0 / col_scale),
+                              col_scale)  # fmt: skip
+    folded = fp8_fold.fold_weight(w, b, gamma, beta, col_scale)
+    return fp8_fold.norm_linear(rows, folded, "none", out_dtype=torch.float16, fast_accum=False).float()
 
 
 def forward(params, x, cfg, pick: Callable[[int, str], Gemm], round16: bool, smooth: bool = False,
@@ -240,7 +239,7 @@ def run_preset(name: str, batch: int, seed: int, device: torch.device) -> list[s
     for outl in stacks:
         amax: dict = {}
         forward(stacks[outl], sample, cfg, lambda i, g: gemm_fp16, round16=True, sums=amax)
-        folded[outl] = {k: fp8.static_scales(a) for k, a in amax.items()}
+        folded[outl] = {k: fp8.static_scales(a, power_of_two=True) for k, a in amax.items()}
     folded_rows = ("fp8, LN folded", "fp8, LN folded, outl.")
     configs += [(label, outl, False, lambda i, g: gemm_fp8) for label, outl in zip(folded_rows, (False, True))]
     for label, outl, smooth, pick in configs:
