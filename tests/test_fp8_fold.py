@@ -296,3 +296,59 @@ def test_gpu_fold_stays_off_where_a_kernel_would_not_run(gen):
     assert not fp8_fold.applies(gelu.blocks, x.view(-1, 768))
     slow = random_stack(2, 768, 12, 1536, gen, device="cuda").quantize("fp8", calibration=sample)
     assert not fp8_fold.applies(slow.blocks, x.view(-1, 768))
+
+
+def test_an_lc0_net_folds_its_calibrated_fp8_body(tmp_path, monkeypatch):
+    """A calibrated Lc0 net runs its body through ``fp8_folded_rows`` (smolgen reading each
+    layer's pending input through its 16-bit fold), as close to fp16 as the LayerNorm passes."""
+    from fusedenc import EncoderBlock
+    from fusedenc.lc0 import load_network
+    from lc0_writer import random_planes, write_preset
+
+    path = tmp_path / "tiny.pb.gz"
+    write_preset(path, "tiny", seed=3)
+    net = load_network(str(path), dtype=torch.float16, device="cpu")
+    g = torch.Generator().manual_seed(4)
+    sample, planes = random_planes(16, g).to(torch.float16), random_planes(6, g).to(torch.float16)
+    base = net(planes)
+    net.quantize("fp8", calibration=sample)
+    passes = net(planes)
+    calls = []
+    real = EncoderBlock.fp8_folded_rows
+    monkeypatch.setattr(EncoderBlock, "fp8_folded_rows", lambda self, *a: calls.append(a[-1]) or real(self, *a))
+    with layer_norm_folding("force"):
+        folded = net(planes)
+    assert calls == [True] * (len(net.blocks) - 1) + [False]  # the last block writes no codes
+    assert torch.isfinite(folded["policy"]).all() and not torch.equal(folded["policy"], passes["policy"])
+    e_pass = rel_err(passes["policy"], base["policy"])
+    assert rel_err(folded["policy"], base["policy"]) < 1.5 * e_pass + 1e-3
+    assert torch.allclose(folded["wdl"].float().sum(-1), torch.ones(6), atol=1e-2)
+    net.quantize("fp8", calibration=sample, fold_norms=False)
+    with layer_norm_folding("force"):
+        assert torch.equal(net(planes)["policy"], passes["policy"])
+
+
+@pytest.mark.gpu
+def test_gpu_lc0_net_folds_its_fp8_body_on_the_kernels(tmp_path, monkeypatch):
+    require_fp8_gpu()
+    from fusedenc import EncoderBlock
+    from fusedenc.lc0 import load_network
+    from lc0_writer import random_planes, write_preset
+
+    path = tmp_path / "t82.pb.gz"
+    write_preset(path, "t82", seed=1)
+    net = load_network(str(path), dtype=torch.float16, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    sample, planes = (random_planes(256, g).to("cuda", torch.float16) for _ in range(2))
+    base = net(planes)
+    net.quantize("fp8", calibration=sample, fast_accum=True, fold_norms=False)
+    passes = net(planes)
+    net.quantize("fp8", calibration=sample, fast_accum=True)
+    calls = []
+    real = EncoderBlock.fp8_folded_rows
+    monkeypatch.setattr(EncoderBlock, "fp8_folded_rows", lambda self, *a: calls.append(1) or real(self, *a))
+    folded = net(planes)
+    assert len(calls) == len(net.blocks)  # auto: the kernels ran the fold
+    e_pass, e_fold = rel_err(passes["policy"], base["policy"]), rel_err(folded["policy"], base["policy"])
+    assert torch.isfinite(folded["policy"]).all() and e_fold < 1.5 * e_pass + 1e-3, (e_fold, e_pass)
+    assert (folded["wdl"].float() - base["wdl"].float()).abs().max() < 0.2

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import core, norm_fold
+from .. import core, fp8_fold, norm_fold
 from ..activations import apply_activation
 from ..checks import align_elems
 from ..encoder import EncoderBlock
@@ -300,6 +300,14 @@ class Lc0Network(nn.Module):
                 else:
                     pending = block.folded_rows(pending, b, 64, self.attention_bias(i, pending))
             x = norm_fold.materialize(pending, self.blocks[-1].layer_norm_eps).view(x.shape)
+        elif all(block.quantized for block in self.blocks) and fp8_fold.applies(self.blocks, rows):
+            # The calibrated FP8 body with its LayerNorms folded (fp8_fold); smolgen reads each
+            # layer's input through the 16-bit fold, before the block (no side stream here).
+            pending, last = rows, len(self.blocks) - 1
+            for i, block in enumerate(self.blocks):
+                normed = pending if isinstance(pending, torch.Tensor) else pending.rows
+                pending = block.fp8_folded_rows(pending, b, 64, self.attention_bias(i, normed), None, None, i < last)
+            x = norm_fold.materialize(pending.rows, self.blocks[-1].layer_norm_eps).view(x.shape)
         else:
             for i in range(len(self.blocks)):
                 x = self.layer(i, x)
@@ -352,13 +360,16 @@ class Lc0Network(nn.Module):
 
     def quantize(
         self, mode: Optional[str] = "fp8", *, keep: Sequence[str] = (), layers: Optional[Sequence[int]] = None,
-        fast_accum: bool = False, calibration: Optional[torch.Tensor] = None,
+        fast_accum: bool = False, calibration: Optional[torch.Tensor] = None, fold_norms: bool = True,
     ) -> "Lc0Network":  # fmt: skip
         """The body's GEMMs in FP8 (``EncoderStack.quantize``'s arguments; ``None``: back to the
         net's dtype; ``calibration``: sample input planes, run once for static FFN2 input
-        scales).  Embedding, smolgen and heads stay in the net's dtype.  Returns the net."""
+        scales; with it, ``fold_norms`` folds the body's LayerNorms into its FP8 GEMMs as in
+        ``EncoderStack.quantize``).  Embedding, smolgen and heads stay in the net's dtype.
+        Returns the net."""
         cal = None if calibration is None or mode is None else calibrate(self.blocks, self, calibration)
-        quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum, calibration=cal)
+        quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum, calibration=cal,
+                        fold_norms=fold_norms)
         return self
 
     # The stages of ``forward``, public so that a benchmark can time each (``bench/lc0.py
