@@ -14,7 +14,9 @@ Implementations (one process, the same file, the same input planes):
   fusedenc-graph        the same, its whole forward captured as one CUDA graph per batch size
   fusedenc-fp8-static   with ``--fp8``: the same net with its body in FP8
                         (``quantize("fp8", fast_accum=True, calibration=256 other positions)``),
-                        one CUDA graph per batch size; checked by the FP8 rule below
+                        one CUDA graph per batch size, the LayerNorms folded into the FP8
+                        GEMMs where the Hopper kernels run; checked by the FP8 rule below
+  fusedenc-fp8-static-ln  the same with ``fold_norms=False`` (the LayerNorm passes)
   lc0:<backend>         with ``--lc0 BINARY``: lc0's own ``backendbench`` on the same file
                         (``--lc0-backend``, default cuda-fp16), run in the same process's
                         turn; its median positions/s.  lc0 is not a dependency: point
@@ -93,6 +95,8 @@ def _graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
 #: a few percent; a wrong layout or scale gives ~100%).
 FP8_REL_BOUND = 0.25
 FP8_IMPL = "fusedenc-fp8-static"
+#: The same calibrated net with ``fold_norms=False``: its LayerNorm passes (the fold's A/B).
+FP8_LN_IMPL = "fusedenc-fp8-static-ln"
 
 
 def _rel_err(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -178,10 +182,12 @@ def run_net(
             name = "torch-compile" if mode == "default" else f"torch-compile:{mode}"
             impls[name] = torch.compile(torch_net, mode=None if mode == "default" else mode)
     graph = "fusedenc-graph" in wanted and device.type == "cuda"
-    fp8_net = None
+    fp8_nets = {}
     if getattr(args, "fp8", False) and device.type == "cuda":
         cal = _planes(256, device, dtype, args.seed + 7919)  # not the positions checked or timed
-        fp8_net = Lc0Network(file, dtype=dtype, device=device).quantize("fp8", fast_accum=True, calibration=cal)
+        for name, fold in ((FP8_IMPL, True), (FP8_LN_IMPL, False)):
+            fp8_nets[name] = Lc0Network(file, dtype=dtype, device=device).quantize(
+                "fp8", fast_accum=True, calibration=cal, fold_norms=fold)  # fmt: skip
     batches = args.batch_sizes
     rec: dict[str, Any] = {"net": path, "description": desc, "rows": [], "check": {}}
     # Correctness at the smallest batch, before any timing.
@@ -201,10 +207,10 @@ def run_net(
         ok[name] = err <= bound
         rec["check"][name] = {"err": err, "bound": bound, "ok": ok[name]}
         print(f"   check {name:28s} err {err:.3g} <= {bound:.3g}  {'ok' if ok[name] else 'FAILED: not timed'}")
-    if fp8_net is not None:
-        c = rec["check"][FP8_IMPL] = _fp8_check(fp8_net(x), fast(x), ref, FP8_REL_BOUND)
-        ok[FP8_IMPL] = c["ok"]
-        print(f"   check {FP8_IMPL:28s} rel err {c['rel_err']:.3g} <= {c['bound']}  {'ok' if c['ok'] else 'FAILED: not timed'}"
+    for name, net in fp8_nets.items():
+        c = rec["check"][name] = _fp8_check(net(x), fast(x), ref, FP8_REL_BOUND)
+        ok[name] = c["ok"]
+        print(f"   check {name:28s} rel err {c['rel_err']:.3g} <= {c['bound']}  {'ok' if c['ok'] else 'FAILED: not timed'}"
               f"; against fp16: policy top-1 {c['policy_top1_vs_fp16']:.2%}, WDL max |diff| {c['wdl_max_diff_vs_fp16']:.4f}")
     for b in batches:
         x = _planes(b, device, dtype, args.seed + b)
@@ -220,9 +226,10 @@ def run_net(
         if graph and ok["fusedenc"]:
             ms = _time_graphed(lambda x=x: fast(x), device, args.reps)
             rec["rows"].append({"batch": b, "impl": "fusedenc-graph", "ms": ms, "nps": b / (ms * 1e-3)})
-        if fp8_net is not None and ok[FP8_IMPL]:
-            ms = _time_graphed(lambda x=x: fp8_net(x), device, args.reps)
-            rec["rows"].append({"batch": b, "impl": FP8_IMPL, "ms": ms, "nps": b / (ms * 1e-3)})
+        for name, net in fp8_nets.items():
+            if ok[name]:
+                ms = _time_graphed(lambda x=x, net=net: net(x), device, args.reps)
+                rec["rows"].append({"batch": b, "impl": name, "ms": ms, "nps": b / (ms * 1e-3)})
         if getattr(args, "parts", False) and device.type == "cuda" and ok["fusedenc"]:
             rec.setdefault("parts", {})[str(b)] = time_parts(fast, x, args.reps, device)
         if getattr(args, "lc0", None):
