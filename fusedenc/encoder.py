@@ -403,11 +403,11 @@ class EncoderBlock(nn.Module):
             f, p["ffn2_weight"], p["ffn2_bias"], h, alpha, p["norm2_weight"], p["norm2_bias"], eps, **kw
         )
 
-    def fp8_folded_rows(self, rows, batch, seq, attn_bias, key_padding_mask, executor, codes_out=True):
+    def fp8_folded_rows(self, rows, batch, seq, attn_bias, key_padding_mask, executor, codes_out=True, after_qkv=None):
         """The quantized block with its LayerNorms folded into the FP8 GEMMs (``fp8_fold``):
         ``rows`` plain ``[T, D]`` (a stack's input) or the previous block's ``fp8_fold.CodedRows``;
         returns this block's, pending its norm2 (``codes_out``: with the codes the next block
-        reads)."""
+        reads).  ``after_qkv()``: as ``folded_rows``'."""
         ex, plan = self._prepared(rows if isinstance(rows, torch.Tensor) else rows.rows.z, batch, seq, attn_bias,
                                   key_padding_mask, executor)  # fmt: skip
         alpha, eps, act, w8 = self.residual_alpha, self.layer_norm_eps, self.activation, self._fp8
@@ -423,6 +423,8 @@ class EncoderBlock(nn.Module):
                                            rows.rows.beta, rows.scale)  # fmt: skip
             qkv = fp8_fold.norm_linear(rows, fold, "none", out_dtype=rows.rows.z.dtype, **kw)
             residual = rows.rows
+        if after_qkv is not None:
+            after_qkv()
         a = ex.attention(plan, qkv, batch, seq, self.n_heads, attn_bias, key_padding_mask,
                          out_scale=w8.attention_out_scale(device))  # fmt: skip
         h = fp8_fold.residual_linear(a, w8.get(p["out_weight"]), p["out_bias"], residual, alpha, p["norm1_weight"],

@@ -296,17 +296,28 @@ class Lc0Network(nn.Module):
             side_sms = self._side_sms(rows)
             for i, block in enumerate(self.blocks):
                 if side_sms and not isinstance(self.smolgen[i], nn.Identity):
-                    pending = self._folded_layer_beside(i, pending, b, side_sms)
+                    pending = self._folded_layer_beside(
+                        i, pending, b, side_sms,
+                        lambda bias, join, block=block, pending=pending: block.folded_rows(pending, b, 64, bias,
+                                                                                            after_qkv=join))  # fmt: skip
                 else:
                     pending = block.folded_rows(pending, b, 64, self.attention_bias(i, pending))
             x = norm_fold.materialize(pending, self.blocks[-1].layer_norm_eps).view(x.shape)
         elif all(block.quantized for block in self.blocks) and fp8_fold.applies(self.blocks, rows):
             # The calibrated FP8 body with its LayerNorms folded (fp8_fold); smolgen reads each
-            # layer's input through the 16-bit fold, before the block (no side stream here).
+            # layer's input through the 16-bit fold, beside QKV as above.
             pending, last = rows, len(self.blocks) - 1
+            side_sms = self._side_sms(rows)
             for i, block in enumerate(self.blocks):
                 normed = pending if isinstance(pending, torch.Tensor) else pending.rows
-                pending = block.fp8_folded_rows(pending, b, 64, self.attention_bias(i, normed), None, None, i < last)
+
+                def run(bias, join=None, block=block, pending=pending, codes_out=i < last):
+                    return block.fp8_folded_rows(pending, b, 64, bias, None, None, codes_out, after_qkv=join)
+
+                if side_sms and not isinstance(self.smolgen[i], nn.Identity):
+                    pending = self._folded_layer_beside(i, normed, b, side_sms, run)
+                else:
+                    pending = run(self.attention_bias(i, normed))
             x = norm_fold.materialize(pending.rows, self.blocks[-1].layer_norm_eps).view(x.shape)
         else:
             for i in range(len(self.blocks)):
@@ -327,10 +338,12 @@ class Lc0Network(nn.Module):
             raise ValueError(f"smolgen_side_sms must be None or an int in [0, {sms}) on {rows.device}, got {n!r}")
         return n
 
-    def _folded_layer_beside(self, i: int, pending, b: int, side_sms: int):
+    def _folded_layer_beside(self, i: int, pending, b: int, side_sms: int, run):
         """Folded layer ``i`` with smolgen's latency-bound middle (dense1, LN1, dense2, LN2: ~30 us
         of small kernels a layer at t82 256) on a side stream and ``side_sms`` SMs while the QKV
-        GEMM runs on the others; the global GEMM (the whole chip) runs between QKV and attention."""
+        GEMM runs on the others; the global GEMM (the whole chip) runs between QKV and attention.
+        ``pending``: the layer's input (rows, or rows pending a LayerNorm) that smolgen reads;
+        ``run(bias, join)``: the block (16-bit or FP8 folded), calling ``join()`` after QKV."""
         smolgen, device = self.smolgen[i], pending.z.device if isinstance(pending, NormedRows) else pending.device
         main = torch.cuda.current_stream(device)
         side = self._side_streams.get(device.index)
@@ -354,7 +367,7 @@ class Lc0Network(nn.Module):
 
         core.set_sm90_sm_limit(torch.cuda.get_device_properties(device).multi_processor_count - side_sms)
         try:
-            return self.blocks[i].folded_rows(pending, b, 64, bias, after_qkv=join)
+            return run(bias, join)
         finally:
             core.set_sm90_sm_limit(outer)
 
