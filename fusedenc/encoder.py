@@ -232,8 +232,7 @@ class EncoderBlock(nn.Module):
     _GEMM_WEIGHTS = {"qkv": "qkv_weight", "out_proj": "out_weight", "ffn1": "ffn1_weight", "ffn2": "ffn2_weight"}
 
     def quantize(
-        self, mode: Optional[str] = "fp8", *, keep: Iterable[str] = (), fast_accum: bool = False, calibration=None,
-        fold_norms: bool = True,
+        self, mode: Optional[str] = "fp8", *, keep: Iterable[str] = (), fast_accum=False, calibration=None, fold_norms=True,
     ) -> "EncoderBlock":  # fmt: skip
         """Run the block's GEMMs in FP8 (``mode="fp8"``) or back in its own dtype (``None``).
 
@@ -243,11 +242,8 @@ class EncoderBlock(nn.Module):
         ``fp8.BLOCK_GEMMS``).  ``fast_accum``: Hopper's faster, less precise accumulation.
         ``calibration`` (post-LN, both FFN GEMMs in FP8): sample inputs or an
         ``fp8.Calibration``; FFN1 and attention then write FFN2's and the out-projection's
-        inputs in e4m3 with static per-column scales.  ``fold_norms`` (calibrated, no GEMM kept):
-        in an ``EncoderStack`` the LayerNorms are folded into the FP8 GEMMs as ``norm_fold`` does
-        for 16-bit blocks (``fusedenc.fp8_fold``: where the Hopper kernels run, with ``fast_accum``;
-        codes of the LayerNorms' inputs with static scales instead of per-row codes of their
-        outputs; False keeps the LayerNorm passes).
+        inputs in e4m3 with static per-column scales, and a stack folds its LayerNorms into the FP8
+        GEMMs (``fusedenc.fp8_fold``; no GEMM kept) unless ``fold_norms`` is False.
         Needs a float16/bfloat16 block, widths multiples of 16, an FP8 GPU (``capabilities()["fp8"]``)."""
         self._fp8_config = fp8.quantize_config(self, mode, keep, fast_accum, calibration, fold_norms)
         self._fp8 = None if self._fp8_config is None else self._fp8_weights()
@@ -402,39 +398,6 @@ class EncoderBlock(nn.Module):
         return norm_fold.residual_linear(
             f, p["ffn2_weight"], p["ffn2_bias"], h, alpha, p["norm2_weight"], p["norm2_bias"], eps, **kw
         )
-
-    def fp8_folded_rows(self, rows, batch, seq, attn_bias, key_padding_mask, executor, codes_out=True, after_qkv=None):
-        """The quantized block with its LayerNorms folded into the FP8 GEMMs (``fp8_fold``):
-        ``rows`` plain ``[T, D]`` (a stack's input) or the previous block's ``fp8_fold.CodedRows``;
-        returns this block's, pending its norm2 (``codes_out``: with the codes the next block
-        reads).  ``after_qkv()``: as ``folded_rows``'."""
-        ex, plan = self._prepared(rows if isinstance(rows, torch.Tensor) else rows.rows.z, batch, seq, attn_bias,
-                                  key_padding_mask, executor)  # fmt: skip
-        alpha, eps, act, w8 = self.residual_alpha, self.layer_norm_eps, self.activation, self._fp8
-        p = self._parameters
-        device = p["qkv_weight"].device
-        kw = {"stream": ex.stream, "workspace": ex.workspace} if isinstance(ex, NativeExecutor) else {}
-        kw["fast_accum"] = w8.fast_accum
-        if isinstance(rows, torch.Tensor):  # the stack's input: codes with one scale per row, by a pass
-            qkv = Fp8Executor(ex, w8).linear(rows, p["qkv_weight"], p["qkv_bias"])
-            residual = rows
-        else:
-            fold = self._fold_cache.cached(fp8_fold.fold_weight, p["qkv_weight"], p["qkv_bias"], rows.rows.gamma,
-                                           rows.rows.beta, rows.scale)  # fmt: skip
-            qkv = fp8_fold.norm_linear(rows, fold, "none", out_dtype=rows.rows.z.dtype, **kw)
-            residual = rows.rows
-        if after_qkv is not None:
-            after_qkv()
-        a = ex.attention(plan, qkv, batch, seq, self.n_heads, attn_bias, key_padding_mask,
-                         out_scale=w8.attention_out_scale(device))  # fmt: skip
-        h = fp8_fold.residual_linear(a, w8.get(p["out_weight"]), p["out_bias"], residual, alpha, p["norm1_weight"],
-                                     p["norm1_bias"], eps, w8.norm_code_scales("norm1", device), **kw)  # fmt: skip
-        fold = self._fold_cache.cached(fp8_fold.fold_weight, p["ffn1_weight"], p["ffn1_bias"], p["norm1_weight"],
-                                       p["norm1_bias"], h.scale)  # fmt: skip
-        f = fp8_fold.norm_linear(h, fold, act, out_dtype=h.rows.z.dtype, out_scale=w8.out_scale(p["ffn1_weight"]), **kw)
-        return fp8_fold.residual_linear(f, w8.get(p["ffn2_weight"]), p["ffn2_bias"], h.rows, alpha, p["norm2_weight"],
-                                        p["norm2_bias"], eps, w8.norm_code_scales("norm2", device) if codes_out else None,
-                                        **kw)  # fmt: skip
 
     def _run(self, ex, attn_plan, x2, batch, seq, attn_bias, key_padding_mask):
         """The data path, once for both executors (see the module docstring)."""
@@ -602,16 +565,9 @@ class EncoderStack(nn.Module):
         if ex is None and _native_active(rows.device):
             ex = NativeExecutor(rows.device, rows.dtype)
         if all(b.quantized for b in self.blocks) and fp8_fold.applies(self.blocks, rows):
-            pending = rows
-            last = len(self.blocks) - 1
-            for i, block in enumerate(self.blocks):
-                pending = block.fp8_folded_rows(pending, batch, seq, attn_bias, key_padding_mask, ex, i < last)
-            rows = norm_fold.materialize(pending.rows, self.blocks[-1].layer_norm_eps)
+            rows = fp8_fold.stack_rows(self.blocks, rows, batch, seq, attn_bias, key_padding_mask, ex)
         elif not any(b.quantized for b in self.blocks) and norm_fold.applies(self.blocks, rows):
-            pending = rows
-            for block in self.blocks:
-                pending = block.folded_rows(pending, batch, seq, attn_bias, key_padding_mask, ex)
-            rows = norm_fold.materialize(pending, self.blocks[-1].layer_norm_eps)
+            rows = norm_fold.stack_rows(self.blocks, rows, batch, seq, attn_bias, key_padding_mask, ex)
         else:
             for block in self.blocks:
                 rows = block._eager_rows(rows, batch, seq, attn_bias, key_padding_mask, ex)
@@ -628,9 +584,8 @@ class EncoderStack(nn.Module):
         numbers count from the end, e.g. ``layers=range(1, n - 1)`` keeps the first and last
         layer in the stack's dtype); the other blocks go back to their dtype.  ``calibration``:
         sample inputs of the stack (run once, see ``EncoderBlock.quantize``).  Returns the stack."""
-        cal = None if calibration is None or mode is None else fp8.calibrate(self.blocks, self, calibration)
-        fp8.quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum, calibration=cal,
-                            fold_norms=fold_norms)
+        fp8.quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum, calibration=calibration,
+                            model=self, fold_norms=fold_norms)
         return self
 
     def graph_runner(

@@ -530,13 +530,14 @@ def quantize_config(
 
 def quantize_blocks(
     blocks: Sequence[Any], mode: Optional[str], *, keep: Iterable[str] = (),
-    layers: Optional[Iterable[int]] = None, fast_accum: bool = False, calibration: Optional[Calibration] = None,
+    layers: Optional[Iterable[int]] = None, fast_accum: bool = False, calibration: Any = None, model: Any = None,
     fold_norms: bool = True,
 ) -> None:  # fmt: skip
     """``quantize(mode, ...)`` on ``blocks[i]`` (EncoderBlocks) for ``i`` in ``layers`` (default
     all, negative from the end), ``quantize(None)`` on the others; ``layers`` is checked
     before any block changes.  What ``EncoderStack.quantize`` and ``Lc0Network.quantize`` do
-    (``calibration``: what ``calibrate`` saw of the model)."""
+    (``calibration``: sample inputs of ``model``, the module the blocks belong to, which
+    ``calibrate`` runs once)."""
     n = len(blocks)
     chosen = set(range(n)) if layers is None else set()
     for i in [] if layers is None else list(layers):
@@ -544,6 +545,7 @@ def quantize_blocks(
             raise ValueError(f"layers: {i!r} is not a layer of this {n}-layer body")
         chosen.add(i % n)
     keep = tuple(keep) if not isinstance(keep, str) else (keep,)
+    cal = None if calibration is None or mode is None else calibrate(blocks, model, calibration)
     for i, block in enumerate(blocks):
-        block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum, calibration=calibration,
+        block.quantize(mode if i in chosen else None, keep=keep, fast_accum=fast_accum, calibration=cal,
                        fold_norms=fold_norms)

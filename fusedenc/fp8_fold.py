@@ -37,10 +37,11 @@ import torch
 
 from . import core, fp8, norm_fold
 from .activations import apply_activation
-from .device import current_stream
+from .executors import Fp8Executor, NativeExecutor
 from .norm_fold import NormedRows
 
-__all__ = ["CodedRows", "FoldedFp8", "applies", "fold_weight", "norm_linear", "residual_linear"]
+__all__ = ["CodedRows", "FoldedFp8", "applies", "block_rows", "fold_weight", "norm_linear", "residual_linear",
+           "stack_rows"]
 
 
 class CodedRows(NamedTuple):
@@ -91,7 +92,7 @@ def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
             return False
     if mode == "force":
         return True
-    if rows.dtype != torch.float16 or not core.active_on(rows.device) or not core.sm90_fp8_residual_compiled(rows.dtype):
+    if rows.dtype != torch.float16 or not core.active_on(rows.device) or not core.fp8.sm90_fp8_residual_compiled(rows.dtype):
         return False
     if not all(b._fp8.fast_accum for b in blocks) or not core.fp8_status(rows.device)[0]:
         return False  # the kernels accumulate fast only
@@ -109,11 +110,6 @@ def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
 
 def _native(device: torch.device) -> bool:
     return norm_fold.current_mode() != "off" and device.type == "cuda" and core.active_on(device)
-
-
-def _kernel_args(stream: Optional[int], workspace: Optional[torch.Tensor], device: torch.device):
-    stream = current_stream(device) if stream is None else stream
-    return stream, (core.workspace(device, stream) if workspace is None else workspace)
 
 
 def norm_linear(
@@ -141,7 +137,7 @@ def norm_linear(
         ok, _ = core.sm90_fp8_gemm_applies(a, pending.rstd, wq, w.scale, folded.bias, out_k, activation, True,
                                            out_scale, pending.shift, folded.colsum)  # fmt: skip
         if ok:
-            stream, workspace = _kernel_args(stream, workspace, codes.device)
+            stream, workspace = norm_fold.kernel_args(codes.device, stream, workspace)
             core.fp8_gemm(a, pending.rstd, wq, w.scale, folded.bias, out_k, activation, True, stream, workspace,
                           out_scale=out_scale, shift=pending.shift, colsum=folded.colsum)  # fmt: skip
             return out
@@ -179,27 +175,58 @@ def residual_linear(
     out_codes = None if code_scale is None else torch.empty((m, n), dtype=codes.dtype, device=codes.device)
     if m and fast_accum and _native(codes.device):
         a, wq = codes.view(torch.uint8), weight.q.view(torch.uint8)
-        if core.sm90_fp8_residual_applies(a, wq, weight.scale, bias, src, z)[0]:
-            tm, tn = core.stats_tile()
-            sums = torch.empty((2, -(-n // tn), -(-m // tm) * tm), dtype=torch.float32, device=z.device)
-            rstd = torch.empty(m, dtype=torch.float32, device=z.device)
-            shift = torch.empty_like(rstd)
-            stream, workspace = _kernel_args(stream, workspace, z.device)
+        if core.fp8.sm90_fp8_residual_applies(a, wq, weight.scale, bias, src, z)[0]:
+            sums = norm_fold.statistics_buffer(m, n, z.device)
+            stream, workspace = norm_fold.kernel_args(z.device, stream, workspace)
             pending = residual if isinstance(residual, NormedRows) else None
             scale, inv = (None, None) if code_scale is None else code_scale
-            if core.sm90_fp8_residual_gemm(
+            if core.fp8.sm90_fp8_residual_gemm(
                 a, wq, weight.scale, bias, src, z, alpha, pending, sums[0], sums[1],
                 None if out_codes is None else out_codes.view(torch.uint8), scale, inv, stream, workspace,
             ):  # fmt: skip
-                core.norm_stats(sums[0], sums[1], n, eps, rstd, shift, stream)
-                return CodedRows(NormedRows(z, rstd, shift, gamma, beta), out_codes, scale)
-    r = residual if isinstance(residual, torch.Tensor) else norm_fold.normalized(residual)
+                return CodedRows(norm_fold.pending_rows(z, sums, eps, gamma, beta, stream), out_codes, scale)
     acc = torch.mm(codes.float(), weight.q.float().t()) * weight.scale[None, :]
-    if bias is not None:
-        acc = acc + bias.float()
-    zf = torch.add(r.float(), acc, alpha=alpha)
-    z.copy_(zf)
-    rstd, shift = norm_fold.stats(zf, eps)
+    rows, zf = norm_fold.residual_sum(acc, bias, residual, alpha, z, gamma, beta, eps)
     if code_scale is not None and m:
         out_codes = fp8.e4m3_columns(zf, code_scale[1], fp8.format_for(codes.device))
-    return CodedRows(NormedRows(z, rstd, shift, gamma, beta), out_codes, None if code_scale is None else code_scale[0])
+    return CodedRows(rows, out_codes, None if code_scale is None else code_scale[0])
+
+
+def block_rows(block, rows, batch, seq, attn_bias, key_padding_mask, executor, codes_out=True, after_qkv=None):
+    """Quantized post-LN ``block`` with its LayerNorms folded into the FP8 GEMMs: ``rows`` plain
+    ``[T, D]`` (a stack's input) or the previous block's ``CodedRows``; returns this block's,
+    pending its norm2 (``codes_out``: with the codes the next block reads).  ``executor``: a
+    shared ``NativeExecutor`` or None; ``after_qkv()``: as ``EncoderBlock.folded_rows``'."""
+    z = rows if isinstance(rows, torch.Tensor) else rows.rows.z
+    ex, plan = block._prepared(z, batch, seq, attn_bias, key_padding_mask, executor)
+    alpha, eps, act, w8 = block.residual_alpha, block.layer_norm_eps, block.activation, block._fp8
+    p, cache = block._parameters, block._fold_cache
+    device = p["qkv_weight"].device
+    kw = {"stream": ex.stream, "workspace": ex.workspace} if isinstance(ex, NativeExecutor) else {}
+    kw["fast_accum"] = w8.fast_accum
+    if isinstance(rows, torch.Tensor):  # the stack's input: codes with one scale per row, by a pass
+        qkv = Fp8Executor(ex, w8).linear(rows, p["qkv_weight"], p["qkv_bias"])
+        residual = rows
+    else:
+        fold = cache.cached(fold_weight, p["qkv_weight"], p["qkv_bias"], rows.rows.gamma, rows.rows.beta, rows.scale)
+        qkv = norm_linear(rows, fold, "none", out_dtype=z.dtype, **kw)
+        residual = rows.rows
+    if after_qkv is not None:
+        after_qkv()
+    a = ex.attention(plan, qkv, batch, seq, block.n_heads, attn_bias, key_padding_mask,
+                     out_scale=w8.attention_out_scale(device))  # fmt: skip
+    h = residual_linear(a, w8.get(p["out_weight"]), p["out_bias"], residual, alpha, p["norm1_weight"], p["norm1_bias"],
+                        eps, w8.norm_code_scales("norm1", device), **kw)  # fmt: skip
+    fold = cache.cached(fold_weight, p["ffn1_weight"], p["ffn1_bias"], p["norm1_weight"], p["norm1_bias"], h.scale)
+    f = norm_linear(h, fold, act, out_dtype=z.dtype, out_scale=w8.out_scale(p["ffn1_weight"]), **kw)
+    return residual_linear(f, w8.get(p["ffn2_weight"]), p["ffn2_bias"], h.rows, alpha, p["norm2_weight"],
+                           p["norm2_bias"], eps, w8.norm_code_scales("norm2", device) if codes_out else None,
+                           **kw)  # fmt: skip
+
+
+def stack_rows(blocks, rows, batch, seq, attn_bias, key_padding_mask, executor) -> torch.Tensor:
+    """``rows`` [T, D] through ``blocks`` (where ``applies``) and the last one's LayerNorm."""
+    pending, last = rows, len(blocks) - 1
+    for i, block in enumerate(blocks):
+        pending = block_rows(block, pending, batch, seq, attn_bias, key_padding_mask, executor, i < last)
+    return norm_fold.materialize(pending.rows, blocks[-1].layer_norm_eps)

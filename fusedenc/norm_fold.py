@@ -43,12 +43,17 @@ __all__ = [
     "FoldCache",
     "NormedRows",
     "fold",
+    "kernel_args",
     "materialize",
     "mode",
     "norm_linear",
     "normalized",
+    "pending_rows",
     "residual_linear",
+    "residual_sum",
+    "stack_rows",
     "stats",
+    "statistics_buffer",
 ]
 
 # ------------------------------------------------------------ switch ----
@@ -181,6 +186,14 @@ def materialize(rows: Union[torch.Tensor, NormedRows], eps: float) -> torch.Tens
     return layer_norm(rows.z, rows.gamma, rows.beta, eps)
 
 
+def stack_rows(blocks: Sequence[Any], rows, batch, seq, attn_bias, key_padding_mask, executor) -> torch.Tensor:
+    """``rows`` [T, D] through ``blocks`` (where ``applies``) folded, and the last one's LayerNorm."""
+    pending = rows
+    for block in blocks:
+        pending = block.folded_rows(pending, batch, seq, attn_bias, key_padding_mask, executor)
+    return materialize(pending, blocks[-1].layer_norm_eps)
+
+
 def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
     """Whether encoder ``blocks`` run on ``rows`` [T, D] with their LayerNorms folded into
     the GEMMs: post-LN blocks with norm weights, and either ``current_mode()`` is
@@ -226,6 +239,39 @@ def _native_fits(a, w, out, c=None) -> bool:
     return core.sm90_fold_applies(a, w, out, c)[0]
 
 
+def kernel_args(device: torch.device, stream: Optional[int], workspace: Optional[torch.Tensor]):
+    """``(stream, workspace)`` for a kernel on ``device``: the caller's, else the current ones."""
+    stream = current_stream(device) if stream is None else stream
+    return stream, (core.workspace(device, stream) if workspace is None else workspace)
+
+
+def statistics_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """``[2, tiles, ld]`` fp32: where a residual kernel writes its partial row sums of z and z^2."""
+    tm, tn = core.stats_tile()
+    return torch.empty((2, -(-cols // tn), -(-rows // tm) * tm), dtype=torch.float32, device=device)
+
+
+def pending_rows(z, sums, eps, gamma, beta, stream) -> NormedRows:
+    """``z`` pending its LayerNorm, ``rstd`` and ``shift`` made from the residual kernel's ``sums``."""
+    rstd = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
+    shift = torch.empty_like(rstd)
+    core.norm_stats(sums[0], sums[1], z.shape[1], eps, rstd, shift, stream)
+    return NormedRows(z, rstd, shift, gamma, beta)
+
+
+def residual_sum(acc, bias, residual, alpha, z, gamma, beta, eps) -> tuple[NormedRows, torch.Tensor]:
+    """The residual GEMMs' torch math after the product ``acc`` (fp32): ``z = alpha * (acc +
+    bias) + residual`` (a pending ``residual`` normalized first) into ``z``, with its statistics;
+    returns the pending rows and ``z`` in fp32."""
+    r = residual if isinstance(residual, torch.Tensor) else normalized(residual)
+    if bias is not None:
+        acc = acc + bias.float()
+    zf = torch.add(r.float(), acc, alpha=alpha)
+    z.copy_(zf)
+    rstd, shift = stats(zf, eps)
+    return NormedRows(z, rstd, shift, gamma, beta), zf
+
+
 def norm_linear(
     rows: NormedRows,
     weight: torch.Tensor,
@@ -241,8 +287,7 @@ def norm_linear(
     z = rows.z
     out = torch.empty((z.shape[0], weight.shape[0]), dtype=z.dtype, device=z.device)
     if out.shape[0] and _native_fits(z, f.weight, out):
-        stream = current_stream(z.device) if stream is None else stream
-        workspace = core.workspace(z.device, stream) if workspace is None else workspace
+        stream, workspace = kernel_args(z.device, stream, workspace)
         if core.sm90_norm_gemm(z, f.weight, out, f.bias, activation, rows.rstd, rows.shift, f.colsum, stream, workspace):
             return out
     acc = torch.mm(z.float(), f.weight.float().t())
@@ -270,22 +315,10 @@ def residual_linear(
     rows, n = x.shape[0], weight.shape[0]
     z = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows and _native_fits(x, weight, z, src):
-        tm, tn = core.stats_tile()
-        ld = -(-rows // tm) * tm
-        sums = torch.empty((2, -(-n // tn), ld), dtype=torch.float32, device=x.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        shift = torch.empty_like(rstd)
-        stream = current_stream(x.device) if stream is None else stream
-        workspace = core.workspace(x.device, stream) if workspace is None else workspace
+        sums = statistics_buffer(rows, n, x.device)
+        stream, workspace = kernel_args(x.device, stream, workspace)
         pending = residual if isinstance(residual, NormedRows) else None
         if core.sm90_residual_gemm(x, weight, z, bias, src, alpha, pending, sums[0], sums[1], stream, workspace):
-            core.norm_stats(sums[0], sums[1], n, eps, rstd, shift, stream)
-            return NormedRows(z, rstd, shift, gamma, beta)
-    r = residual if isinstance(residual, torch.Tensor) else normalized(residual)
+            return pending_rows(z, sums, eps, gamma, beta, stream)
     acc = torch.mm(x.float(), weight.float().t())
-    if bias is not None:
-        acc = acc + bias.float()
-    zf = torch.add(r.float(), acc, alpha=alpha)
-    z.copy_(zf)
-    rstd, shift = stats(zf, eps)
-    return NormedRows(z, rstd, shift, gamma, beta)
+    return residual_sum(acc, bias, residual, alpha, z, gamma, beta, eps)[0]

@@ -75,7 +75,7 @@ def capabilities() -> dict[str, Any]:
         "sm90_e4m3_output": core.fp8.sm90_fp8_e4m3_output_kernels() if compiled else [],
         # ... and the residual kernel of the FP8 mode with LayerNorms folded (fusedenc.fp8_fold).
         "sm90_folded_layer_norm": [n for n in ("float16", "bfloat16")
-                                   if compiled and core.sm90_fp8_residual_compiled(getattr(torch, n))],
+                                   if compiled and core.fp8.sm90_fp8_residual_compiled(getattr(torch, n))],
         "runs_here": False,
         "reason": "",
     }

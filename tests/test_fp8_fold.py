@@ -299,9 +299,8 @@ def test_gpu_fold_stays_off_where_a_kernel_would_not_run(gen):
 
 
 def test_an_lc0_net_folds_its_calibrated_fp8_body(tmp_path, monkeypatch):
-    """A calibrated Lc0 net runs its body through ``fp8_folded_rows`` (smolgen reading each
+    """A calibrated Lc0 net runs its body through ``fp8_fold.block_rows`` (smolgen reading each
     layer's pending input through its 16-bit fold), as close to fp16 as the LayerNorm passes."""
-    from fusedenc import EncoderBlock
     from fusedenc.lc0 import load_network
     from lc0_writer import random_planes, write_preset
 
@@ -314,8 +313,8 @@ def test_an_lc0_net_folds_its_calibrated_fp8_body(tmp_path, monkeypatch):
     net.quantize("fp8", calibration=sample)
     passes = net(planes)
     calls = []
-    real = EncoderBlock.fp8_folded_rows
-    monkeypatch.setattr(EncoderBlock, "fp8_folded_rows", lambda self, *a, **k: calls.append(a[-1]) or real(self, *a, **k))
+    real = fp8_fold.block_rows
+    monkeypatch.setattr(fp8_fold, "block_rows", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
     with layer_norm_folding("force"):
         folded = net(planes)
     assert calls == [True] * (len(net.blocks) - 1) + [False]  # the last block writes no codes
@@ -331,7 +330,6 @@ def test_an_lc0_net_folds_its_calibrated_fp8_body(tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_lc0_net_folds_its_fp8_body_on_the_kernels(tmp_path, monkeypatch):
     require_fp8_gpu()
-    from fusedenc import EncoderBlock
     from fusedenc.lc0 import load_network
     from lc0_writer import random_planes, write_preset
 
@@ -345,8 +343,8 @@ def test_gpu_lc0_net_folds_its_fp8_body_on_the_kernels(tmp_path, monkeypatch):
     passes = net(planes)
     net.quantize("fp8", calibration=sample, fast_accum=True)
     calls = []
-    real = EncoderBlock.fp8_folded_rows
-    monkeypatch.setattr(EncoderBlock, "fp8_folded_rows", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    real = fp8_fold.block_rows
+    monkeypatch.setattr(fp8_fold, "block_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     folded = net(planes)
     assert len(calls) == len(net.blocks)  # auto: the kernels ran the fold
     e_pass, e_fold = rel_err(passes["policy"], base["policy"]), rel_err(folded["policy"], base["policy"])

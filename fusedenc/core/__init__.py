@@ -82,9 +82,6 @@ __all__ = [
     "sm90_gemm_disabled",
     "sm90_fp8_gemm_applies",
     "sm90_fp8_gemm_kernels",
-    "sm90_fp8_residual_applies",
-    "sm90_fp8_residual_compiled",
-    "sm90_fp8_residual_gemm",
     "sm90_gemm_kernels",
     "sm90_norm_gemm",
     "sm90_residual_gemm_compiled",
@@ -587,9 +584,6 @@ from .fp8 import (  # noqa: E402
     fp8_status,
     sm90_fp8_gemm_applies,
     sm90_fp8_gemm_kernels,
-    sm90_fp8_residual_applies,
-    sm90_fp8_residual_compiled,
-    sm90_fp8_residual_gemm,
 )
 from .hopper import (  # noqa: E402
     norm_stats,

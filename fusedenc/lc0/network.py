@@ -26,7 +26,7 @@ from .. import core, fp8_fold, norm_fold
 from ..activations import apply_activation
 from ..checks import align_elems
 from ..encoder import EncoderBlock
-from ..fp8 import calibrate, quantize_blocks
+from ..fp8 import quantize_blocks
 from ..graphs import BucketedGraphs
 from ..norm import layer_norm
 from ..norm_fold import NormedRows
@@ -312,7 +312,7 @@ class Lc0Network(nn.Module):
                 normed = pending if isinstance(pending, torch.Tensor) else pending.rows
 
                 def run(bias, join=None, block=block, pending=pending, codes_out=i < last):
-                    return block.fp8_folded_rows(pending, b, 64, bias, None, None, codes_out, after_qkv=join)
+                    return fp8_fold.block_rows(block, pending, b, 64, bias, None, None, codes_out, after_qkv=join)
 
                 if side_sms and not isinstance(self.smolgen[i], nn.Identity):
                     pending = self._folded_layer_beside(i, normed, b, side_sms, run)
@@ -380,9 +380,8 @@ class Lc0Network(nn.Module):
         scales; with it, ``fold_norms`` folds the body's LayerNorms into its FP8 GEMMs as in
         ``EncoderStack.quantize``).  Embedding, smolgen and heads stay in the net's dtype.
         Returns the net."""
-        cal = None if calibration is None or mode is None else calibrate(self.blocks, self, calibration)
-        quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum, calibration=cal,
-                        fold_norms=fold_norms)
+        quantize_blocks(self.blocks, mode, keep=keep, layers=layers, fast_accum=fast_accum, calibration=calibration,
+                        model=self, fold_norms=fold_norms)
         return self
 
     # The stages of ``forward``, public so that a benchmark can time each (``bench/lc0.py
