@@ -58,6 +58,19 @@ GemmArgs gemm_args(int device, uintptr_t stream, int64_t m, int64_t n, int64_t k
   return g;
 }
 
+// The residual GEMMs' pending LayerNorm and statistics outputs (sm90_gemm.h), from addresses.
+ResidualNorm residual_norm(uintptr_t rstd, uintptr_t shift, uintptr_t gamma, uintptr_t beta, uintptr_t row_sum,
+                           uintptr_t row_sumsq) {
+  ResidualNorm r;
+  r.rstd = ptr<const float>(rstd);
+  r.shift = ptr<const float>(shift);
+  r.gamma = ptr<const void>(gamma);
+  r.beta = ptr<const void>(beta);
+  r.row_sum = ptr<float>(row_sum);
+  r.row_sumsq = ptr<float>(row_sumsq);
+  return r;
+}
+
 bool gemm_binding(int device, uintptr_t stream, int64_t m, int64_t n, int64_t k, uintptr_t a,
                   int64_t lda, uintptr_t w, int64_t ldw, uintptr_t bias, uintptr_t c, int64_t ldc,
                   uintptr_t d, int64_t ldd, int dtype, int act, float alpha, float beta,
@@ -253,13 +266,7 @@ PYBIND11_MODULE(_C, m) {
                                  uintptr_t row_sumsq, uintptr_t workspace, size_t workspace_bytes) {
     GemmArgs g = gemm_args(device, stream, m, n, k, a, lda, w, ldw, bias, c, ldc, d, ldd, dtype, 0, alpha,
                            1.f, workspace, workspace_bytes);
-    ResidualNorm r;
-    r.rstd = ptr<const float>(rstd);
-    r.shift = ptr<const float>(shift);
-    r.gamma = ptr<const void>(gamma);
-    r.beta = ptr<const void>(beta);
-    r.row_sum = ptr<float>(row_sum);
-    r.row_sumsq = ptr<float>(row_sumsq);
+    const ResidualNorm r = residual_norm(rstd, shift, gamma, beta, row_sum, row_sumsq);
     if (m == 0) return true;
     return sm90_residual_gemm(g, r);
   }, "D = alpha * (A @ W^T + bias) + (C * rstd + shift) * gamma + beta, with partial row sums of D "
@@ -370,13 +377,7 @@ PYBIND11_MODULE(_C, m) {
                                                       size_t workspace_bytes) {
     Fp8GemmArgs g = fp8_residual_args(device, stream, m, n, k, a, lda, w, ldw, w_scale, bias, d, ldd, dtype);
     g.workspace = ptr<void>(workspace); g.workspace_bytes = workspace_bytes;
-    ResidualNorm r;
-    r.rstd = ptr<const float>(rstd);
-    r.shift = ptr<const float>(shift);
-    r.gamma = ptr<const void>(gamma);
-    r.beta = ptr<const void>(beta);
-    r.row_sum = ptr<float>(row_sum);
-    r.row_sumsq = ptr<float>(row_sumsq);
+    const ResidualNorm r = residual_norm(rstd, shift, gamma, beta, row_sum, row_sumsq);
     Fp8Codes q;
     q.q = ptr<void>(codes); q.ldq = ldq;
     q.scale = ptr<const float>(code_scale); q.inv_scale = ptr<const float>(inv_code_scale);

@@ -147,23 +147,31 @@ using NormTree = fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, Element,
             RowVec<Tile, float>,     // colsum (null: 0)
             RowVec<Tile, Element>>>>;  // bias (null: 0)
 
-// sums(alpha * (acc + bias) + ((C * rstd + shift) * gamma + beta))
+// The row sums of Child's value and of its square, per (row, 128-column tile); passes it on.
+template <class Tile, class Child>
+using RowSums = fusion::Sm90EVT<fusion::Sm90ColReduction<PlusSquare, cutlass::plus, cutlass::plus, 0, Tile, float, float,
+                                                         kRound, cute::Stride<_1, _0, int64_t>, 4, true, false>,
+    fusion::Sm90EVT<fusion::Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, Tile, float, float, kRound,
+                                             cute::Stride<_1, _0, int64_t>, 4, true, false>,
+        Child>>;
+
+// R = (C * rstd + shift) * gamma + beta: the residual input's pending LayerNorm.
+template <class Tile, class Element>
+using PendingNorm = fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+    fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+        fusion::Sm90SrcFetch<Element>,  // C
+        ColVec<Tile>,                   // rstd (null: 1)
+        ColVec<Tile>>,                  // shift (null: 0)
+    RowVec<Tile, Element>,   // gamma (null: 1)
+    RowVec<Tile, Element>>;  // beta (null: 0)
+
+// sums(alpha * (acc + bias) + R)
 template <class Tile, class Element>
 using ResidualTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, kRound>,
-    fusion::Sm90EVT<fusion::Sm90ColReduction<PlusSquare, cutlass::plus, cutlass::plus, 0, Tile, float, float, kRound,
-                                             cute::Stride<_1, _0, int64_t>, 4, true, false>,
-        fusion::Sm90EVT<fusion::Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, Tile, float, float, kRound,
-                                                 cute::Stride<_1, _0, int64_t>, 4, true, false>,
-            fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
-                fusion::Sm90ScalarBroadcast<float>,  // alpha
-                fusion::Sm90EVT<Op<cutlass::plus>, fusion::Sm90AccFetch, RowVec<Tile, Element>>,  // acc + bias
-                fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,  // (C * rstd + shift) * gamma + beta
-                    fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
-                        fusion::Sm90SrcFetch<Element>,  // C
-                        ColVec<Tile>,                   // rstd (null: 1)
-                        ColVec<Tile>>,                  // shift (null: 0)
-                    RowVec<Tile, Element>,   // gamma (null: 1)
-                    RowVec<Tile, Element>>>>>>;  // beta (null: 0)
+    RowSums<Tile, fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+        fusion::Sm90ScalarBroadcast<float>,  // alpha
+        fusion::Sm90EVT<Op<cutlass::plus>, fusion::Sm90AccFetch, RowVec<Tile, Element>>,  // acc + bias
+        PendingNorm<Tile, Element>>>>;
 
 // FP8 (fusedenc.fp8): act(a_scale[m] * (w_scale[n] * acc) + (shift[m] * colsum[n] + bias[n]))
 // on e4m3 operands; shift and colsum null (0) but where a LayerNorm is folded (a_scale: rstd).
@@ -196,22 +204,12 @@ using Fp8ResidualTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies,
     fusion::Sm90EVT<AuxStore,  // codes (null: none)
         fusion::Sm90EVT<Op<cutlass::multiplies>,
             RowVec<Tile, float>,  // inv_code_scale (null: 1)
-            fusion::Sm90EVT<fusion::Sm90ColReduction<PlusSquare, cutlass::plus, cutlass::plus, 0, Tile, float, float, kRound,
-                                                     cute::Stride<_1, _0, int64_t>, 4, true, false>,
-                fusion::Sm90EVT<fusion::Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, Tile, float, float,
-                                                         kRound, cute::Stride<_1, _0, int64_t>, 4, true, false>,
-                    fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
-                        fusion::Sm90ScalarBroadcast<float>,  // alpha
-                        fusion::Sm90EVT<Op<cutlass::plus>,   // w_scale * acc + bias
-                            fusion::Sm90EVT<Op<cutlass::multiplies>, RowVec<Tile, float>, fusion::Sm90AccFetch>,
-                            RowVec<Tile, Element>>,
-                        fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,  // (C * rstd + shift) * gamma + beta
-                            fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
-                                fusion::Sm90SrcFetch<Element>,  // C
-                                ColVec<Tile>,                   // rstd (null: 1)
-                                ColVec<Tile>>,                  // shift (null: 0)
-                            RowVec<Tile, Element>,    // gamma (null: 1)
-                            RowVec<Tile, Element>>>>>>>>;  // beta (null: 0)
+            RowSums<Tile, fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
+                fusion::Sm90ScalarBroadcast<float>,  // alpha
+                fusion::Sm90EVT<Op<cutlass::plus>,   // w_scale * acc + bias
+                    fusion::Sm90EVT<Op<cutlass::multiplies>, RowVec<Tile, float>, fusion::Sm90AccFetch>,
+                    RowVec<Tile, Element>>,
+                PendingNorm<Tile, Element>>>>>>;
 
 // The codes' store: staged through shared memory and written by TMA, like D.
 template <class Cfg, class Element>
