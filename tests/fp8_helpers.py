@@ -47,3 +47,17 @@ def count_quantize_passes(monkeypatch) -> list[tuple[int, ...]]:
 
     monkeypatch.setattr(executors.fp8, "quantize_rows", spy)
     return passes
+
+
+def synthetic_lc0(tmp_path, preset: str, seed: int, planes_seed: int, sample: int, positions: int,
+                  device: str = "cpu"):  # fmt: skip
+    """A synthetic fp16 Lc0 net of ``preset`` written to ``tmp_path`` and loaded, with calibration
+    planes (``sample`` positions) and other planes to run (``positions``): ``(net, sample, planes)``."""
+    from fusedenc.lc0 import load_network
+    from lc0_writer import random_planes, write_preset
+
+    path = tmp_path / f"{preset}.pb.gz"
+    write_preset(path, preset, seed=seed)
+    net = load_network(str(path), dtype=torch.float16, device=device)
+    g = torch.Generator().manual_seed(planes_seed)
+    return net, random_planes(sample, g).to(device, torch.float16), random_planes(positions, g).to(device, torch.float16)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from encoder_helpers import randomize, stack_formula
-from fp8_helpers import count_quantize_passes, random_stack, rel_err, require_fp8_gpu
+from fp8_helpers import count_quantize_passes, random_stack, rel_err, require_fp8_gpu, synthetic_lc0
 from fusedenc import EncoderBlock, executors, fp8
 from fusedenc.activations import apply_activation
 from helpers import randn
@@ -170,14 +170,7 @@ def test_a_calibrated_block_survives_copy_and_weight_changes(gen):
 
 
 def test_an_lc0_net_calibrates_on_sample_planes(tmp_path):
-    from fusedenc.lc0 import load_network
-    from lc0_writer import random_planes, write_preset
-
-    path = tmp_path / "tiny.pb.gz"
-    write_preset(path, "tiny", seed=5)
-    net = load_network(str(path), dtype=torch.float16, device="cpu")
-    g = torch.Generator().manual_seed(2)
-    sample, planes = random_planes(16, g).to(torch.float16), random_planes(6, g).to(torch.float16)
+    net, sample, planes = synthetic_lc0(tmp_path, "tiny", seed=5, planes_seed=2, sample=16, positions=6)
     base = net(planes)
     dynamic = net.quantize("fp8")(planes)
     static = net.quantize("fp8", calibration=sample)(planes)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from encoder_helpers import stack_formula
-from fp8_helpers import random_stack, rel_err, require_fp8_gpu
+from fp8_helpers import random_stack, rel_err, require_fp8_gpu, synthetic_lc0
 from fusedenc import fp8, fp8_fold, norm_fold
 from fusedenc.activations import apply_activation
 from fusedenc.testing import layer_norm_folding
@@ -301,14 +301,7 @@ def test_gpu_fold_stays_off_where_a_kernel_would_not_run(gen):
 def test_an_lc0_net_folds_its_calibrated_fp8_body(tmp_path, monkeypatch):
     """A calibrated Lc0 net runs its body through ``fp8_fold.block_rows`` (smolgen reading each
     layer's pending input through its 16-bit fold), as close to fp16 as the LayerNorm passes."""
-    from fusedenc.lc0 import load_network
-    from lc0_writer import random_planes, write_preset
-
-    path = tmp_path / "tiny.pb.gz"
-    write_preset(path, "tiny", seed=3)
-    net = load_network(str(path), dtype=torch.float16, device="cpu")
-    g = torch.Generator().manual_seed(4)
-    sample, planes = random_planes(16, g).to(torch.float16), random_planes(6, g).to(torch.float16)
+    net, sample, planes = synthetic_lc0(tmp_path, "tiny", seed=3, planes_seed=4, sample=16, positions=6)
     base = net(planes)
     net.quantize("fp8", calibration=sample)
     passes = net(planes)
@@ -330,14 +323,7 @@ def test_an_lc0_net_folds_its_calibrated_fp8_body(tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_lc0_net_folds_its_fp8_body_on_the_kernels(tmp_path, monkeypatch):
     require_fp8_gpu()
-    from fusedenc.lc0 import load_network
-    from lc0_writer import random_planes, write_preset
-
-    path = tmp_path / "t82.pb.gz"
-    write_preset(path, "t82", seed=1)
-    net = load_network(str(path), dtype=torch.float16, device="cuda")
-    g = torch.Generator().manual_seed(5)
-    sample, planes = (random_planes(256, g).to("cuda", torch.float16) for _ in range(2))
+    net, sample, planes = synthetic_lc0(tmp_path, "t82", seed=1, planes_seed=5, sample=256, positions=256, device="cuda")
     base = net(planes)
     net.quantize("fp8", calibration=sample, fast_accum=True, fold_norms=False)
     passes = net(planes)
