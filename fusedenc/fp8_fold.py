@@ -31,6 +31,7 @@ residual kernel); elsewhere, and in ``norm_fold.mode("force")``, the same math r
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -97,7 +98,7 @@ def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
     if not all(b._fp8.fast_accum for b in blocks) or not core.fp8_status(rows.device)[0]:
         return False  # the kernels accumulate fast only
     dev, t = rows.device.index, rows.shape[0]
-    in_epilogue = {act for dtype, act in core.sm90_gemm_kernels() if dtype == "float16"}
+    in_epilogue = _epilogue_activations()
     for b in blocks:
         # FFN1's activation must be one the FP8 epilogue applies (not exact GELU, tanh, ...):
         # the folded FFN1 writes e4m3 codes, which no pass after it could make.
@@ -106,6 +107,13 @@ def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
         if not core.sm90_fold_fits(dev, rows.dtype, t, b.d_model, b.d_model, True):  # device and alignment rules
             return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _epilogue_activations() -> frozenset:
+    """The activations the Hopper epilogue applies to fp16 outputs: a property of the build,
+    asked once (``applies`` runs on every stack call)."""
+    return frozenset(act for dtype, act in core.sm90_gemm_kernels() if dtype == "float16")
 
 
 def _native(device: torch.device) -> bool:
