@@ -150,8 +150,7 @@ def norm_linear(
                           out_scale=out_scale, shift=pending.shift, colsum=folded.colsum)  # fmt: skip
             return out
     acc = torch.mm(codes.float(), w.q.float().t()) * w.scale[None, :]
-    y = torch.addcmul(torch.addcmul(folded.bias.float(), pending.shift[:, None], folded.colsum), acc, pending.rstd[:, None])
-    y = apply_activation(y, activation)
+    y = apply_activation(norm_fold.folded_epilogue(acc, pending, folded.colsum, folded.bias), activation)
     if out_scale is None:
         out.copy_(y)
         return out

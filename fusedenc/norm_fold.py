@@ -43,6 +43,7 @@ __all__ = [
     "FoldCache",
     "NormedRows",
     "fold",
+    "folded_epilogue",
     "kernel_args",
     "materialize",
     "mode",
@@ -290,10 +291,14 @@ def norm_linear(
         stream, workspace = kernel_args(z.device, stream, workspace)
         if core.sm90_norm_gemm(z, f.weight, out, f.bias, activation, rows.rstd, rows.shift, f.colsum, stream, workspace):
             return out
-    acc = torch.mm(z.float(), f.weight.float().t())
-    y = torch.addcmul(torch.addcmul(f.bias.float(), rows.shift[:, None], f.colsum), acc, rows.rstd[:, None])
+    y = folded_epilogue(torch.mm(z.float(), f.weight.float().t()), rows, f.colsum, f.bias)
     out.copy_(apply_activation(y, activation))
     return out
+
+
+def folded_epilogue(acc: torch.Tensor, rows: NormedRows, colsum: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The folded GEMMs' epilogue in torch (fp32): ``rstd * acc + (shift * colsum + bias)``."""
+    return torch.addcmul(torch.addcmul(bias.float(), rows.shift[:, None], colsum), acc, rows.rstd[:, None])
 
 
 def residual_linear(
