@@ -70,12 +70,7 @@ def fold_weight(
     the GEMM multiplies the row mean with."""
     q = fp8.quantize_rows(weight.float() * (gamma.float() * scale)[None, :])
     colsum = (fp8.dequantize(q) / scale[None, :]).sum(1)
-    b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
-    if beta is not None:
-        b = weight.float() @ beta.float()
-    if bias is not None:
-        b = b + bias.float()
-    return FoldedFp8(q, colsum.contiguous(), b.to(weight.dtype).contiguous())
+    return FoldedFp8(q, colsum.contiguous(), norm_fold.folded_bias(weight, bias, beta))
 
 
 def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:

@@ -43,6 +43,7 @@ __all__ = [
     "FoldCache",
     "NormedRows",
     "fold",
+    "folded_bias",
     "folded_epilogue",
     "kernel_args",
     "materialize",
@@ -114,12 +115,18 @@ def fold(
     The column sums are taken of the weight as rounded to the model's dtype: they must
     cancel exactly what the GEMM multiplies."""
     w = (weight.float() * gamma.float()).to(weight.dtype)
+    return Folded(w.contiguous(), w.float().sum(1).contiguous(), folded_bias(weight, bias, beta))
+
+
+def folded_bias(weight: torch.Tensor, bias: Optional[torch.Tensor], beta: Optional[torch.Tensor]) -> torch.Tensor:
+    """``W beta + b`` in fp32, rounded to ``weight``'s dtype: the bias of a Linear layer with
+    the LayerNorm before it folded in (``fold``, ``fusedenc.fp8_fold.fold_weight``)."""
     b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
     if beta is not None:
         b = weight.float() @ beta.float()
     if bias is not None:
         b = b + bias.float()
-    return Folded(w.contiguous(), w.float().sum(1).contiguous(), b.to(weight.dtype).contiguous())
+    return b.to(weight.dtype).contiguous()
 
 
 class FoldCache:
