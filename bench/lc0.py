@@ -55,7 +55,7 @@ import common  # noqa: E402
 from fusedenc import dtypes  # noqa: E402
 from fusedenc.lc0 import Lc0Network, read_net  # noqa: E402
 from fusedenc.lc0.reference import ReferenceNetwork, placed  # noqa: E402
-from fusedenc.tune.timing import MIN_REPS, sync, time_calls  # noqa: E402
+from fusedenc.tune.timing import MIN_REPS, capture_graph, sync, time_calls  # noqa: E402
 
 SCHEMA = "fusedenc.bench.lc0/1"
 
@@ -80,15 +80,7 @@ def _planes(batch: int, device: torch.device, dtype: torch.dtype, seed: int) -> 
 
 
 def _graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()  # plans, workspaces and constants made before capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return capture_graph(fn, device).replay
 
 
 #: The FP8 row's gross-error guard: relative error of the heads against fp32 (FP8 nets measure

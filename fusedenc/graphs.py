@@ -8,13 +8,37 @@ machinery, shared with ``fusedenc.lc0``'s whole-network runner.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
-__all__ = ["BucketedGraphs", "GraphRunner"]
+__all__ = ["BucketedGraphs", "GraphRunner", "own_cublas_workspace"]
+
+
+def _clear_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # absent from CPU builds
+    if clear is not None:
+        clear()
+
+
+@contextlib.contextmanager
+def own_cublas_workspace() -> Iterator[None]:
+    """Wrap a CUDA graph capture so that the graph owns the cuBLAS workspace its torch
+    matmuls use.  torch caches one workspace per (cuBLAS handle, stream); one cached before
+    the capture may lie in memory the graph does not own, e.g. an earlier graph's pool,
+    freed when the cache is next cleared (``torch.compile``'s CUDA graphs clear it around
+    each of their captures): the graph's replays then write to freed memory (seen on an
+    H100 as "unspecified launch failure" on the next replay).  Cleared before the capture,
+    torch makes the workspace inside the graph's pool; cleared after it, eager work never
+    shares it with replays.  torch's own CUDA-graph trees do the same."""
+    _clear_cublas_workspaces()
+    try:
+        yield
+    finally:
+        _clear_cublas_workspaces()
 
 
 class _Captured:
@@ -96,7 +120,7 @@ class BucketedGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with own_cublas_workspace(), torch.cuda.graph(graph, pool=self._pool):
             out = self._run(*inputs)
         captured = _Captured(graph, inputs, out)
         self._graphs[bucket] = captured

@@ -173,3 +173,31 @@ def test_a_single_tensor_output(fake_cuda, batch):
     runner = _TensorRunner((4,))
     x = torch.randn(batch, 3)
     torch.testing.assert_close(runner(x), x * 3, rtol=0, atol=0)
+
+
+def test_a_capture_owns_its_cublas_workspace(fake_cuda, monkeypatch):
+    """torch's cached cuBLAS workspaces are dropped before and after every capture (and after
+    a failed one), so a graph's torch matmuls use a workspace inside its own pool:
+    ``own_cublas_workspace`` says why."""
+    from fusedenc import graphs
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear"), raising=False)
+
+    def run(x, shift=None):
+        calls.append("capture" if _FakeGraph.capturing is not None else "warm-up")
+        return _run(x, shift)
+
+    runner = _Runner((4,))
+    runner._run = run
+    _expect(runner(torch.ones(3, 3)), torch.ones(3, 3))
+    assert calls == ["warm-up", "clear", "capture", "clear"]
+    calls.clear()
+    with graphs.own_cublas_workspace():
+        calls.append("capture")
+    assert calls == ["clear", "capture", "clear"]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with graphs.own_cublas_workspace():
+            raise RuntimeError("capture failed")
+    assert calls == ["clear", "clear"]

@@ -8,6 +8,10 @@ native path, at the tiny and the t82 shape.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from lc0_writer import random_planes, write_preset
@@ -177,6 +181,55 @@ def test_the_graph_runner_checks_planes_and_replays_fresh_inputs(tiny_path, gen)
         torch.testing.assert_close(first[name], eager_a[name], rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(second[name], eager_b[name], rtol=2e-2, atol=2e-2)
     assert not torch.equal(first["policy"], second["policy"])
+
+
+# Run in a child process: without the fix a replay faults, and a CUDA fault ends the process.
+_REPLAYS_AFTER_TORCH_CLEARS_CUBLAS = """
+import sys, torch
+from lc0_writer import random_planes
+from fusedenc.lc0 import load_network
+net = load_network(sys.argv[1], dtype=torch.float16, device="cuda")
+x = random_planes(int(sys.argv[2]), torch.Generator().manual_seed(0)).to("cuda", torch.float16)
+runner = net.graph_runner((x.shape[0],))
+want = {k: v.clone() for k, v in runner(x).items()}
+# Another graph with a torch matmul, then dropped: torch's cached cuBLAS workspace for the
+# capture stream now lies in that graph's pool, which nothing else holds.
+a = torch.randn(2048, 2048, device="cuda", dtype=torch.float16)
+a @ a
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    a @ a
+del g
+runner = net.graph_runner((x.shape[0],))
+runner.capture_all()
+# What torch.compile's CUDA graphs do around each of their captures; then memory goes back.
+torch._C._cuda_clearCublasWorkspaces()
+torch.cuda.empty_cache()
+for _ in range(3):
+    got = runner(x)
+torch.cuda.synchronize()
+for name in want:
+    torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+print("replays ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset, batch", [("tiny", 64), ("t82", 256)])
+def test_graph_replays_survive_torch_clearing_its_cublas_workspaces(tmp_path, preset, batch):
+    """A runner captured while torch's cached cuBLAS workspace lay in a dropped graph's pool
+    still replays after torch clears that cache (as torch.compile does): the capture makes
+    its own (``graphs.own_cublas_workspace``).  Found on an H100: "unspecified launch
+    failure" at the first replay after torch.compile ran."""
+    path = tmp_path / f"{preset}.pb.gz"
+    write_preset(path, preset, seed=3)
+    script = tmp_path / "replays.py"
+    script.write_text(_REPLAYS_AFTER_TORCH_CLEARS_CUBLAS)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(script), str(path), str(batch)], capture_output=True, text=True,
+                          timeout=900, env=env)  # fmt: skip
+    assert proc.returncode == 0 and "replays ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def test_the_command_line_describes_a_net_and_refuses_a_bad_file(tiny_path, tmp_path, capsys):

@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..graphs import own_cublas_workspace
+
 __all__ = [
     "MIN_REPS",
     "Timing",
@@ -136,7 +138,7 @@ def capture_graph(fn: Callable[[], Any], device: torch.device) -> "torch.cuda.CU
         fn()  # lazy initialisation (plans, workspaces, cuBLAS handles) must not happen during capture
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with own_cublas_workspace(), torch.cuda.graph(graph):
         fn()
     return graph
 
@@ -217,7 +219,7 @@ def time_interleaved(
     try:
         for fn in calls:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
+            with own_cublas_workspace(), torch.cuda.graph(graph, stream=stream):
                 for _ in range(rounds):
                     fn()
             replays.append(graph.replay)
