@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.nn as nn
 
-__all__ = ["BucketedGraphs", "GraphRunner", "own_cublas_workspace"]
+__all__ = ["BucketedGraphs", "GraphRunner", "capture", "own_cublas_workspace"]
+
+T = TypeVar("T")
 
 
 def _clear_cublas_workspaces() -> None:
@@ -40,6 +42,23 @@ def own_cublas_workspace() -> Iterator[None]:
     finally:
         _clear_cublas_workspaces()
 
+
+def capture(
+    fn: Callable[[], T], device: torch.device, pool: Optional[object] = None
+) -> tuple["torch.cuda.CUDAGraph", T]:
+    """Capture ``fn()`` into a CUDA graph (in ``pool``, else a pool of its own) and return the
+    graph with what the captured call returned (its static output).  One warm-up call on a
+    side stream comes first: GEMM plans, workspaces, cuBLAS handles, the attention decision,
+    folded weights and lazily made constants must exist before capture."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with own_cublas_workspace(), torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 class _Captured:
     __slots__ = ("graph", "inputs", "out")
@@ -110,18 +129,9 @@ class BucketedGraphs:
     def _capture(self, bucket: int) -> _Captured:
         start = time.perf_counter()
         inputs = self._static_inputs(bucket)
-        # Warm up on a side stream first: GEMM plans, the attention decision, folded
-        # weights and lazily made constants must exist before capture.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._run(*inputs)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with own_cublas_workspace(), torch.cuda.graph(graph, pool=self._pool):
-            out = self._run(*inputs)
+        graph, out = capture(lambda: self._run(*inputs), self.device, self._pool)
         captured = _Captured(graph, inputs, out)
         self._graphs[bucket] = captured
         self.capture_seconds += time.perf_counter() - start

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..graphs import own_cublas_workspace
+from ..graphs import capture, own_cublas_workspace
 
 __all__ = [
     "MIN_REPS",
@@ -131,16 +131,8 @@ def time_calls(
 
 
 def capture_graph(fn: Callable[[], Any], device: torch.device) -> "torch.cuda.CUDAGraph":
-    """Capture ``fn()`` into a CUDA graph (after one warm-up call on the capture stream)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()  # lazy initialisation (plans, workspaces, cuBLAS handles) must not happen during capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with own_cublas_workspace(), torch.cuda.graph(graph):
-        fn()
-    return graph
+    """Capture ``fn()`` into a CUDA graph (after one warm-up call on a side stream)."""
+    return capture(fn, device)[0]
 
 
 def time_graph(
