@@ -50,6 +50,28 @@ def test_tiny_net_matches_the_reference_on_cpu(tiny_path, gen):
     _check(tiny_path, torch.float32, "cpu", 3, gen)
 
 
+def test_the_folded_path_matches_the_reference_on_cpu(tiny_path, gen):
+    """The LayerNorms folded (torch's form of the algebra the Hopper kernels run), from the
+    embedding FFN's, left pending into layer 0, to the body's last."""
+    with layer_norm_folding("force"):
+        _check(tiny_path, torch.float32, "cpu", 3, gen)
+
+
+def test_the_folded_path_leaves_the_embedding_norm_pending(tiny_path, gen, monkeypatch):
+    """With folding on, the embedding FFN's second GEMM is the residual GEMM with statistics
+    (its LayerNorm pending into layer 0), not the LayerNorm pass."""
+    from fusedenc import norm_fold
+
+    net = load_network(str(tiny_path), dtype=torch.float32, device="cpu")
+    calls = []
+    real = norm_fold.residual_linear
+    monkeypatch.setattr(norm_fold, "residual_linear", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(net.emb_ffn_ln, "forward", lambda *a, **k: pytest.fail("the embedding LayerNorm ran as a pass"))
+    with layer_norm_folding("force"):
+        net(random_planes(2, gen))
+    assert calls and calls[0] is net.emb_ffn.dense2.weight
+
+
 def test_bad_input_is_refused(tiny_path):
     net = load_network(str(tiny_path), dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=r"planes must be \[B, 112, 8, 8\]"):

@@ -287,12 +287,17 @@ class Lc0Network(nn.Module):
             if self.has_moves_left:
                 empty["moves_left"] = 1
             return {name: planes.new_empty((0, n)) for name, n in empty.items()}
-        x = self.embed(planes)
+        x = self._embed_gated(planes)
         rows = x.view(-1, x.shape[-1])
         if not any(block.quantized for block in self.blocks) and norm_fold.applies(self.blocks, rows):
             # The body's LayerNorms folded into its GEMMs (norm_fold): each layer's input
-            # stays pending, and smolgen's compress reads it through the fold too.
-            pending = rows
+            # stays pending, and smolgen's compress reads it through the fold too.  The
+            # embedding's FFN ends like a body FFN, so its LayerNorm is left pending as well:
+            # layer 0 then runs the folded kernels with smolgen beside QKV like the others.
+            ln = self.emb_ffn_ln
+            ffn = self.emb_ffn
+            pending = norm_fold.residual_linear(ffn.dense1(rows), ffn.dense2.weight, ffn.dense2.bias, rows, self.alpha,
+                                                ln.weight, ln.bias, ln.eps)
             side_sms = self._side_sms(rows)
             for i, block in enumerate(self.blocks):
                 if side_sms and not isinstance(self.smolgen[i], nn.Identity):
@@ -303,7 +308,10 @@ class Lc0Network(nn.Module):
                 else:
                     pending = block.folded_rows(pending, b, 64, self.attention_bias(i, pending))
             x = norm_fold.materialize(pending, self.blocks[-1].layer_norm_eps).view(x.shape)
-        elif all(block.quantized for block in self.blocks) and fp8_fold.applies(self.blocks, rows):
+            return self.head_outputs(x)
+        x = self._embedding_ffn(x)
+        rows = x.view(-1, x.shape[-1])
+        if all(block.quantized for block in self.blocks) and fp8_fold.applies(self.blocks, rows):
             # The calibrated FP8 body with its LayerNorms folded (fp8_fold); smolgen reads each
             # layer's input through the 16-bit fold, beside QKV as above.
             pending, last = rows, len(self.blocks) - 1
@@ -388,6 +396,14 @@ class Lc0Network(nn.Module):
     # --parts``); they take what ``forward`` passes and check nothing.
     def embed(self, planes: torch.Tensor) -> torch.Tensor:
         """Input planes ``[B, 112, 8, 8]`` -> the body's input ``[B, 64, d_model]``."""
+        return self._embedding_ffn(self._embed_gated(planes))
+
+    def _embedding_ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The embedding's FFN and its LayerNorm: ``LN(x + alpha * ffn(x))``."""
+        return self.emb_ffn_ln(self.emb_ffn(x), residual=x, alpha=self.alpha)
+
+    def _embed_gated(self, planes: torch.Tensor) -> torch.Tensor:
+        """Planes -> the embedding up to its gates (the embedding FFN's input ``[B, 64, d_model]``)."""
         b = planes.shape[0]
         x = planes.permute(0, 2, 3, 1).reshape(b, 64, 112)
         pos = self.preproc(x[:, :, :12].reshape(b, 64 * 12).contiguous()).view(b, 64, -1)
@@ -401,7 +417,7 @@ class Lc0Network(nn.Module):
             x = x * self.mult_gate
         elif self.add_gate is not None:
             x = x + self.add_gate
-        return self.emb_ffn_ln(self.emb_ffn(x), residual=x, alpha=self.alpha)
+        return x
 
     def attention_bias(self, i: int, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Layer ``i``'s smolgen bias ``[B, H, 64, 64]`` from its input (None without smolgen)."""
