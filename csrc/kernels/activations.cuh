@@ -80,18 +80,17 @@ template <> __device__ __forceinline__ float activate_fast<Activation::swish>(fl
   return __fdividef(x, 1.f + __expf(-x));
 }
 // 1/d for d in [2, 2^126) on the FMA pipe: an integer seed (relative error <= 5.1%) and
-// three Newton steps (error squared at each: 2.6e-3, 6.6e-6, 6e-8, the float's own
-// rounding; measured over d in [2, 2^121] in a float32 emulation).  Mish's
-// epilogue measured faster with it than with the MUFU reciprocal (H100, fp16, FFN1 folded
-// + mish 65536 x 1024 -> 1536: 456-463 -> 387-391 us; 16384 rows 121-123 -> 105-106 us;
-// whole bt4 net +1.1% / +1.8% at 256 / 1024 positions; outputs within one fp16 rounding).
-// Swish measured slower with it (16384 x 768 -> 2304: 106-111 -> 113 us), so swish keeps
-// MUFU's.  Why one activation gains and the other loses is not known (bench/NOTES.md).
+// two Newton steps (error squared at each: 2.6e-3, then 6.6e-6, 1/75 of an fp16 rounding;
+// measured over d in [2, 2^121] in a float32 emulation).  Mish's epilogue measured faster
+// with it than with the MUFU reciprocal (H100, fp16, FFN1 folded + mish 65536 x 1024 -> 1536:
+// MUFU 456-463 us, three steps 387-391 us, two steps 352 us; whole bt4 net: three steps
+// +1.1% / +1.8% over MUFU at 256 / 1024 positions, two steps +3.3% / +3.1% over three).
+// Outputs stay within one fp16 rounding and max|out - ref32| does not grow.  Swish measured
+// slower with it (16384 x 768 -> 2304: 105 us MUFU, 113 us three steps, 138 us two), so swish
+// keeps MUFU's.  Why one activation gains and the other loses is not known (bench/NOTES.md).
 __device__ __forceinline__ float reciprocal_newton(float d) {
   float r = __int_as_float(0x7EF311C3 - __float_as_int(d));
   float e = fmaf(-d, r, 1.f);
-  r = fmaf(r, e, r);
-  e = fmaf(-d, r, 1.f);
   r = fmaf(r, e, r);
   e = fmaf(-d, r, 1.f);
   return fmaf(r, e, r);
