@@ -76,8 +76,23 @@ template <Activation A>
 __device__ __forceinline__ float activate_fast(float x) {
   return activate<A>(x);
 }
+// e^x as one MUFU.EX2 with denormals flushed (ex2.approx.ftz).  __expf compiles to the
+// non-flushing ex2, which sm_90 wraps in a range fix-up (a compare and two predicated
+// multiplies around the MUFU op, all on the activation's dependent chain).  Flushing only
+// changes results below 2^-126, which are 0 in the 16-bit outputs these epilogues write.
+// Measured on an H100 (fp16, folded FFN1): outputs bit-identical; swish 65536 x 768 -> 2304
+// 404 -> 398 us, mish 65536 x 1024 -> 1536 348 -> 342 us; whole nets +0.2% to +0.7%.
+__device__ __forceinline__ float exp_ftz(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+#else
+  return __expf(x);
+#endif
+}
 template <> __device__ __forceinline__ float activate_fast<Activation::swish>(float x) {
-  return __fdividef(x, 1.f + __expf(-x));
+  return __fdividef(x, 1.f + exp_ftz(-x));
 }
 // 1/d for d in [2, 2^126) on the FMA pipe: an integer seed (relative error <= 5.1%) and
 // two Newton steps (error squared at each: 2.6e-3, then 6.6e-6, 1/75 of an fp16 rounding;
@@ -96,13 +111,13 @@ __device__ __forceinline__ float reciprocal_newton(float d) {
   return fmaf(r, e, r);
 }
 template <> __device__ __forceinline__ float activate_fast<Activation::mish>(float x) {
-  const float n = __expf(fminf(x, 20.f));  // NaN -> 20: the NaN comes back through x * ...
+  const float n = exp_ftz(fminf(x, 20.f));  // NaN -> 20: the NaN comes back through x * ...
   const float p = n * (n + 2.f);           // mish(x) = x * tanh(softplus(x)) = x * p / (p + 2)
   const float y = x * (p * reciprocal_newton(p + 2.f));
   return x > 20.f ? x : y;
 }
 template <> __device__ __forceinline__ float activate_fast<Activation::sigmoid>(float x) {
-  return __fdividef(1.f, 1.f + __expf(-x));
+  return __fdividef(1.f, 1.f + exp_ftz(-x));
 }
 
 }  // namespace fusedenc
