@@ -60,6 +60,7 @@ def capture(
         out = fn()
     return graph, out
 
+
 class _Captured:
     __slots__ = ("graph", "inputs", "out")
 

@@ -81,7 +81,7 @@ __device__ __forceinline__ float activate_fast(float x) {
 // multiplies around the MUFU op, all on the activation's dependent chain).  Flushing only
 // changes results below 2^-126, which are 0 in the 16-bit outputs these epilogues write.
 // Measured on an H100 (fp16, folded FFN1): outputs bit-identical; swish 65536 x 768 -> 2304
-// 404 -> 398 us, mish 65536 x 1024 -> 1536 348 -> 342 us; whole nets +0.2% to +0.7%.
+// 404 -> 398 us, mish 65536 x 1024 -> 1536 348 -> 342 us; whole nets within noise.
 __device__ __forceinline__ float exp_ftz(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
@@ -98,11 +98,12 @@ template <> __device__ __forceinline__ float activate_fast<Activation::swish>(fl
 // two Newton steps (error squared at each: 2.6e-3, then 6.6e-6, 1/75 of an fp16 rounding;
 // measured over d in [2, 2^121] in a float32 emulation).  Mish's epilogue measured faster
 // with it than with the MUFU reciprocal (H100, fp16, FFN1 folded + mish 65536 x 1024 -> 1536:
-// MUFU 456-463 us, three steps 387-391 us, two steps 352 us; whole bt4 net: three steps
-// +1.1% / +1.8% over MUFU at 256 / 1024 positions, two steps +3.3% / +3.1% over three).
-// Outputs stay within one fp16 rounding and max|out - ref32| does not grow.  Swish measured
-// slower with it (16384 x 768 -> 2304: 105 us MUFU, 113 us three steps, 138 us two), so swish
-// keeps MUFU's.  Why one activation gains and the other loses is not known (bench/NOTES.md).
+// MUFU 456-463 us, three steps 387-391 us, two steps 352 us, each against the others as
+// cases of one kernel's switch, which shifts every case's speed: whole bt4 net, table
+// against table, +0-2%).  Outputs stay within one fp16 rounding and max|out - ref32| does
+// not grow.  Swish measured slower with it (16384 x 768 -> 2304: 105 us MUFU, 113 us three
+// steps, 138 us two), so swish keeps MUFU's.  Why one activation gains and the other loses
+// is not known (bench/NOTES.md, sessions 30-32).
 __device__ __forceinline__ float reciprocal_newton(float d) {
   float r = __int_as_float(0x7EF311C3 - __float_as_int(d));
   float e = fmaf(-d, r, 1.f);

@@ -294,10 +294,7 @@ class Lc0Network(nn.Module):
             # stays pending, and smolgen's compress reads it through the fold too.  The
             # embedding's FFN ends like a body FFN, so its LayerNorm is left pending as well:
             # layer 0 then runs the folded kernels with smolgen beside QKV like the others.
-            ln = self.emb_ffn_ln
-            ffn = self.emb_ffn
-            pending = norm_fold.residual_linear(ffn.dense1(rows), ffn.dense2.weight, ffn.dense2.bias, rows, self.alpha,
-                                                ln.weight, ln.bias, ln.eps)
+            pending = self._embedding_ffn_pending(rows)
             side_sms = self._side_sms(rows)
             for i, block in enumerate(self.blocks):
                 if side_sms and not isinstance(self.smolgen[i], nn.Identity):
@@ -401,6 +398,13 @@ class Lc0Network(nn.Module):
     def _embedding_ffn(self, x: torch.Tensor) -> torch.Tensor:
         """The embedding's FFN and its LayerNorm: ``LN(x + alpha * ffn(x))``."""
         return self.emb_ffn_ln(self.emb_ffn(x), residual=x, alpha=self.alpha)
+
+    def _embedding_ffn_pending(self, rows: torch.Tensor) -> NormedRows:
+        """``_embedding_ffn`` on the folded path: FFN2 is the residual GEMM with row statistics,
+        and the LayerNorm stays pending for layer 0's folded GEMMs (``norm_fold``)."""
+        ffn, ln = self.emb_ffn, self.emb_ffn_ln
+        return norm_fold.residual_linear(ffn.dense1(rows), ffn.dense2.weight, ffn.dense2.bias, rows, self.alpha,
+                                         ln.weight, ln.bias, ln.eps)
 
     def _embed_gated(self, planes: torch.Tensor) -> torch.Tensor:
         """Planes -> the embedding up to its gates (the embedding FFN's input ``[B, 64, d_model]``)."""
