@@ -16,9 +16,9 @@ namespace fusedenc {
 
 #ifdef FUSEDENC_HAVE_SM90_GEMM
 // Keep in step with FUSEDENC_SM90_GEMM_INSTANCES in CMakeLists.txt (a missing
-// unit is a link error, not a silent gap): per dtype, the norm kernel (every activation,
-// chosen at run time) in three tile configurations (pick_norm), the residual kernel and
-// the FP8 kernel.
+// unit is a link error, not a silent gap): per dtype, the norm kernel in three tile
+// configurations (pick_norm: no activation, every activation chosen at run time, and the
+// wide tile with no activation), the residual kernel and the FP8 kernel.
 #define FUSEDENC_SM90_DTYPES(X) X(f16) X(bf16)
 namespace sm90 {
 #define FUSEDENC_DECLARE(D)                                                     \
@@ -34,6 +34,10 @@ FUSEDENC_SM90_DTYPES(FUSEDENC_DECLARE)
 bool fp8out_f16(const GemmArgs& g, const Fp8Vectors& v, int sm_count);
 bool fp8residual_f16(const GemmArgs& g, const float* w_scale, const ResidualNorm& r, const Fp8Codes& codes,
                      int sm_count);
+// fp16 only: the activation tile with swish and with mish fixed at compile time (the Lc0
+// nets' FFN activations; bf16 runs them in the run-time switch of norm_act).
+bool norm_swish_f16(const GemmArgs& g, const NormFold& f, int sm_count);
+bool norm_mish_f16(const GemmArgs& g, const NormFold& f, int sm_count);
 }  // namespace sm90
 #endif
 
@@ -47,9 +51,11 @@ using Fp8ResidualFn = bool (*)(const GemmArgs&, const float*, const ResidualNorm
 // The kernels this build holds for a dtype (all null: none).  The norm and fp8 kernels
 // take every activation as an argument; for fp8 the dtype is the output's.
 struct Kernels {
-  NormFn norm = nullptr;       // no activation (QKV, compress)
-  NormFn norm_act = nullptr;   // with an activation in the epilogue (FFN1)
+  NormFn norm = nullptr;       // no activation (QKV, compress): compiled without one
+  NormFn norm_act = nullptr;   // with an activation in the epilogue (FFN1), chosen at run time
   NormFn norm_wide = nullptr;  // no activation, long main loop (see pick_norm)
+  NormFn norm_swish = nullptr; // norm_act's tile with swish fixed at compile time (null: norm_act)
+  NormFn norm_mish = nullptr;  // and with mish
   ResidualFn residual = nullptr;
   Fp8Fn fp8 = nullptr;
   Fp8Fn fp8out = nullptr;  // the FP8 kernel writing e4m3 (its dtype: the bias's)
@@ -59,12 +65,13 @@ struct Kernels {
 Kernels kernels_for(DType dtype) {
 #ifdef FUSEDENC_HAVE_SM90_GEMM
   if (dtype == DType::f16)
-    return {&sm90::norm_f16, &sm90::norm_act_f16, &sm90::norm_wide_f16, &sm90::residual_f16, &sm90::fp8_f16,
-            &sm90::fp8out_f16, &sm90::fp8residual_f16};
+    return {&sm90::norm_f16,      &sm90::norm_act_f16, &sm90::norm_wide_f16, &sm90::norm_swish_f16,
+            &sm90::norm_mish_f16, &sm90::residual_f16, &sm90::fp8_f16,       &sm90::fp8out_f16,
+            &sm90::fp8residual_f16};
 #define FUSEDENC_CASE(D)                                                                                 \
   if (dtype == DType::D)                                                                                 \
-    return {&sm90::norm_##D, &sm90::norm_act_##D, &sm90::norm_wide_##D, &sm90::residual_##D, &sm90::fp8_##D, \
-            nullptr, nullptr};
+    return {&sm90::norm_##D, &sm90::norm_act_##D, &sm90::norm_wide_##D, nullptr, nullptr, &sm90::residual_##D, \
+            &sm90::fp8_##D,   nullptr,             nullptr};
   FUSEDENC_SM90_DTYPES(FUSEDENC_CASE)
 #undef FUSEDENC_CASE
 #else
@@ -122,11 +129,14 @@ int launch_sms(int device) {
 }
 
 // Which norm kernel runs a call (bench/NOTES.md has the measurements behind each rule):
-// an activation in the epilogue takes the 64 x 64-subtile kernel; no activation takes the
-// cooperative 256 x 128 tile when the main loop is long (K >= 1024) and the problem spans
-// many waves of those tiles (its epilogue is not overlapped, and a wave's tail is twice
-// as long), else the pingpong 128 x 128 one.
+// an activation in the epilogue takes the 64 x 64-subtile kernel (for swish and mish its
+// build with the activation fixed at compile time, where the build has one); no activation
+// takes the cooperative 256 x 128 tile when the main loop is long (K >= 1024) and the
+// problem spans many waves of those tiles (its epilogue is not overlapped, and a wave's
+// tail is twice as long), else the pingpong 128 x 128 one.
 NormFn pick_norm(const Kernels& k, const GemmArgs& g, int sms) {
+  if (g.act == Activation::swish && k.norm_swish) return k.norm_swish;
+  if (g.act == Activation::mish && k.norm_mish) return k.norm_mish;
   if (g.act != Activation::none) return k.norm_act;
   const int64_t wide_tiles = ((g.m + 255) / 256) * ((g.n + 127) / 128);
   if (g.k >= 1024 && wide_tiles >= 4 * int64_t{sms}) return k.norm_wide;

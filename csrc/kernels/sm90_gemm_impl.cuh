@@ -75,6 +75,26 @@ struct RuntimeActivation<cutlass::Array<float, N>> {
   }
 };
 
+// One activation fixed at compile time: the kernel's registers and instruction schedule
+// serve that activation alone.  The run-time switch above compiles a separate block for each
+// case and subtile, and its cases' speed moves with what else the switch holds (bench/NOTES.md,
+// session 32: the same mish source measured 388 and 488 us at 65536 x 1024 -> 1536 in two
+// builds whose switches differed).  In the SASS the switch also keeps each subtile's
+// activation in a block of its own, where a fixed activation lets the compiler overlap one
+// subtile's arithmetic with the last one's shared-memory and TMA stores.  Built for the
+// kernels with no activation (their switch was dead code: 640 MUFU ops of unused cases)
+// and, in fp16, for the Lc0 nets' FFN activations (swish, mish); the run-time kernel serves
+// the rest.  The argument is passed and ignored, so both forms take the same epilogue
+// arguments.
+template <Activation A>
+struct FixedActivation {
+  template <class T>
+  struct Fn {
+    using Arguments = ActivationArguments;
+    CUTLASS_DEVICE T operator()(T const& x, Arguments const&) const { return activate_all<A>(x); }
+  };
+};
+
 // acc + x * x: the in-register step of the sum-of-squares reduction (the shuffle and
 // shared-memory steps add partial sums with plain `plus`).
 template <class T>
@@ -137,8 +157,8 @@ template <template <class> class Fn>
 using Op = fusion::Sm90Compute<Fn, float, float, kRound>;
 
 // act(rstd * acc + (shift * colsum + bias))
-template <class Tile, class Element>
-using NormTree = fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, Element, float, kRound>,
+template <class Tile, class Element, template <class> class Act = RuntimeActivation>
+using NormTree = fusion::Sm90EVT<fusion::Sm90Compute<Act, Element, float, kRound>,
     fusion::Sm90EVT<Op<cutlass::homogeneous_multiply_add>,
         ColVec<Tile>,          // rstd (null: alpha)
         fusion::Sm90AccFetch,  // acc
@@ -326,9 +346,9 @@ bool launch(const GemmArgs& g, int sm_count, EpilogueArgs&& thread_args) {
   return true;
 }
 
-template <class Element, class Cfg = DefaultConfig>
+template <class Element, class Cfg = DefaultConfig, template <class> class Act = RuntimeActivation>
 bool run_norm(const GemmArgs& g, const NormFold& f, int sm_count) {
-  using K = Kernel<Element, NormTree<typename Cfg::TileShape, Element>, false, Cfg>;
+  using K = Kernel<Element, NormTree<typename Cfg::TileShape, Element, Act>, false, Cfg>;
   const auto bias = static_cast<const Element*>(g.bias);
   typename K::EpilogueArgs t{
       {                                             // rstd * acc + (...)
@@ -431,6 +451,11 @@ bool run_fp8_residual(const GemmArgs& g, const float* w_scale, const ResidualNor
   namespace fusedenc { namespace sm90 {                                                  \
   bool NAME(const GemmArgs& g, const NormFold& f, int sm_count) { return run_norm<ELEMENT, CONFIG>(g, f, sm_count); } \
   } }
+#define FUSEDENC_SM90_NORM_FIXED_INSTANCE(NAME, ELEMENT, CONFIG, ACT)                     \
+  namespace fusedenc { namespace sm90 {                                                  \
+  bool NAME(const GemmArgs& g, const NormFold& f, int sm_count) {                         \
+    return run_norm<ELEMENT, CONFIG, FixedActivation<Activation::ACT>::template Fn>(g, f, sm_count); \
+  } } }
 #define FUSEDENC_SM90_RESIDUAL_INSTANCE(NAME, ELEMENT)                                             \
   namespace fusedenc { namespace sm90 {                                                           \
   bool NAME(const GemmArgs& g, const ResidualNorm& r, int sm_count) { return run_residual<ELEMENT>(g, r, sm_count); } \
