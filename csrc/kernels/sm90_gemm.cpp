@@ -48,8 +48,9 @@ using ResidualFn = bool (*)(const GemmArgs&, const ResidualNorm&, int);
 using Fp8Fn = bool (*)(const GemmArgs&, const Fp8Vectors&, int);
 using Fp8ResidualFn = bool (*)(const GemmArgs&, const float*, const ResidualNorm&, const Fp8Codes&, int);
 
-// The kernels this build holds for a dtype (all null: none).  The norm and fp8 kernels
-// take every activation as an argument; for fp8 the dtype is the output's.
+// The kernels this build holds for a dtype (all null: none).  norm_act and the fp8 kernels
+// take the activation as an argument, the other norm kernels have theirs compiled in (so
+// only pick_norm chooses among them); for fp8 the dtype is the output's.
 struct Kernels {
   NormFn norm = nullptr;       // no activation (QKV, compress): compiled without one
   NormFn norm_act = nullptr;   // with an activation in the epilogue (FFN1), chosen at run time
