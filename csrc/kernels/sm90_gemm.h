@@ -131,6 +131,16 @@ bool sm90_fp8_residual_compiled(DType dtype);
 void set_sm90_gemm_enabled(bool on);
 bool sm90_gemm_enabled();
 
+// Programmatic dependent launch (fusedenc.testing.sm90_pdl / FUSEDENC_SM90_PDL=1; off by
+// default until measured): the Hopper kernels are launched so that each may start while the
+// kernel before it in the stream finishes.  Only its prologue (barriers, TMA descriptors)
+// runs early: every warp that reads global memory first waits for the previous grid to
+// complete and its writes to be visible (CUTLASS's griddepcontrol.wait, compiled in with
+// CUTLASS_ENABLE_GDC_FOR_SM90), so results are the same bit for bit; what it can save is the
+// launch gap and the prologue at each kernel boundary.  Process-wide, like the switch above.
+void set_sm90_pdl(bool on);
+bool sm90_pdl();
+
 // The most SMs the calling thread's Hopper kernels use (0, the default: all): their
 // persistent grids get min(n, sm_count) CTAs, and sm90_gemm_applies drops its occupancy
 // rule (cuBLASLt's grids cannot be limited).  The Lc0 net (fusedenc.lc0) runs its QKV

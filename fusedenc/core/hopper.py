@@ -157,3 +157,22 @@ def sm90_gemm_disabled() -> Iterator[None]:
         yield
     finally:
         module.set_sm90_gemm_enabled(was)
+
+
+@contextlib.contextmanager
+def sm90_pdl(on: bool = True) -> Iterator[None]:
+    """Launch the Hopper kernels with programmatic dependent launch inside (``on``) or without:
+    each may then start its prologue while the kernel before it finishes (``FUSEDENC_SM90_PDL=1``
+    does it for a whole process; off by default until measured).  Results are the same bit for
+    bit; a CUDA graph keeps the launches it was captured with.  Public as
+    ``fusedenc.testing.sm90_pdl``."""
+    module = native_module()
+    if module is None:
+        yield
+        return
+    was = module.sm90_pdl()
+    module.set_sm90_pdl(on)
+    try:
+        yield
+    finally:
+        module.set_sm90_pdl(was)
