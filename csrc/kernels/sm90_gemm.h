@@ -134,10 +134,12 @@ bool sm90_gemm_enabled();
 // Programmatic dependent launch (fusedenc.testing.sm90_pdl / FUSEDENC_SM90_PDL=1; off by
 // default until measured): the Hopper kernels are launched so that each may start while the
 // kernel before it in the stream finishes.  Only its prologue (barriers, TMA descriptors)
-// runs early: every warp that reads global memory first waits for the previous grid to
-// complete and its writes to be visible (CUTLASS's griddepcontrol.wait, compiled in with
-// CUTLASS_ENABLE_GDC_FOR_SM90), so results are the same bit for bit; what it can save is the
-// launch gap and the prologue at each kernel boundary.  Process-wide, like the switch above.
+// runs early: its producer warps wait (CUTLASS's griddepcontrol.wait, compiled in with
+// CUTLASS_ENABLE_GDC_FOR_SM90) until the previous grid has completed and its writes are
+// visible to this grid before their first load, and the consumers read global memory only
+// after data those loads brought, so results are the same bit for bit; what it can save is
+// the launch gap and the prologue at each kernel boundary.  Process-wide, like the switch
+// above.
 void set_sm90_pdl(bool on);
 bool sm90_pdl();
 
