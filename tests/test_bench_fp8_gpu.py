@@ -5,19 +5,14 @@ issue asks for.  Tiny shapes: this checks that the rows run and are right, not t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from bench_helpers import run_bench_on_gpu
 from fp8_helpers import require_fp8_gpu
 
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP8_ROWS = ("torch-fp8", "torch-fp8-compile", "torch-fp8-compile:reduce-overhead", "fusedenc-fp8",
             "fusedenc-fp8-graph", "fusedenc-fp8-fast", "fusedenc-fp8-static", "fusedenc-fp8-static-ln")  # fmt: skip
 
@@ -30,13 +25,9 @@ def _require_fp8():
 
 def test_nps_fp8_rows_run_and_pass_on_the_gpu(tmp_path):
     _require_fp8()
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "nps.py"), "--preset", "tiny", "--dtype", "fp8",
-           "--batch-sizes", "4", "--no-plot", "--device", "cuda", "--compile-modes", "reduce-overhead",
-           "--out-dir", str(tmp_path), "--tag", "gpu", "--no-progress"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
-    with open(tmp_path / "nps_gpu.json", encoding="utf-8") as f:
-        r = json.load(f)
+    r = run_bench_on_gpu("nps.py", ["--preset", "tiny", "--dtype", "fp8", "--batch-sizes", "4", "--no-plot",
+                                    "--device", "cuda", "--compile-modes", "reduce-overhead", "--no-progress"],
+                         tmp_path)  # fmt: skip
     assert r["check_passed"] is True and r["errors"] == [], r["errors"]
     (run,) = r["runs"]
     impls, skipped = run["impls"], run["skipped"]
@@ -63,12 +54,8 @@ def test_lc0_fp8_row_runs_and_is_checked_on_the_gpu(tmp_path):
     """bench/lc0.py --fp8: the whole net's FP8 row passes its guard, is timed, and reports the
     gate metrics against the fp16 net."""
     require_fp8_gpu()
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "lc0.py"), "--synthetic", "tiny", "--batch-sizes", "8",
-           "--fp8", "--reps", "20", "--out-dir", str(tmp_path), "--tag", "gpu"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
-    with open(tmp_path / "lc0_gpu.json", encoding="utf-8") as f:
-        rec = json.load(f)["results"][0]
+    rec = run_bench_on_gpu("lc0.py", ["--synthetic", "tiny", "--batch-sizes", "8", "--fp8", "--reps", "20"],
+                           tmp_path)["results"][0]
     c = rec["check"]["fusedenc-fp8-static"]
     assert c["ok"] and 0 < c["rel_err"] <= c["bound"], c  # FP8 is never exact
     assert 0.0 <= c["policy_top1_vs_fp16"] <= 1.0 and c["wdl_max_diff_vs_fp16"] >= 0.0

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from bench_helpers import run_bench_on_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -176,12 +177,8 @@ def test_nps_puts_an_lc0_net_beside_the_presets(tmp_path):
 def test_lc0_pdl_row_is_checked_and_timed_on_the_gpu(tmp_path):
     """``bench/lc0.py --pdl``: the fusedenc graph captured with programmatic dependent launch
     is checked against the reference like every row, then timed beside the plain graph."""
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "lc0.py"), "--synthetic", "tiny", "--batch-sizes", "8",
-           "--pdl", "--reps", "20", "--out-dir", str(tmp_path), "--tag", "gpu"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
-    with open(tmp_path / "lc0_gpu.json", encoding="utf-8") as f:
-        rec = json.load(f)["results"][0]
+    rec = run_bench_on_gpu("lc0.py", ["--synthetic", "tiny", "--batch-sizes", "8", "--pdl", "--reps", "20"],
+                           tmp_path)["results"][0]
     c = rec["check"]["fusedenc-graph-pdl"]
     assert c["ok"] and c["err"] <= c["bound"], c
     timed = {row["impl"]: row["nps"] for row in rec["rows"] if row["batch"] == 8}
