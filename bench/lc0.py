@@ -17,9 +17,6 @@ Implementations (one process, the same file, the same input planes):
                         one CUDA graph per batch size, the LayerNorms folded into the FP8
                         GEMMs where the Hopper kernels run; checked by the FP8 rule below
   fusedenc-fp8-static-ln  the same with ``fold_norms=False`` (the LayerNorm passes)
-  fusedenc-graph-pdl    with ``--pdl``: fusedenc-graph captured with the Hopper kernels
-                        launched for programmatic dependent launch
-                        (``fusedenc.testing.sm90_pdl``, off by default until measured)
   lc0:<backend>         with ``--lc0 BINARY``: lc0's own ``backendbench`` on the same file
                         (``--lc0-backend``, default cuda-fp16), run in the same process's
                         turn; its median positions/s.  lc0 is not a dependency: point
@@ -56,10 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 from fusedenc import dtypes  # noqa: E402
-from fusedenc.graphs import capture  # noqa: E402
 from fusedenc.lc0 import Lc0Network, read_net  # noqa: E402
 from fusedenc.lc0.reference import ReferenceNetwork, placed  # noqa: E402
-from fusedenc.testing import sm90_pdl  # noqa: E402
 from fusedenc.tune.timing import MIN_REPS, capture_graph, sync, time_calls  # noqa: E402
 
 SCHEMA = "fusedenc.bench.lc0/1"
@@ -94,8 +89,6 @@ FP8_REL_BOUND = 0.25
 FP8_IMPL = "fusedenc-fp8-static"
 #: The same calibrated net with ``fold_norms=False``: its LayerNorm passes (the fold's A/B).
 FP8_LN_IMPL = "fusedenc-fp8-static-ln"
-#: The fusedenc graph captured under ``sm90_pdl`` (``--pdl``): that switch's A/B in the table.
-PDL_IMPL = "fusedenc-graph-pdl"
 
 
 def _rel_err(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -206,15 +199,6 @@ def run_net(
         ok[name] = err <= bound
         rec["check"][name] = {"err": err, "bound": bound, "ok": ok[name]}
         print(f"   check {name:28s} err {err:.3g} <= {bound:.3g}  {'ok' if ok[name] else 'FAILED: not timed'}")
-    if graph and getattr(args, "pdl", False):
-        with sm90_pdl(True):
-            pdl_graph, pdl_out = capture(lambda: fast(x), device)
-        pdl_graph.replay()
-        err = _max_err(pdl_out, ref)
-        ok[PDL_IMPL] = err <= bound
-        rec["check"][PDL_IMPL] = {"err": err, "bound": bound, "ok": ok[PDL_IMPL]}
-        print(f"   check {PDL_IMPL:28s} err {err:.3g} <= {bound:.3g}  {'ok' if ok[PDL_IMPL] else 'FAILED: not timed'}")
-        del pdl_graph, pdl_out
     for name, net in fp8_nets.items():
         c = rec["check"][name] = _fp8_check(net(x), fast(x), ref, FP8_REL_BOUND)
         ok[name] = c["ok"]
@@ -234,10 +218,6 @@ def run_net(
         if graph and ok["fusedenc"]:
             ms = _time_graphed(lambda x=x: fast(x), device, args.reps)
             rec["rows"].append({"batch": b, "impl": "fusedenc-graph", "ms": ms, "nps": b / (ms * 1e-3)})
-        if ok.get(PDL_IMPL):
-            with sm90_pdl(True):  # read at capture: the replays keep its launches
-                ms = _time_graphed(lambda x=x: fast(x), device, args.reps)
-            rec["rows"].append({"batch": b, "impl": PDL_IMPL, "ms": ms, "nps": b / (ms * 1e-3)})
         for name, net in fp8_nets.items():
             if ok[name]:
                 ms = _time_graphed(lambda x=x, net=net: net(x), device, args.reps)
@@ -307,8 +287,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lc0-backend", default="cuda-fp16", help="lc0 backend for --lc0 (default cuda-fp16)")
     ap.add_argument("--lc0-batches", type=int, default=100, help="batches per size for --lc0 (lc0's --batches)")
     ap.add_argument("--fp8", action="store_true", help="also the net's FP8 mode (static, fast accumulation), graphed")
-    ap.add_argument("--pdl", action="store_true",
-                    help="also the fusedenc graph with programmatic dependent launch (fusedenc.testing.sm90_pdl)")
     ap.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), default="float16")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)

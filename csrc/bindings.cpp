@@ -221,8 +221,6 @@ PYBIND11_MODULE(_C, m) {
   }, "(dtype, activation) pairs the Hopper epilogue GEMM was compiled for (empty: none).");
   m.def("set_sm90_gemm_enabled", &set_sm90_gemm_enabled, py::arg("on"));
   m.def("sm90_gemm_enabled", &sm90_gemm_enabled);
-  m.def("set_sm90_pdl", &set_sm90_pdl, py::arg("on"));
-  m.def("sm90_pdl", &sm90_pdl);
   m.def("set_sm90_sm_limit", &set_sm90_sm_limit, py::arg("n"));
   m.def("sm90_sm_limit", &sm90_sm_limit);
   m.def("sm90_gemm_applies", [](int device, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda,

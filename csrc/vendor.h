@@ -87,9 +87,6 @@ template <typename T>
 __device__ __forceinline__ T gpu_shfl_xor(T value, int lane_mask) {
   return __shfl_xor(value, lane_mask);
 }
-
-// Programmatic dependent launch has no HIP counterpart: nothing to allow.
-__device__ __forceinline__ void gpu_allow_dependent_launch() {}
 #endif
 
 using blasStatus_t = hipblasStatus_t;
@@ -307,16 +304,6 @@ using gpu_bf16 = __nv_bfloat16;
 template <typename T>
 __device__ __forceinline__ T gpu_shfl_xor(T value, int lane_mask) {
   return __shfl_xor_sync(0xffffffffu, value, lane_mask);
-}
-
-// Lets the next kernel in the stream, where it was launched for programmatic dependent
-// launch (the Hopper GEMMs under set_sm90_pdl), be scheduled once every block of this grid
-// has called this or exited; it still waits for this grid to complete before it reads
-// memory.  A no-op before sm_90 and for kernels launched the normal way.
-__device__ __forceinline__ void gpu_allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 #endif
 

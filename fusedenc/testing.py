@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from .core import force_epilogue_fallback, sm90_gemm_disabled
-from .core.hopper import sm90_pdl
 from .fp8 import producers_disabled as fp8_producers_disabled
 from .norm_fold import mode as layer_norm_folding
 
-__all__ = ["force_epilogue_fallback", "fp8_producers_disabled", "layer_norm_folding", "sm90_gemm_disabled", "sm90_pdl"]
+__all__ = ["force_epilogue_fallback", "fp8_producers_disabled", "layer_norm_folding", "sm90_gemm_disabled"]

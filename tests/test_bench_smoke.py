@@ -174,15 +174,17 @@ def test_nps_puts_an_lc0_net_beside_the_presets(tmp_path):
 
 
 @pytest.mark.gpu
-def test_lc0_pdl_row_is_checked_and_timed_on_the_gpu(tmp_path):
-    """``bench/lc0.py --pdl``: the fusedenc graph captured with programmatic dependent launch
-    is checked against the reference like every row, then timed beside the plain graph."""
-    rec = run_bench_on_gpu("lc0.py", ["--synthetic", "tiny", "--batch-sizes", "8", "--pdl", "--reps", "20"],
+def test_lc0_rows_are_checked_and_timed_on_the_gpu(tmp_path):
+    """``bench/lc0.py`` on the GPU: torch, torch.compile and fusedenc each pass the reference
+    check before they are timed, and the CUDA-graph row is timed beside them."""
+    rec = run_bench_on_gpu("lc0.py", ["--synthetic", "tiny", "--batch-sizes", "8", "--reps", "20"],
                            tmp_path)["results"][0]
-    c = rec["check"]["fusedenc-graph-pdl"]
-    assert c["ok"] and c["err"] <= c["bound"], c
+    for name in ("torch", "torch-compile", "fusedenc"):
+        c = rec["check"][name]
+        assert c["ok"] and c["err"] <= c["bound"], (name, c)
     timed = {row["impl"]: row["nps"] for row in rec["rows"] if row["batch"] == 8}
-    assert timed.get("fusedenc-graph-pdl", 0) > 0 and timed.get("fusedenc-graph", 0) > 0, timed
+    assert set(timed) >= {"torch", "torch-compile", "fusedenc", "fusedenc-graph"}, timed
+    assert all(nps > 0 for nps in timed.values()), timed
 
 
 def test_lc0_backendbench_row_is_parsed_and_failures_are_reported(tmp_path, monkeypatch):

@@ -11,9 +11,6 @@ namespace fusedenc {
 namespace {
 
 __global__ void norm_stats_kernel(NormStatsArgs a) {
-  // The GEMM that reads these statistics may be scheduled now (under set_sm90_pdl) and set
-  // itself up on the SMs this small grid leaves free; it waits for this grid to finish.
-  gpu_allow_dependent_launch();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= a.rows) return;
   float sum = 0.f, sumsq = 0.f;

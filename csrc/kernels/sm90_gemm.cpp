@@ -86,13 +86,7 @@ bool env_enabled() {
   return !(v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0));
 }
 
-bool env_pdl() {
-  const char* v = std::getenv("FUSEDENC_SM90_PDL");
-  return v && (std::strcmp(v, "1") == 0 || std::strcmp(v, "on") == 0);
-}
-
 std::atomic<bool> g_enabled{env_enabled()};
-std::atomic<bool> g_pdl{env_pdl()};
 
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -123,8 +117,6 @@ bool sm90_residual_gemm_compiled(DType dtype) { return kernels_for(dtype).residu
 
 void set_sm90_gemm_enabled(bool on) { g_enabled.store(on); }
 bool sm90_gemm_enabled() { return g_enabled.load(); }
-void set_sm90_pdl(bool on) { g_pdl.store(on); }
-bool sm90_pdl() { return g_pdl.load(std::memory_order_relaxed); }
 
 namespace {
 // Per thread: a CUDA graph is captured by one thread, and another thread's launches keep

@@ -131,18 +131,6 @@ bool sm90_fp8_residual_compiled(DType dtype);
 void set_sm90_gemm_enabled(bool on);
 bool sm90_gemm_enabled();
 
-// Programmatic dependent launch (fusedenc.testing.sm90_pdl / FUSEDENC_SM90_PDL=1; off by
-// default until measured): the Hopper kernels are launched so that each may start while the
-// kernel before it in the stream finishes.  Only its prologue (barriers, TMA descriptors)
-// runs early: its producer warps wait (CUTLASS's griddepcontrol.wait, compiled in with
-// CUTLASS_ENABLE_GDC_FOR_SM90) until the previous grid has completed and its writes are
-// visible to this grid before their first load, and the consumers read global memory only
-// after data those loads brought, so results are the same bit for bit; what it can save is
-// the launch gap and the prologue at each kernel boundary.  Process-wide, like the switch
-// above.
-void set_sm90_pdl(bool on);
-bool sm90_pdl();
-
 // The most SMs the calling thread's Hopper kernels use (0, the default: all): their
 // persistent grids get min(n, sm_count) CTAs, and sm90_gemm_applies drops its occupancy
 // rule (cuBLASLt's grids cannot be limited).  The Lc0 net (fusedenc.lc0) runs its QKV

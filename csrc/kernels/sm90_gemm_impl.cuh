@@ -339,7 +339,7 @@ bool launch(const GemmArgs& g, int sm_count, EpilogueArgs&& thread_args) {
     st = gemm.initialize(args, ws ? g.workspace : nullptr, g.stream);
     if (st == cutlass::Status::kSuccess && bit) attribute_set.fetch_or(bit, std::memory_order_release);
   }
-  if (st == cutlass::Status::kSuccess) st = gemm.run(g.stream, nullptr, sm90_pdl());
+  if (st == cutlass::Status::kSuccess) st = gemm.run(g.stream);
   if (st != cutlass::Status::kSuccess) {
     throw std::runtime_error(std::string("fusedenc sm90 gemm: ") + cutlassGetStatusString(st));
   }

@@ -143,33 +143,17 @@ def set_sm90_sm_limit(n: int) -> int:
 
 
 @contextlib.contextmanager
-def _native_switch(name: str, value: bool) -> Iterator[None]:
-    """The core's process-wide switch ``name`` (read by ``name()``, set by ``set_name()``) at
-    ``value`` inside, restored after; nothing without the native core."""
+def sm90_gemm_disabled() -> Iterator[None]:
+    """Send every GEMM to cuBLASLt (+ the activation pass) inside: the A/B switch for the
+    Hopper epilogue kernel (``FUSEDENC_SM90_GEMM=0`` does it for a whole process).
+    Public as ``fusedenc.testing.sm90_gemm_disabled``."""
     module = native_module()
     if module is None:
         yield
         return
-    get, set_ = getattr(module, name), getattr(module, f"set_{name}")
-    was = get()
-    set_(value)
+    was = module.sm90_gemm_enabled()
+    module.set_sm90_gemm_enabled(False)
     try:
         yield
     finally:
-        set_(was)
-
-
-def sm90_gemm_disabled() -> contextlib.AbstractContextManager[None]:
-    """Send every GEMM to cuBLASLt (+ the activation pass) inside: the A/B switch for the
-    Hopper epilogue kernel (``FUSEDENC_SM90_GEMM=0`` does it for a whole process).
-    Public as ``fusedenc.testing.sm90_gemm_disabled``."""
-    return _native_switch("sm90_gemm_enabled", False)
-
-
-def sm90_pdl(on: bool = True) -> contextlib.AbstractContextManager[None]:
-    """Launch the Hopper kernels with programmatic dependent launch inside (``on``) or without:
-    each may then start its prologue while the kernel before it finishes (``FUSEDENC_SM90_PDL=1``
-    does it for a whole process; off by default until measured).  Results are the same bit for
-    bit; a CUDA graph keeps the launches it was captured with.  Public as
-    ``fusedenc.testing.sm90_pdl``."""
-    return _native_switch("sm90_pdl", on)
+        module.set_sm90_gemm_enabled(was)
