@@ -346,7 +346,7 @@ bool launch(const GemmArgs& g, int sm_count, EpilogueArgs&& thread_args) {
   return true;
 }
 
-template <class Element, class Cfg = DefaultConfig, template <class> class Act = RuntimeActivation>
+template <class Element, class Cfg, template <class> class Act>
 bool run_norm(const GemmArgs& g, const NormFold& f, int sm_count) {
   using K = Kernel<Element, NormTree<typename Cfg::TileShape, Element, Act>, false, Cfg>;
   const auto bias = static_cast<const Element*>(g.bias);
@@ -447,15 +447,11 @@ bool run_fp8_residual(const GemmArgs& g, const float* w_scale, const ResidualNor
 }  // namespace fusedenc
 
 // One unit's instantiation: the functions sm90_gemm.cpp's table points at.
-#define FUSEDENC_SM90_NORM_INSTANCE(NAME, ELEMENT, CONFIG)                                \
+// ACT: the epilogue's activation functor, RuntimeActivation or FixedActivation<...>::Fn.
+#define FUSEDENC_SM90_NORM_INSTANCE(NAME, ELEMENT, CONFIG, ACT)                           \
   namespace fusedenc { namespace sm90 {                                                  \
-  bool NAME(const GemmArgs& g, const NormFold& f, int sm_count) { return run_norm<ELEMENT, CONFIG>(g, f, sm_count); } \
+  bool NAME(const GemmArgs& g, const NormFold& f, int sm_count) { return run_norm<ELEMENT, CONFIG, ACT>(g, f, sm_count); } \
   } }
-#define FUSEDENC_SM90_NORM_FIXED_INSTANCE(NAME, ELEMENT, CONFIG, ACT)                     \
-  namespace fusedenc { namespace sm90 {                                                  \
-  bool NAME(const GemmArgs& g, const NormFold& f, int sm_count) {                         \
-    return run_norm<ELEMENT, CONFIG, FixedActivation<Activation::ACT>::template Fn>(g, f, sm_count); \
-  } } }
 #define FUSEDENC_SM90_RESIDUAL_INSTANCE(NAME, ELEMENT)                                             \
   namespace fusedenc { namespace sm90 {                                                           \
   bool NAME(const GemmArgs& g, const ResidualNorm& r, int sm_count) { return run_residual<ELEMENT>(g, r, sm_count); } \
