@@ -11,12 +11,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from bench_helpers import run_bench_on_gpu
+from bench_helpers import run_bench, run_bench_on_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -26,10 +24,8 @@ ENV_FIELDS = ("device_name", "driver", "torch", "cuda", "hip", "cudnn", "blaslt"
 def _run(script: str, args: list[str], tmp_path, tag: str | None = "smoke") -> dict:
     """Run a benchmark; ``tag=None``: without --tag, so the file is named from preset, dtype and device."""
     # --device cpu: the same CPU run on a GPU machine too (gpu_check.sh runs the CPU tests there).
-    cmd = [sys.executable, os.path.join(BENCH, script), "--device", "cpu", "--out-dir", str(tmp_path),
-           "--no-progress", *(["--tag", tag] if tag else []), *args]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = run_bench(script, ["--device", "cpu", "--out-dir", str(tmp_path), "--no-progress",
+                              *(["--tag", tag] if tag else []), *args], timeout=240)  # fmt: skip
     prefix = os.path.splitext(script)[0]
     [path] = tmp_path.glob(f"{prefix}_{tag}.json" if tag else f"{prefix}_tiny_float32_*.json")
     with open(path, encoding="utf-8") as f:
@@ -230,11 +226,7 @@ def test_lc0_fp8_check_guards_and_reports_the_gate_metrics(monkeypatch):
 def test_fp8_accuracy_tiny(tmp_path):
     """bench/fp8_accuracy.py: every configuration's row, and fp8 measurably worse than fp16."""
     out = tmp_path / "fp8.txt"
-    proc = subprocess.run(
-        [sys.executable, "bench/fp8_accuracy.py", "--presets", "tiny", "--batch", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("fp8_accuracy.py", ["--presets", "tiny", "--batch", "2", "--out", str(out)], timeout=240)
     rows = {}  # configuration -> final relative error, percent
     for line in out.read_text().splitlines():
         if line.startswith("   ") and "%" in line:  # "   <label, 24 wide> <cosine> <rel err>% <worst> ..."
