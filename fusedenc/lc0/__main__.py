@@ -1,27 +1,57 @@
-"""``python -m fusedenc.lc0 NET.pb.gz [--batch-sizes 64,256,1024] [--no-bench]``
+"""``python -m fusedenc.lc0 [describe] NET.pb.gz`` and ``python -m fusedenc.lc0 eval NET.pb.gz ...``
 
-Prints what the net is (format, layers, width, heads, FFN, activations, smolgen,
-embedding, heads, parameter count, encodings) and whether fusedenc runs it; with a
-GPU, times the whole network (planes in, heads out) in fp16, eager and as one CUDA
-graph, at each batch size.  A file fusedenc cannot read or run exits with status 2
-and one line saying why.
+Describes an lc0 network, or evaluates chess positions with it.
+
+``python -m fusedenc.lc0 NET.pb.gz [--batch-sizes 64,256,1024] [--no-bench]`` (``describe``
+may be written first) prints what the net is (format, layers, width, heads, FFN,
+activations, smolgen, embedding, heads, parameter count, encodings) and whether fusedenc
+runs it; with a GPU, times the whole network (planes in, heads out) in fp16, eager and as
+one CUDA graph, at each batch size.
+
+``python -m fusedenc.lc0 eval NET.pb.gz --fen FEN [--moves e2e4 e7e5 ...]`` prints the
+network's top moves with their probabilities, its WDL (from the side to move's view), Q
+and moves left for one position (``--fen startpos`` is the initial position).
+``--epd FILE`` evaluates every position of an EPD file, ``--pgn FILE`` every position of
+every game of a PGN file (in game order, each with its history), through the batching
+``Evaluator``; one JSON object per position goes to ``--out`` (default stdout), and the
+last line is a summary object with positions/s.  ``--device`` (cuda, cuda:N, a comma list
+of GPUs, or cpu), ``--dtype`` (fp16, bf16, fp32; fp16 on a GPU, fp32 on the CPU by
+default), ``--top N``, ``--temperature T``.
+
+Anything wrong with the input (a file that cannot be read, a net fusedenc does not run, a
+bad FEN, an illegal move) exits with status 2 and one line on stderr saying why, before
+any work on the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
-from typing import Optional
+import time
+from typing import Any, Optional, TextIO
 
 import torch
 
 from ..tune.cli import int_list
 from ..tune.timing import time_graph
 from .errors import Lc0FileError, Lc0FormatError
-from .netfile import read_net
+from .netfile import NetFile, read_net
 from .network import Lc0Network
 from .support import check_supported
+
+PROG = "python -m fusedenc.lc0"
+DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "float32": torch.float32}  # fmt: skip
+
+
+class InputError(Exception):
+    """Bad input found before any GPU work: the CLI prints it on one line and exits 2."""
+
+
+# ------------------------------------------------------------ describe ----
 
 
 def _bench(net: Lc0Network, batches: list[int]) -> None:
@@ -34,8 +64,9 @@ def _bench(net: Lc0Network, batches: list[int]) -> None:
         print(f"  batch {b:>5}: {b / (t.ms * 1e-3):>10,.0f}  ({t.ms:.3f} ms, {t.method})")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fusedenc.lc0", description=__doc__.split("\n\n")[1])
+def describe_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description="Describe an lc0 network (and time it on a GPU). "
+                                 f"'{PROG} eval --help' evaluates positions.")  # fmt: skip
     ap.add_argument("net", help="an lc0 network file (.pb.gz)")
     ap.add_argument("--batch-sizes", type=int_list, default=[64, 256, 1024])
     ap.add_argument("--no-bench", action="store_true", help="describe only")
@@ -58,6 +89,324 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     _bench(Lc0Network(file, dtype=torch.float16, device="cuda"), args.batch_sizes)
     return 0
+
+
+# ------------------------------------------------------------ eval ----
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=f"{PROG} eval",
+        description="Evaluate chess positions with an lc0 network: top moves, WDL, Q, moves left.",
+    )
+    ap.add_argument("net", help="an lc0 network file (.pb.gz)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--fen", help="one position as a FEN ('startpos': the initial position)")
+    src.add_argument("--epd", metavar="FILE", help="every position of an EPD file (JSON lines out)")
+    src.add_argument("--pgn", metavar="FILE", help="every position of every game of a PGN file (JSON lines out)")
+    ap.add_argument("--moves", nargs="*", default=[], metavar="UCI",
+                    help="with --fen: moves played since it, in UCI (e2e4 e7e5 ...): the history the net sees")
+    ap.add_argument("--top", type=int, default=5, help="how many moves to show / write (0: all legal moves; default 5)")
+    ap.add_argument("--device", default=None,
+                    help="cuda, cuda:N, a comma list of GPUs for --epd/--pgn (cuda:0,cuda:1), or cpu "
+                         "(default: cuda if torch sees a GPU)")  # fmt: skip
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default fp16 on a GPU, fp32 on the CPU")
+    ap.add_argument("--temperature", type=float, default=1.0, help="policy softmax temperature (default 1)")
+    ap.add_argument("--out", metavar="FILE", default=None, help="--epd/--pgn: write the JSON lines here (default stdout)")
+    ap.add_argument("--json", action="store_true", help="--fen: print one JSON object instead of text")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="--epd/--pgn: positions per batch (default 1024 on a GPU, 256 on the CPU)")
+    ap.add_argument("--no-progress", action="store_true", help="--epd/--pgn: no progress display on stderr")
+    return ap
+
+
+def _devices(text: Optional[str]) -> list[torch.device]:
+    names = [s.strip() for s in (text or ("cuda" if torch.cuda.is_available() else "cpu")).split(",") if s.strip()]
+    out = []
+    for name in names:
+        try:
+            d = torch.device(name)
+        except RuntimeError:
+            raise InputError(f"--device {name!r} is not a device (cuda, cuda:N or cpu)") from None
+        if d.type == "cuda":
+            if not torch.cuda.is_available():
+                raise InputError(f"--device {name}: torch sees no GPU on this machine (use --device cpu --dtype fp32)")
+            if d.index is not None and d.index >= torch.cuda.device_count():
+                raise InputError(f"--device {name}: torch sees {torch.cuda.device_count()} GPU(s)")
+        elif d.type != "cpu":
+            raise InputError(f"--device {name}: only cuda and cpu devices are supported")
+        out.append(d)
+    if not out:
+        raise InputError("--device names no device")
+    if len(out) > 1 and any(d.type == "cpu" for d in out):
+        raise InputError("--device: cpu cannot be combined with GPUs")
+    return out
+
+
+def _load(path: str) -> NetFile:
+    """The net file, checked: fusedenc runs it and its input format is encoded here."""
+    try:
+        file = read_net(path)
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except Lc0FileError as exc:
+        raise InputError(f"cannot read {path}: {exc}") from None
+    try:
+        check_supported(file)
+    except Lc0FormatError as exc:
+        raise InputError(f"fusedenc does not run {path}: {exc}") from None
+    from .encoding import encode_masks
+
+    try:
+        encode_masks(["startpos"], file.input_format)
+    except (Lc0FormatError, NotImplementedError, ValueError) as exc:
+        raise InputError(f"fusedenc does not encode positions for {path}: {exc}") from None
+    return file
+
+
+def _top(ev: Any, n: int) -> tuple[list[str], list[float]]:
+    k = len(ev.moves) if n <= 0 else min(n, len(ev.moves))
+    return list(ev.moves[:k]), [round(float(p), 6) for p in ev.probs[:k]]
+
+
+def _record(ev: Any, top: int, **ids: Any) -> dict[str, Any]:
+    moves, probs = _top(ev, top)
+    rec = dict(ids)
+    rec.update(
+        best_move=ev.moves[0] if ev.moves else None,
+        moves=moves,
+        probs=probs,
+        wdl=None if ev.wdl is None else [round(float(x), 6) for x in ev.wdl],
+        q=round(float(ev.q), 6),
+        moves_left=None if ev.moves_left is None else round(float(ev.moves_left), 3),
+    )
+    return rec
+
+
+def _print_one(ev: Any, fen: str, moves: list[str], source: str, device, dtype, top: int) -> None:
+    after = f" after {' '.join(moves)}" if moves else ""
+    print(f"position   {fen}{after}")
+    print(f"net        {os.path.basename(source)} ({device}, {str(dtype).replace('torch.', '')})")
+    if ev.wdl is not None:
+        w, d, l = (float(x) for x in ev.wdl)
+        print(f"WDL        win {w:.1%}  draw {d:.1%}  loss {l:.1%}  (for the side to move)")
+        print(f"Q          {ev.q:+.4f}")
+    else:
+        print(f"value      {ev.q:+.4f}  (tanh, for the side to move)")
+    if ev.moves_left is not None:
+        print(f"moves left {ev.moves_left:.1f}")
+    names, probs = _top(ev, top)
+    print(f"top moves  ({len(names)} of {len(ev.moves)} legal)")
+    for i, (m, p) in enumerate(zip(names, probs, strict=True), 1):
+        print(f"  {i:>3}. {m:<6} {p:8.2%}")
+    if not ev.moves:
+        print("  (no legal moves: the game is over)")
+
+
+class _Progress:
+    """A tqdm bar where tqdm is installed and stderr is a terminal; else a line on stderr
+    every few seconds (and at the end), so a log shows progress without redraws."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.t0 = self.last = time.perf_counter()
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="pos", file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+            except ImportError:
+                pass
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.perf_counter()
+        if now - self.last >= 2.0:
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            print(f"{PROG}: {self.done:,}/{self.total:,} positions ({rate:,.0f}/s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _epd_items(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
+    """(positions, per-position ids) of an EPD file, every FEN checked."""
+    from .gamefiles import read_epd
+
+    try:
+        records = list(read_epd(path))
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    fens = [r.fen for r in records]
+    _check_positions(fens, lambda i: f"{path}: line {records[i].line}")
+    ids = []
+    for i, r in enumerate(records):
+        rec: dict[str, Any] = {"index": i, "line": r.line}
+        if r.id is not None:
+            rec["id"] = r.id
+        if "bm" in r.ops:
+            rec["bm"] = r.ops["bm"]
+        rec["fen"] = r.fen
+        ids.append(rec)
+    return fens, ids
+
+
+def _check_positions(positions: list[Any], where, chunk: int = 4096) -> None:
+    """``prepare`` every position (in chunks); InputError naming the first bad one."""
+    from .positions import prepare
+
+    for start in range(0, len(positions), chunk):
+        part = positions[start : start + chunk]
+        try:
+            prepare(part)
+        except ValueError:
+            for i, p in enumerate(part):
+                try:
+                    prepare([p])
+                except ValueError as exc:
+                    msg = str(exc).removeprefix("position 0 ")
+                    raise InputError(f"{where(start + i)}: {msg}") from None
+            raise
+
+
+def _pgn_items(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
+    """(positions, per-position ids) of every game of a PGN file: the position before each
+    move, and the one after the last move where the game is not over."""
+    from .gamefiles import read_pgn
+
+    positions, ids = [], []
+    try:
+        for game in read_pgn(path):
+            for ply, pos in enumerate(game.positions):
+                last = ply == len(game.moves)
+                if last and not pos.legal_moves():
+                    continue  # mate or stalemate: nothing to evaluate
+                positions.append(pos)
+                ids.append({"index": len(ids), "game": game.number, "ply": ply, "fen": pos.fen(),
+                            "played": None if last else game.moves[ply]})  # fmt: skip
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    return positions, ids
+
+
+def _open_out(path: Optional[str]) -> TextIO:
+    if path is None:
+        return sys.stdout
+    try:
+        return open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by the caller
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _eval_one(args, file: NetFile, devices: list[torch.device], dtype: torch.dtype) -> int:
+    from .evaluate import evaluate
+    from .positions import prepare
+
+    fen = "startpos" if args.fen.strip() == "startpos" else args.fen
+    position = (fen, list(args.moves))
+    try:
+        prepared = prepare([position])
+    except ValueError as exc:
+        raise InputError(f"--fen/--moves: {str(exc).removeprefix('position 0 ')}") from None
+    net = Lc0Network(file, dtype=dtype, device=devices[0])
+    [ev] = evaluate(net, net, prepared, temperature=args.temperature)
+    from .positions import Position
+
+    shown = Position.from_fen(fen).fen() if fen == "startpos" else fen
+    if args.json:
+        print(json.dumps(_record(ev, args.top, fen=shown, moves_played=list(args.moves))))
+    else:
+        _print_one(ev, shown, list(args.moves), file.source, devices[0], dtype, args.top)
+    return 0
+
+
+def _eval_file(args, file: NetFile, devices: list[torch.device], dtype: torch.dtype) -> int:
+    from .evaluator import Evaluator
+
+    t_start = time.perf_counter()
+    positions, ids = _epd_items(args.epd) if args.epd else _pgn_items(args.pgn)
+    out = _open_out(args.out)
+    max_batch = args.max_batch or (1024 if devices[0].type == "cuda" else 256)
+    failed = 0
+    try:
+        t0 = time.perf_counter()
+        with Evaluator(file, devices=devices, dtype=dtype, max_batch=max_batch, temperature=args.temperature) as ev:
+            t_ready = time.perf_counter()
+            futures = ev.submit_many(positions)
+            progress = _Progress(len(futures), not args.no_progress)
+            for fut, rec in zip(futures, ids, strict=True):
+                try:
+                    line = _record(fut.result(), args.top, **rec)
+                except Exception as exc:  # noqa: BLE001 - written as that position's error
+                    failed += 1
+                    line = {**rec, "error": str(exc)}
+                out.write(json.dumps(line) + "\n")
+                progress.update()
+            t_end = time.perf_counter()
+            progress.close()
+            stats = ev.stats()
+        seconds = t_end - t_ready
+        summary = {
+            "positions": len(positions) - failed, "failed": failed, "seconds": round(seconds, 4),
+            "positions_per_s": round((len(positions) - failed) / seconds, 1) if seconds > 0 else math.inf,
+            "mean_batch": round(stats["mean_batch"], 1), "batches": stats["batches"],
+            "devices": [str(d) for d in devices], "dtype": str(dtype).replace("torch.", ""),
+            "startup_seconds": round(t_ready - t0, 3), "read_seconds": round(t0 - t_start, 3),
+        }  # fmt: skip
+        out.write(json.dumps({"summary": summary}) + "\n")
+        out.flush()
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print(f"{PROG}: {summary['positions']:,} positions in {seconds:.2f} s: {summary['positions_per_s']:,.0f} positions/s "
+          f"(mean batch {summary['mean_batch']}, {', '.join(summary['devices'])}, {summary['dtype']}; reading and "
+          f"checking the file {summary['read_seconds']:.2f} s, start-up {summary['startup_seconds']:.2f} s)",
+          file=sys.stderr)  # fmt: skip
+    return 1 if failed else 0
+
+
+def eval_main(argv: list[str]) -> int:
+    ap = _eval_parser()
+    args = ap.parse_args(argv)
+    if args.moves and not args.fen:
+        ap.error("--moves goes with --fen")
+    if args.temperature <= 0 or not math.isfinite(args.temperature):
+        ap.error(f"--temperature must be > 0, got {args.temperature}")
+    if args.max_batch is not None and args.max_batch <= 0:
+        ap.error(f"--max-batch must be > 0, got {args.max_batch}")
+    try:
+        devices = _devices(args.device)
+        if args.fen is not None and len(devices) > 1:
+            raise InputError("--fen evaluates on one device; name one in --device")
+        dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if devices[0].type == "cuda" else torch.float32)
+        file = _load(args.net)
+        if args.fen is not None:
+            return _eval_one(args, file, devices, dtype)
+        return _eval_file(args, file, devices, dtype)
+    except InputError as exc:
+        print(f"fusedenc.lc0: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "eval":
+        return eval_main(argv[1:])
+    if argv and argv[0] == "describe":
+        argv = argv[1:]
+    return describe_main(argv)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ __all__ = [
     "WHITE",
     "apply_moves",
     "in_check",
+    "is_legal",
     "legal_moves",
     "move_code",
     "move_uci",
@@ -357,10 +358,75 @@ def _castling_moves(boards: Boards, rows_out: list, moves_out: list) -> None:
         moves_out.append(np.full(r.size, king | (dest << 6), np.int64))
 
 
+def _line_table() -> tuple[np.ndarray, np.ndarray]:
+    """``BETWEEN[a, b]``: the squares strictly between two squares on a common rank, file or
+    diagonal (0 otherwise); ``LINE[a, b]``: the whole line through both (0 otherwise)."""
+    between = np.zeros((64, 64), np.uint64)
+    line = np.zeros((64, 64), np.uint64)
+    for a in range(64):
+        for df, dr in ((1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (1, -1), (-1, 1), (-1, -1)):
+            f, r, seen = a % 8 + df, a // 8 + dr, 0
+            ray = 0
+            while 0 <= f < 8 and 0 <= r < 8:
+                b = 8 * r + f
+                between[a, b] = seen
+                seen |= 1 << b
+                f, r = f + df, r + dr
+            ray = seen
+            for b in range(64):
+                if ray >> b & 1:
+                    back = 0
+                    f, r = a % 8 - df, a // 8 - dr
+                    while 0 <= f < 8 and 0 <= r < 8:
+                        back |= 1 << (8 * r + f)
+                        f, r = f - df, r - dr
+                    line[a, b] = ray | back | (1 << a)
+    return between, line
+
+
+BETWEEN, LINE = _line_table()
+
+
+def _bit_index(bb: np.ndarray) -> np.ndarray:
+    """The square of the (single) set bit of each entry."""
+    _, squares = square_bits(bb)
+    return squares
+
+
+def pinned_pieces(boards: Boards) -> np.ndarray:
+    """Per row, the side to move's pieces pinned to its king (the only piece between the
+    king and an enemy rook, bishop or queen on a common line)."""
+    n = len(boards)
+    us = boards.turn.astype(np.int64)
+    them = 1 - us
+    king = boards.pieces(us, KING)
+    king_sq = _bit_index(king)
+    enemy = boards.side(them)
+    own = boards.side(us)
+    queens = boards.pieces(them, QUEEN)
+    snipers = (rook_attacks(king, enemy) & (boards.pieces(them, ROOK) | queens)) | (
+        bishop_attacks(king, enemy) & (boards.pieces(them, BISHOP) | queens))
+    pinned = np.zeros(n, np.uint64)
+    rows, squares = square_bits(snipers)
+    if rows.size:
+        blockers = BETWEEN[king_sq[rows], squares] & (own[rows] | enemy[rows])
+        only_one = (blockers != 0) & ((blockers & (blockers - np.uint64(1))) == 0) & ((blockers & own[rows]) != 0)
+        np.bitwise_or.at(pinned, rows[only_one], blockers[only_one])
+    return pinned
+
+
+def _safe(boards: Boards, rows: np.ndarray, moves: np.ndarray) -> np.ndarray:
+    """Whether each move (of board ``rows[i]``) leaves its side's king unattacked."""
+    if rows.size == 0:
+        return np.zeros(0, bool)
+    after = apply_moves(boards.take(rows), moves)
+    mover = 1 - after.turn.astype(np.int64)
+    return ~attacked(after, after.pieces(mover, KING), after.turn)
+
+
 def legal_moves(boards: Boards) -> tuple[np.ndarray, np.ndarray]:
     """Every legal move of every board: ``(rows, moves)``, int64 arrays sorted by row (the
     order of moves within a row is by generator: pieces, pawns, castling)."""
-    n = len(boards)
     us = boards.turn.astype(np.int64)
     own = boards.side(us)
     occupied = boards.occupied()
@@ -385,17 +451,73 @@ def legal_moves(boards: Boards) -> tuple[np.ndarray, np.ndarray]:
         rows_out.append(rr)
         moves_out.append(mm)
     _pawn_moves(boards, rows_out, moves_out)
+    castling_start = sum(r.size for r in rows_out)  # castling moves still need the destination tested
     _castling_moves(boards, rows_out, moves_out)
     rows = np.concatenate(rows_out) if rows_out else np.zeros(0, np.int64)
     moves = np.concatenate(moves_out) if moves_out else np.zeros(0, np.int64)
     if rows.size == 0:
         return rows, moves
-    after = apply_moves(boards.take(rows), moves)
-    mover = 1 - after.turn.astype(np.int64)
-    legal = ~attacked(after, after.pieces(mover, KING), after.turn)
+    # Only moves that can expose the king need the full test: all moves of a side in check,
+    # king moves (castling too), en-passant captures and moves of pinned pieces.
+    frm, to = moves & 63, (moves >> 6) & 63
+    king_from = (boards.pieces(us, KING)[rows] & SQUARE_BB[frm]) != 0
+    pawn_from = (boards.pieces(us, PAWN)[rows] & SQUARE_BB[frm]) != 0
+    doubtful = in_check(boards)[rows] | king_from | ((pinned_pieces(boards)[rows] & SQUARE_BB[frm]) != 0)
+    doubtful |= pawn_from & (to == boards.ep[rows])
+    doubtful[castling_start:] = True
+    legal = np.ones(rows.size, bool)
+    check = np.nonzero(doubtful)[0]
+    legal[check] = _safe(boards, rows[check], moves[check])
     rows, moves = rows[legal], moves[legal]
     order = np.argsort(rows, kind="stable")
     return rows[order], moves[order]
+
+
+def is_legal(boards: Boards, moves: np.ndarray) -> np.ndarray:
+    """Per row, whether ``moves[i]`` is a legal move of board ``i`` (castling as the king's
+    two-square move); cheaper than generating every legal move."""
+    n = len(boards)
+    moves = np.asarray(moves, dtype=np.int64)
+    frm, to, promotion = moves & 63, (moves >> 6) & 63, moves >> 12
+    us = boards.turn.astype(np.int64)
+    own, enemy = boards.side(us), boards.side(1 - us)
+    occupied = own | enemy
+    from_bb, to_bb = SQUARE_BB[frm], SQUARE_BB[to]
+    mine = (boards.bb.reshape(n, 2, 6)[np.arange(n), us] & from_bb[:, None]) != 0  # [n, 6]
+    piece = np.where(mine.any(axis=1), np.argmax(mine, axis=1), -1)
+    targets = np.zeros(n, np.uint64)
+    targets = np.where(piece == KNIGHT, _KNIGHT_TABLE[frm], targets)
+    targets = np.where(piece == KING, _KING_TABLE[frm], targets)
+    straight = (piece == ROOK) | (piece == QUEEN)
+    diagonal = (piece == BISHOP) | (piece == QUEEN)
+    targets = np.where(straight, targets | rook_attacks(from_bb, occupied), targets)
+    targets = np.where(diagonal, targets | bishop_attacks(from_bb, occupied), targets)
+    pawn = piece == PAWN
+    if pawn.any():
+        white = us == WHITE
+        empty = ~occupied
+        one = np.where(white, _shl(from_bb, 8), _shr(from_bb, 8)) & empty
+        two = np.where(white, _shl(one & _RANK_3, 8), _shr(one & _RANK_6, 8)) & empty
+        ep_bb = np.where(boards.ep >= 0, SQUARE_BB[np.maximum(boards.ep, 0)], np.uint64(0))
+        captures = pawn_attacks(from_bb, us) & (enemy | ep_bb)
+        targets = np.where(pawn, one | two | captures, targets)
+    ok = (piece >= 0) & ((targets & ~own & to_bb) != 0)
+    last_rank = (to >= 56) | (to < 8)
+    ok &= np.where(pawn & last_rank, (promotion >= KNIGHT) & (promotion <= QUEEN), promotion == 0)
+    castle = (piece == KING) & (np.abs(to - frm) == 2) & (promotion == 0)
+    if castle.any():
+        r = np.nonzero(castle)[0]
+        sub = boards.take(r)
+        c_rows, c_moves = [], []
+        _castling_moves(sub, c_rows, c_moves)
+        if c_rows:
+            allowed = np.isin(r * 8192 + moves[r], r[np.concatenate(c_rows)] * 8192 + np.concatenate(c_moves))
+        else:
+            allowed = np.zeros(r.size, bool)
+        ok[r] = allowed
+    candidates = np.nonzero(ok & ~castle)[0]
+    ok[candidates] = _safe(boards, candidates, moves[candidates])
+    return ok
 
 
 def perft(boards: Boards, depth: int) -> np.ndarray:

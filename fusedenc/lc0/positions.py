@@ -267,8 +267,7 @@ def _replay(starts: Boards, move_lists: Sequence[Sequence[int]], labels: Sequenc
         active = np.nonzero(lengths - 1 > k)[0]
         boards = states.take(offsets[active] + k)
         codes = _castling_as_king_move(boards, padded[active, k])
-        rows, legal = B.legal_moves(boards)
-        ok = np.isin(np.arange(active.size) * 32768 + codes, rows * 32768 + legal)
+        ok = B.is_legal(boards, codes)
         if not ok.all():
             i = int(np.nonzero(~ok)[0][0])
             b = int(active[i])
@@ -482,8 +481,7 @@ class Position:
         code = np.array(_move_codes([uci], label), np.int64)
         board = self._board
         code = _castling_as_king_move(board, code)
-        _, legal = B.legal_moves(board)
-        if int(code[0]) not in set(legal.tolist()):
+        if not B.is_legal(board, code)[0]:
             raise ValueError(f"{label}: {uci!r} is not a legal move here")
         after = B.apply_moves(board, code)
         new = object.__new__(Position)

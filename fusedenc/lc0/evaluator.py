@@ -1,0 +1,539 @@
+"""``Evaluator``: many threads ask for positions, one batch per GPU answers them.
+
+A chess engine's search threads each want one position evaluated now; a GPU wants a
+thousand at once.  The ``Evaluator`` sits between them, the way lc0's ``multiplexing``
+backend does: every ``submit(position)`` joins one queue and returns a
+``concurrent.futures.Future``; per device, a replica of the network and its workers take
+what is queued (up to ``max_batch`` positions, waiting at most ``max_wait_ms`` for a batch
+to fill), evaluate it and set each request's future to its ``Evaluation``.  Every device
+pulls from the same queue, so a faster or less loaded GPU simply takes more batches (lc0's
+``demux`` splits each batch across backends instead; pulling balances without knowing the
+devices' speeds).
+
+Per device the work is a three-stage pipeline, each stage a thread, so that the host work
+of one batch overlaps the GPU work of another:
+
+1. *gather* (host): take requests from the queue, ``prepare`` them (parse, check, replay
+   histories) and encode them (lc0's compact form: a mask and a value per plane) straight
+   into pinned host buffers;
+2. *launch* (GPU): copy the encoding to the device, expand it to planes there, replay the
+   network's CUDA graph (``Lc0GraphRunner``), copy the heads back into pinned host buffers
+   and record an event; nothing here waits for the GPU;
+3. *finish* (host): wait for that event, decode the policy over the legal moves and set
+   the futures.
+
+The stages hand each other *slots* (pinned encoding buffers, their device copies, a device
+planes buffer, pinned head buffers and an event); ``pipeline_depth`` slots per device (3 by default: one per
+stage) bound the batches in flight.  A slot goes back to the gather stage only after its
+batch is decoded, so no buffer is overwritten while a copy or a decode still reads it.
+torch releases the GIL in copies, graph replays and event waits, which is what lets the
+three Python threads overlap.  On a CPU device (tests, machines without a GPU) the same
+stages run with a plain forward.
+
+A bad position (a FEN that does not parse, an illegal move in its history) fails its own
+future only: when ``prepare`` refuses a batch, the requests are split in halves until the
+bad ones are found, and the rest are evaluated.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .encoding import encode_masks, expand_planes
+from .evaluate import Evaluation
+from .netfile import NetFile, read_net
+from .network import Lc0Network
+from .positions import prepare
+
+__all__ = ["Evaluator", "DEFAULT_BATCH_SIZES"]
+
+#: The CUDA-graph buckets by default (those above ``max_batch`` are dropped and ``max_batch``
+#: is added): a batch replays the smallest bucket that holds it, so the steps stay within 2x.
+DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256, 512, 1024)
+
+_PLANES = 112
+
+DeviceSpec = Union[None, str, int, torch.device, Sequence[Union[str, int, torch.device]]]
+
+
+def _devices(spec: DeviceSpec) -> list[torch.device]:
+    """``devices`` -> a list of distinct torch devices (CUDA devices with their index)."""
+    if spec is None:
+        if not torch.cuda.is_available():
+            raise ValueError("no GPU is visible to torch: pass devices='cpu' (with dtype=torch.float32) to use the CPU")
+        return [torch.device("cuda", torch.cuda.current_device())]
+    if isinstance(spec, str):
+        items: list[Any] = [s.strip() for s in spec.split(",") if s.strip()]
+    elif isinstance(spec, (int, torch.device)):
+        items = [spec]
+    else:
+        items = list(spec)
+    if not items:
+        raise ValueError(f"devices must name at least one device, got {spec!r}")
+    out: list[torch.device] = []
+    for item in items:
+        try:
+            is_index = isinstance(item, int) and not isinstance(item, bool)
+            d = torch.device("cuda", item) if is_index else torch.device(item)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"devices: {item!r} is not a device (cuda, cuda:N or cpu)") from None
+        if d.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"devices: {item!r} asks for a GPU, but torch sees none")
+            d = torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index)
+            if d.index >= torch.cuda.device_count():
+                raise ValueError(f"devices: {item!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+        elif d.type != "cpu":
+            raise ValueError(f"devices: {item!r}: only cuda and cpu devices are supported")
+        if d in out:
+            raise ValueError(f"devices: {d} is named twice")
+        out.append(d)
+    return out
+
+
+class _Request:
+    __slots__ = ("position", "future")
+
+    def __init__(self, position: Any, future: Future) -> None:
+        self.position, self.future = position, future
+
+
+class _Slot:
+    """One batch's buffers on one device (see the module doc).  The host stage writes lc0's
+    compact encoding (a 64-bit mask and a value per plane: ``encoding.encode_masks``) into
+    pinned buffers; the planes are expanded on the device (``encoding.expand_planes``),
+    which moves 1.3 KB a position instead of 14 KB and spares the host the expansion (on a
+    2-core host, 50-80 ms for 1024 positions: more than the GPU needs for the network)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, rows: int, heads: dict[str, int]) -> None:
+        cuda = device.type == "cuda"
+        self.masks_host = torch.empty((rows, _PLANES), dtype=torch.int64, pin_memory=cuda)
+        self.values_host = torch.empty((rows, _PLANES), dtype=torch.float32, pin_memory=cuda)
+        self.transforms_host = torch.empty((rows,), dtype=torch.int64, pin_memory=cuda)
+        self.heads_host = {k: torch.empty((rows, n), dtype=dtype, pin_memory=cuda) for k, n in heads.items()}
+        if cuda:
+            self.masks_dev = torch.empty((rows, _PLANES), dtype=torch.int64, device=device)
+            self.values_dev = torch.empty((rows, _PLANES), dtype=torch.float32, device=device)
+            self.transforms_dev = torch.empty((rows,), dtype=torch.int64, device=device)
+        self.planes = torch.empty((rows, _PLANES, 8, 8), dtype=dtype, device=device)
+        self.event = torch.cuda.Event() if cuda else None
+        # Filled per batch:
+        self.requests: list[_Request] = []
+        self.batch: Any = None
+        self.heads: Optional[dict[str, torch.Tensor]] = None
+        self.error: Optional[BaseException] = None
+
+
+@dataclass
+class EvaluatorStats:
+    """Counts since the Evaluator started: positions evaluated (futures given a result),
+    positions failed (futures given an exception), batches run, and their mean size; per
+    device the same."""
+
+    positions: int = 0
+    failed: int = 0
+    batches: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return self.positions / self.batches if self.batches else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"positions": self.positions, "failed": self.failed, "batches": self.batches,
+                "mean_batch": self.mean_batch}  # fmt: skip
+
+
+class _Replica:
+    """One device's network, runner, slots and three threads."""
+
+    def __init__(self, owner: "Evaluator", file: NetFile, net: Optional[Lc0Network], device: torch.device) -> None:
+        self.owner, self.device = owner, device
+        self.stats = EvaluatorStats()
+        dtype = owner.dtype
+        if net is None:
+            net = Lc0Network(file, dtype=dtype, device=device)
+        self.net = net
+        self.stream = None
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                self.stream = torch.cuda.Stream(device)
+                if owner.graphs:
+                    runner = net.graph_runner(owner.batch_sizes)
+                    runner.capture_all()  # capture now: the first batches are not slowed by it
+                    self.run = runner
+                else:
+                    self.run = net
+        else:
+            self.run = net
+        heads = {"policy": 1858, ("wdl" if net.wdl else "value"): 3 if net.wdl else 1}
+        if net.has_moves_left:
+            heads["moves_left"] = 1
+        self.free: "queue.Queue[_Slot]" = queue.Queue()
+        for _ in range(owner.pipeline_depth):
+            self.free.put(_Slot(device, dtype, owner.max_batch, heads))
+        self.launch_q: "queue.Queue[Optional[_Slot]]" = queue.Queue()
+        self.finish_q: "queue.Queue[Optional[_Slot]]" = queue.Queue()
+        name = f"fusedenc-eval-{device}"
+        self.threads = [
+            threading.Thread(target=self._gather_loop, name=f"{name}-gather", daemon=True),
+            threading.Thread(target=self._launch_loop, name=f"{name}-launch", daemon=True),
+            threading.Thread(target=self._finish_loop, name=f"{name}-finish", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+
+    # -- stage 1: gather, prepare, encode (host) --
+    def _gather_loop(self) -> None:
+        owner = self.owner
+        try:
+            while True:
+                slot = self.free.get()
+                requests = owner._take(owner.max_batch)
+                if requests is None:  # closed and drained
+                    self.free.put(slot)
+                    break
+                self._encode(slot, requests)
+                if slot.requests or slot.error is not None:
+                    self.launch_q.put(slot)
+                else:  # every request failed or was cancelled
+                    self.free.put(slot)
+        finally:
+            self.launch_q.put(None)
+
+    def _encode(self, slot: _Slot, requests: list[_Request]) -> None:
+        owner = self.owner
+        slot.requests, slot.batch, slot.heads, slot.error = requests, None, None, None
+        try:
+            batch, kept = owner._prepare(requests, self.stats)
+            slot.requests = kept
+            if not kept:
+                return
+            n = len(kept)
+            masks, values, transforms = encode_masks(batch, owner.input_format)
+            slot.masks_host[:n].copy_(torch.from_numpy(masks.view(np.int64)))
+            slot.values_host[:n].copy_(torch.from_numpy(values))
+            slot.transforms_host[:n].copy_(torch.from_numpy(transforms))
+            slot.batch = batch
+        except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
+            slot.error = exc
+
+    # -- stage 2: launch (GPU; nothing here waits for it) --
+    def _launch_loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            slot = self.launch_q.get()
+            if slot is None:
+                break
+            if slot.error is None:
+                try:
+                    self._launch(slot)
+                except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
+                    slot.error = exc
+            self.finish_q.put(slot)
+        self.finish_q.put(None)
+
+    @torch.no_grad()
+    def _launch(self, slot: _Slot) -> None:
+        n = len(slot.requests)
+        if self.stream is None:  # CPU: the forward runs here, synchronously
+            planes = expand_planes(slot.masks_host[:n], slot.values_host[:n], slot.transforms_host[:n],
+                                   out=slot.planes[:n])  # fmt: skip
+            slot.heads = {k: v[:n].float() for k, v in self.run(planes).items()}
+            return
+        with torch.cuda.stream(self.stream):
+            masks, values, transforms = slot.masks_dev[:n], slot.values_dev[:n], slot.transforms_dev[:n]
+            masks.copy_(slot.masks_host[:n], non_blocking=True)
+            values.copy_(slot.values_host[:n], non_blocking=True)
+            transforms.copy_(slot.transforms_host[:n], non_blocking=True)
+            planes = expand_planes(masks, values, transforms, out=slot.planes[:n])
+            out = self.run(planes)
+            heads = {}
+            for k, v in out.items():
+                host = slot.heads_host[k][:n]
+                host.copy_(v, non_blocking=True)  # queued before the next replay overwrites v
+                heads[k] = host
+            slot.event.record(self.stream)
+        slot.heads = heads
+
+    # -- stage 3: finish (host): wait, decode, set the futures --
+    def _finish_loop(self) -> None:
+        while True:
+            slot = self.finish_q.get()
+            if slot is None:
+                break
+            try:
+                self._finish(slot)
+            finally:
+                slot.requests, slot.batch, slot.heads = [], None, None
+                self.free.put(slot)
+
+    def _finish(self, slot: _Slot) -> None:
+        owner, requests = self.owner, slot.requests
+        if slot.error is None:
+            try:
+                if slot.event is not None:
+                    slot.event.synchronize()
+                    heads = {k: v.float() for k, v in slot.heads.items()}
+                else:
+                    heads = slot.heads
+                results = _evaluations(slot.batch, heads, owner.input_format, owner.temperature)
+            except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
+                slot.error = exc
+        if slot.error is not None:
+            pending = [r for r in requests if not r.future.done()]
+            for r in pending:
+                r.future.set_exception(slot.error)
+            owner._count(self.stats, failed=len(pending))
+            return
+        for r, ev in zip(requests, results, strict=True):
+            r.future.set_result(ev)
+        owner._count(self.stats, positions=len(requests), batches=1)
+
+
+def _evaluations(batch: Any, heads: dict[str, torch.Tensor], input_format: int, temperature: float) -> list[Evaluation]:
+    """The heads of a batch (float32 CPU tensors) -> one ``Evaluation`` per position, as
+    ``evaluate.evaluate`` builds them."""
+    policies = batch.decode(heads["policy"], input_format, temperature=temperature)
+    wdl = heads.get("wdl")
+    wdl = None if wdl is None else wdl.numpy()
+    value = heads.get("value")
+    value = None if value is None else value.numpy()
+    ml = heads.get("moves_left")
+    ml = None if ml is None else ml.numpy()
+    out = []
+    for i, p in enumerate(policies):
+        w = None if wdl is None else np.array(wdl[i], dtype=np.float32)
+        q = float(w[0] - w[2]) if w is not None else float(value[i, 0])
+        out.append(Evaluation(moves=list(p.moves), probs=p.probs, wdl=w, q=q,
+                              moves_left=None if ml is None else float(ml[i, 0])))  # fmt: skip
+    return out
+
+
+class Evaluator:
+    """Evaluates positions for many threads at once, batching them on one or more devices.
+
+    ``Evaluator(net, devices=None, dtype=torch.float16, ...)``; ``net`` is an lc0 file path,
+    a ``NetFile`` (one replica is built per device from it), or an ``Lc0Network`` (used as
+    it is, on its own device: one device only).
+
+    * ``submit(position) -> Future[Evaluation]``: a FEN, a ``(start_fen, [uci moves])`` pair,
+      a ``Position`` or a python-chess board (whatever ``prepare`` takes); thread-safe;
+    * ``submit_many(positions) -> list[Future]``: the same under one lock;
+    * ``evaluate(positions) -> list[Evaluation]``: blocking; raises the first failure;
+    * ``close()`` (or leaving a ``with`` block): no more submissions (``submit`` then raises
+      ``RuntimeError``); what was submitted is finished first (``cancel_pending=True``
+      cancels what has not started instead); the threads end.
+    * ``stats()``: positions evaluated and failed, batches, mean batch size, total and per
+      device.
+
+    ``devices``: None (the current GPU), ``"cpu"``, ``"cuda:0,cuda:1"``, an int, a device or
+    a list of them.  ``batch_sizes``: the CUDA-graph buckets (``DEFAULT_BATCH_SIZES`` up to
+    ``max_batch``); ``graphs=False`` runs the network eagerly instead.  ``max_batch``: the
+    most positions one batch takes; ``max_wait_ms``: how long a worker that has some
+    requests waits for more before it runs a smaller batch (the latency an engine pays when
+    the load is light).  ``temperature``: the policy softmax's.  ``pipeline_depth``: batches
+    in flight per device (>= 1; 3 lets gather, GPU and decode overlap).
+    """
+
+    def __init__(
+        self,
+        net: Union[str, "os.PathLike[str]", NetFile, Lc0Network],
+        *,
+        devices: DeviceSpec = None,
+        dtype: torch.dtype = torch.float16,
+        batch_sizes: Optional[Sequence[int]] = None,
+        max_batch: int = 1024,
+        max_wait_ms: float = 1.0,
+        temperature: float = 1.0,
+        pipeline_depth: int = 3,
+        graphs: bool = True,
+    ) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch <= 0:
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        if not isinstance(max_wait_ms, (int, float)) or isinstance(max_wait_ms, bool) or not max_wait_ms >= 0:
+            raise ValueError(f"max_wait_ms must be a number >= 0, got {max_wait_ms!r}")
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+            raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+        if isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int) or pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
+        if batch_sizes is None:
+            batch_sizes = [b for b in DEFAULT_BATCH_SIZES if b < max_batch] + [max_batch]
+        sizes = sorted(set(batch_sizes))
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
+            raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
+        self.batch_sizes = tuple(sizes)
+        self.max_batch, self.max_wait = max_batch, max_wait_ms / 1000.0
+        self.temperature, self.pipeline_depth, self.graphs = float(temperature), pipeline_depth, bool(graphs)
+
+        given: Optional[Lc0Network] = None
+        if isinstance(net, Lc0Network):
+            given = net
+            p = net.preproc.weight
+            self.devices = [p.device] if devices is None else _devices(devices)
+            if self.devices != [p.device]:
+                raise ValueError(f"an Lc0Network runs on its own device ({p.device}); pass the net file to run on "
+                                 f"{', '.join(map(str, self.devices))}")  # fmt: skip
+            if dtype != p.dtype:
+                dtype = p.dtype  # the network's dtype wins: it is what the buffers must hold
+            file = None
+            self.input_format = int(net.input_format)
+            self.source = net.source
+        else:
+            file = net if isinstance(net, NetFile) else read_net(net)
+            self.devices = _devices(devices)
+            self.input_format = int(file.input_format)
+            self.source = file.source
+        self.dtype = dtype
+
+        self._lock = threading.Condition()
+        self._queue: "collections.deque[_Request]" = collections.deque()
+        self._closed = False
+        self._stats = EvaluatorStats()
+        self._replicas: list[_Replica] = []
+        try:
+            for d in self.devices:
+                self._replicas.append(_Replica(self, file, given, d))
+        except BaseException:
+            self._replicas = []
+            raise
+        for r in self._replicas:
+            r.start()
+
+    # -- submission --
+    def submit(self, position: Any) -> "Future[Evaluation]":
+        """Queue one position; its future's result is the ``Evaluation`` (or the exception
+        that position raised: a bad FEN, an illegal move).  RuntimeError after ``close()``."""
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this Evaluator is closed")
+            self._queue.append(_Request(position, fut))
+            self._lock.notify()
+        return fut
+
+    def submit_many(self, positions: Iterable[Any]) -> "list[Future[Evaluation]]":
+        """Queue several positions at once (one lock, one wake-up); their futures in order."""
+        requests = [_Request(p, Future()) for p in positions]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this Evaluator is closed")
+            self._queue.extend(requests)
+            self._lock.notify_all()
+        return [r.future for r in requests]
+
+    def evaluate(self, positions: Iterable[Any]) -> list[Evaluation]:
+        """Evaluate positions and wait: the ``Evaluation``s in order; raises the exception of
+        the first position that failed (the others are still evaluated)."""
+        return [f.result() for f in self.submit_many(positions)]
+
+    # -- worker side --
+    def _take(self, n: int) -> Optional[list[_Request]]:
+        """Up to ``n`` requests for a batch: waits for the first, then up to ``max_wait`` for
+        the batch to fill; None once closed and the queue is empty."""
+        with self._lock:
+            while not self._queue:
+                if self._closed:
+                    return None
+                self._lock.wait()
+            if len(self._queue) < n and self.max_wait > 0 and not self._closed:
+                deadline = time.monotonic() + self.max_wait
+                while len(self._queue) < n and not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._lock.wait(left)
+            k = min(n, len(self._queue))
+            taken = [self._queue.popleft() for _ in range(k)]
+            if self._queue:
+                self._lock.notify()  # more work left: another worker may take it
+        # Futures cancelled by their caller are dropped here; the others can no longer be.
+        return [r for r in taken if r.future.set_running_or_notify_cancel()] if taken else []
+
+    def _prepare(self, requests: list[_Request], stats: EvaluatorStats) -> tuple[Any, list[_Request]]:
+        """``prepare`` the requests' positions; the requests ``prepare`` refuses (found by
+        splitting in halves) get their exception and are dropped.  (batch, the kept requests)."""
+        if not requests:
+            return None, []
+        try:
+            return prepare([r.position for r in requests]), requests
+        except Exception:  # noqa: BLE001 - one bad position: find it, below
+            pass
+        good: list[_Request] = []
+
+        def split(rs: list[_Request]) -> None:
+            try:
+                prepare([r.position for r in rs])
+            except Exception as exc:  # noqa: BLE001 - goes to that request's future
+                if len(rs) == 1:
+                    rs[0].future.set_exception(exc)
+                    self._count(stats, failed=1)
+                    return
+                half = len(rs) // 2
+                split(rs[:half])
+                split(rs[half:])
+            else:
+                good.extend(rs)
+
+        split(requests)
+        if not good:
+            return None, []
+        return prepare([r.position for r in good]), good
+
+    def _count(self, stats: EvaluatorStats, positions: int = 0, failed: int = 0, batches: int = 0) -> None:
+        with self._lock:
+            for s in (stats, self._stats):
+                s.positions += positions
+                s.failed += failed
+                s.batches += batches
+
+    # -- life cycle --
+    def close(self, cancel_pending: bool = False) -> None:
+        """Stop taking submissions, finish (or with ``cancel_pending``, cancel) what is queued,
+        and end the worker threads.  Idempotent."""
+        with self._lock:
+            self._closed = True
+            if cancel_pending:
+                while self._queue:
+                    self._queue.popleft().future.cancel()
+            self._lock.notify_all()
+        for r in self._replicas:
+            r.join()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Evaluator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        """``{"positions", "failed", "batches", "mean_batch", "devices": {device: the same}}``."""
+        with self._lock:
+            out = self._stats.as_dict()
+            out["devices"] = {str(r.device): r.stats.as_dict() for r in self._replicas}
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Evaluator({self.source!r}, devices={[str(d) for d in self.devices]}, dtype={self.dtype}, "
+                f"max_batch={self.max_batch}, max_wait_ms={self.max_wait * 1000:g}, closed={self._closed})")
+
