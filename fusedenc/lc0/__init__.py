@@ -15,11 +15,27 @@ every weight to float32; ``check_supported`` says whether fusedenc can run it.
 
 * ``network``  - ``load_network(path) -> Lc0Network``: the fast network (EncoderBlocks for
   the body, fused GEMMs for embedding, smolgen and heads), held to ``reference_forward``.
+
+From a position to a move:
+
+* ``board``     - chess rules on bitboards, vectorized over a batch (numpy);
+* ``positions`` - ``Position`` (FEN, moves, history, repetitions) and ``prepare``: any list of
+  positions (FENs, ``(fen, moves)`` pairs, ``Position``/``chess.Board`` objects) parsed,
+  replayed and checked at once;
+* ``encoding``  - ``encode_planes(positions, input_format)``: lc0's 112 input planes, every
+  input format of lc0's encoder;
+* ``policy``    - ``decode_policy(logits, positions, input_format)``: legal moves on the real
+  board with probabilities;
+* ``evaluate``  - ``Evaluation``; ``Lc0Network.evaluate(positions)`` runs the whole path.
 """
 
+from .encoding import encode_planes
 from .errors import Lc0FileError, Lc0FormatError
+from .evaluate import Evaluation
 from .netfile import NetFile, read_net
 from .network import Lc0GraphRunner, Lc0Network, load_network
+from .policy import MovePolicy, decode_policy
+from .positions import Position, prepare
 from .schema import (
     ActivationFunction,
     DefaultActivation,
@@ -35,20 +51,26 @@ from .weights import decode_layer, expect_shape
 __all__ = [
     "ActivationFunction",
     "DefaultActivation",
+    "Evaluation",
     "InputEmbeddingFormat",
     "LayerEncoding",
+    "MovePolicy",
     "Lc0FileError",
     "Lc0GraphRunner",
     "Lc0Network",
     "Lc0FormatError",
     "NetFile",
     "NetworkStructure",
+    "Position",
     "PolicyFormat",
     "ValueFormat",
     "check_supported",
     "decode_layer",
+    "decode_policy",
+    "encode_planes",
     "expect_shape",
     "expected_shapes",
     "load_network",
+    "prepare",
     "read_net",
 ]

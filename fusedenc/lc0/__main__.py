@@ -112,7 +112,8 @@ def _eval_parser() -> argparse.ArgumentParser:
                          "(default: cuda if torch sees a GPU)")  # fmt: skip
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default fp16 on a GPU, fp32 on the CPU")
     ap.add_argument("--temperature", type=float, default=1.0, help="policy softmax temperature (default 1)")
-    ap.add_argument("--out", metavar="FILE", default=None, help="--epd/--pgn: write the JSON lines here (default stdout)")
+    ap.add_argument("--out", metavar="FILE", default=None,
+                    help="--epd/--pgn: write the JSON lines here (default stdout)")
     ap.add_argument("--json", action="store_true", help="--fen: print one JSON object instead of text")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="--epd/--pgn: positions per batch (default 1024 on a GPU, 256 on the CPU)")
@@ -155,11 +156,11 @@ def _load(path: str) -> NetFile:
         check_supported(file)
     except Lc0FormatError as exc:
         raise InputError(f"fusedenc does not run {path}: {exc}") from None
-    from .encoding import encode_masks
+    from .encoding import resolve_input_format
 
     try:
-        encode_masks(["startpos"], file.input_format)
-    except (Lc0FormatError, NotImplementedError, ValueError) as exc:
+        resolve_input_format(file.input_format)
+    except (Lc0FormatError, ValueError) as exc:
         raise InputError(f"fusedenc does not encode positions for {path}: {exc}") from None
     return file
 
@@ -170,16 +171,9 @@ def _top(ev: Any, n: int) -> tuple[list[str], list[float]]:
 
 
 def _record(ev: Any, top: int, **ids: Any) -> dict[str, Any]:
-    moves, probs = _top(ev, top)
     rec = dict(ids)
-    rec.update(
-        best_move=ev.moves[0] if ev.moves else None,
-        moves=moves,
-        probs=probs,
-        wdl=None if ev.wdl is None else [round(float(x), 6) for x in ev.wdl],
-        q=round(float(ev.q), 6),
-        moves_left=None if ev.moves_left is None else round(float(ev.moves_left), 3),
-    )
+    rec["best_move"] = ev.best_move
+    rec.update(ev.to_dict(top=None if top <= 0 else top))  # moves, probs, q, wdl, moves_left
     return rec
 
 
@@ -188,8 +182,8 @@ def _print_one(ev: Any, fen: str, moves: list[str], source: str, device, dtype, 
     print(f"position   {fen}{after}")
     print(f"net        {os.path.basename(source)} ({device}, {str(dtype).replace('torch.', '')})")
     if ev.wdl is not None:
-        w, d, l = (float(x) for x in ev.wdl)
-        print(f"WDL        win {w:.1%}  draw {d:.1%}  loss {l:.1%}  (for the side to move)")
+        win, draw, loss = (float(x) for x in ev.wdl)
+        print(f"WDL        win {win:.1%}  draw {draw:.1%}  loss {loss:.1%}  (for the side to move)")
         print(f"Q          {ev.q:+.4f}")
     else:
         print(f"value      {ev.q:+.4f}  (tanh, for the side to move)")
@@ -311,8 +305,7 @@ def _open_out(path: Optional[str]) -> TextIO:
 
 
 def _eval_one(args, file: NetFile, devices: list[torch.device], dtype: torch.dtype) -> int:
-    from .evaluate import evaluate
-    from .positions import prepare
+    from .positions import Position, prepare
 
     fen = "startpos" if args.fen.strip() == "startpos" else args.fen
     position = (fen, list(args.moves))
@@ -321,9 +314,7 @@ def _eval_one(args, file: NetFile, devices: list[torch.device], dtype: torch.dty
     except ValueError as exc:
         raise InputError(f"--fen/--moves: {str(exc).removeprefix('position 0 ')}") from None
     net = Lc0Network(file, dtype=dtype, device=devices[0])
-    [ev] = evaluate(net, net, prepared, temperature=args.temperature)
-    from .positions import Position
-
+    [ev] = net.evaluate(prepared, temperature=args.temperature)
     shown = Position.from_fen(fen).fen() if fen == "startpos" else fen
     if args.json:
         print(json.dumps(_record(ev, args.top, fen=shown, moves_played=list(args.moves))))

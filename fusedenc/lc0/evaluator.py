@@ -49,10 +49,11 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .encoding import encode_masks, expand_planes
-from .evaluate import Evaluation
+from .encoding import encode_masks, expand_planes, resolve_input_format
+from .evaluate import Evaluation, evaluations
 from .netfile import NetFile, read_net
 from .network import Lc0Network
+from .policy import decode_policy
 from .positions import prepare
 
 __all__ = ["Evaluator", "DEFAULT_BATCH_SIZES"]
@@ -307,23 +308,10 @@ class _Replica:
         owner._count(self.stats, positions=len(requests), batches=1)
 
 
-def _evaluations(batch: Any, heads: dict[str, torch.Tensor], input_format: int, temperature: float) -> list[Evaluation]:
-    """The heads of a batch (float32 CPU tensors) -> one ``Evaluation`` per position, as
-    ``evaluate.evaluate`` builds them."""
-    policies = batch.decode(heads["policy"], input_format, temperature=temperature)
-    wdl = heads.get("wdl")
-    wdl = None if wdl is None else wdl.numpy()
-    value = heads.get("value")
-    value = None if value is None else value.numpy()
-    ml = heads.get("moves_left")
-    ml = None if ml is None else ml.numpy()
-    out = []
-    for i, p in enumerate(policies):
-        w = None if wdl is None else np.array(wdl[i], dtype=np.float32)
-        q = float(w[0] - w[2]) if w is not None else float(value[i, 0])
-        out.append(Evaluation(moves=list(p.moves), probs=p.probs, wdl=w, q=q,
-                              moves_left=None if ml is None else float(ml[i, 0])))  # fmt: skip
-    return out
+def _evaluations(batch: Any, heads: dict[str, torch.Tensor], input_format: Any, temperature: float) -> list[Evaluation]:
+    """The heads of a batch (float32 CPU tensors) -> one ``Evaluation`` per position, the
+    way ``evaluate.evaluate`` makes them (its ``evaluations``)."""
+    return evaluations(heads, decode_policy(heads["policy"], batch, input_format, temperature=temperature))
 
 
 class Evaluator:
@@ -393,12 +381,12 @@ class Evaluator:
             if dtype != p.dtype:
                 dtype = p.dtype  # the network's dtype wins: it is what the buffers must hold
             file = None
-            self.input_format = int(net.input_format)
+            self.input_format = resolve_input_format(net.input_format)
             self.source = net.source
         else:
             file = net if isinstance(net, NetFile) else read_net(net)
             self.devices = _devices(devices)
-            self.input_format = int(file.input_format)
+            self.input_format = resolve_input_format(file.input_format)  # Lc0FormatError if not encoded here
             self.source = file.source
         self.dtype = dtype
 

@@ -35,7 +35,7 @@ from . import moves
 from .errors import Lc0FormatError
 from .netfile import NetFile, read_net
 from .reference import BODY_LAYER_NORM_EPS
-from .schema import MovesLeftFormat, ValueFormat
+from .schema import InputFormat, MovesLeftFormat, ValueFormat
 from .support import check_supported
 
 __all__ = ["Lc0GraphRunner", "Lc0Network", "load_network"]
@@ -181,6 +181,10 @@ class Lc0Network(nn.Module):
         self.activations = acts
         self.source = net.source
         self.description = net.describe()
+        # How positions become planes for this net (checked against the encoder's formats
+        # when positions are evaluated, so a net of another format still runs on planes).
+        fmt = net.input_format
+        self.input_format = InputFormat(fmt) if fmt in InputFormat._value2member_map_ else fmt
         d = w["ip_emb_b"].numel()
         heads = w["headcount"]
         layers = w["encoder"]
@@ -260,6 +264,17 @@ class Lc0Network(nn.Module):
             f"activations=(default {a['default']}, ffn {a['ffn']}, smolgen {a['smolgen']}), "
             f"smolgen={self.smolgen_w is not None}, wdl={self.wdl}, moves_left={self.has_moves_left}"
         )
+
+    def evaluate(self, positions: Any, *, temperature: float = 1.0) -> list:
+        """Moves with probabilities, WDL, Q and moves-left for positions (FEN strings,
+        ``(fen, [uci moves])`` pairs, ``Position`` or ``chess.Board`` objects): see
+        ``fusedenc.lc0.evaluate``.  Bad positions and input formats fusedenc does not encode
+        raise before the network runs."""
+        from .evaluate import evaluate
+
+        p = self.preproc.weight
+        with torch.inference_mode():
+            return evaluate(self, self.input_format, positions, dtype=p.dtype, device=p.device, temperature=temperature)
 
     def graph_runner(self, batch_sizes: Sequence[int] = (1, 16, 64, 256, 1024)) -> "Lc0GraphRunner":
         """The whole network as one CUDA graph per batch-size bucket (``Lc0GraphRunner``).
@@ -482,6 +497,15 @@ class Lc0GraphRunner(BucketedGraphs):
     def __call__(self, planes: torch.Tensor) -> dict[str, torch.Tensor]:
         self.net._check(planes)
         return self._dispatch((planes,))
+
+    def evaluate(self, positions: Any, *, temperature: float = 1.0) -> list:
+        """``Lc0Network.evaluate`` through this runner's graphs."""
+        from .evaluate import evaluate
+
+        p = self.net.preproc.weight
+        with torch.inference_mode():
+            return evaluate(self, self.net.input_format, positions, dtype=p.dtype, device=p.device,
+                            temperature=temperature)
 
     def _capture(self, bucket: int):
         # The warm-up takes the path the capture will (smolgen beside QKV: its plans and

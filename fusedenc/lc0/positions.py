@@ -335,18 +335,6 @@ class PositionBatch:
             self._legal = (moves, starts, counts)
         return self._legal
 
-    def planes(self, input_format, out=None, **kwargs):
-        """``encoding.encode_planes`` of this batch."""
-        from .encoding import encode_planes
-
-        return encode_planes(self, input_format, out=out, **kwargs)
-
-    def decode(self, logits, input_format, temperature: float = 1.0):
-        """``policy.decode_policy`` of this batch."""
-        from .policy import decode_policy
-
-        return decode_policy(logits, self, input_format, temperature=temperature)
-
 
 def _as_history(item: Any) -> tuple[str, Sequence[Any]]:
     """(start FEN, moves) of one position given in any accepted form."""

@@ -1,0 +1,126 @@
+"""From a network's 1858 policy logits back to moves on the real board: ``decode_policy``.
+
+A network scores moves in its own frame: the side to move's view (ranks mirrored when
+Black moves), castling written as the king taking its rook (e1h1), and, in the canonical
+input formats, the board turned as the planes were (``encoding.choose_transforms``).  So
+each legal move of the real position is carried into that frame and looked up in lc0's
+move order (``moves.POLICY_MOVES``); the logits of the legal moves are gathered and a
+softmax over them alone gives the probabilities.  Moves come back in UCI on the real board
+(castling as e1g1), most probable first.
+
+One place where we follow the planes rather than lc0 909a408: with the board transposed
+(pawnless positions without castling rights whose king sits above the diagonal), lc0's
+``MoveToNNIndex`` turns moves by 180 degrees while its planes are transposed across the
+a8-h1 diagonal; here moves are transposed like the planes, so that a network sees its moves
+where it sees its pieces (see ``tests/data/lc0_positions/README.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import board as B
+from .encoding import SQUARE_MAP, choose_transforms, resolve_input_format
+from .encoding import _CANONICAL as CANONICAL_FORMATS
+from .moves import NUM_POLICY_MOVES, POLICY_MOVES
+from .positions import PositionBatch, prepare
+
+__all__ = ["MovePolicy", "decode_policy", "policy_indices"]
+
+
+def _index_table() -> np.ndarray:
+    """``TABLE[from, to, promotion]``: lc0's policy index of a move in the network's frame
+    (promotion 0 none, 1..4 knight..queen; a knight promotion is the plain move), -1 where
+    there is none."""
+    table = np.full((64, 64, 5), -1, np.int64)
+    for i, move in enumerate(POLICY_MOVES):
+        frm = B.move_code(move[:4]) & 63
+        to = (B.move_code(move[:4]) >> 6) & 63
+        if len(move) == 4:
+            table[frm, to, 0] = i
+            if move[1] == "7" and move[3] == "8" and abs(ord(move[0]) - ord(move[2])) <= 1:
+                table[frm, to, B.KNIGHT] = i
+        else:
+            table[frm, to, {"q": B.QUEEN, "r": B.ROOK, "b": B.BISHOP}[move[4]]] = i
+    return table
+
+
+_TABLE = _index_table()
+
+
+@dataclass
+class MovePolicy:
+    """One position's legal moves (UCI on the real board) with their probabilities, most
+    probable first; ``indices`` are their places in the 1858 policy logits."""
+
+    moves: list[str]
+    probs: np.ndarray
+    indices: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.moves)
+
+    def top(self, n: int) -> list[tuple[str, float]]:
+        return [(m, float(p)) for m, p in zip(self.moves[:n], self.probs[:n])]
+
+
+def policy_indices(positions: Any, input_format: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every legal move of every position with its policy index in the network's frame:
+    ``(moves, indices, starts, counts)`` (position ``b``'s at ``starts[b]:starts[b]+counts[b]``)."""
+    fmt = resolve_input_format(input_format)
+    batch = prepare(positions)
+    moves, starts, counts = batch.legal_moves()
+    current = batch.current
+    rows = np.repeat(np.arange(len(batch)), counts)
+    frm, to, promotion = moves & 63, (moves >> 6) & 63, moves >> 12
+    king = (current.pieces(current.turn.astype(np.int64), B.KING)[rows] & B.SQUARE_BB[frm]) != 0
+    castle = king & (np.abs(to - frm) == 2)
+    to = np.where(castle, np.where(to > frm, frm + 3, frm - 4), to)  # the king takes its rook
+    black = current.turn[rows] == B.BLACK
+    frm, to = np.where(black, frm ^ 56, frm), np.where(black, to ^ 56, to)
+    if fmt in CANONICAL_FORMATS:
+        turn = choose_transforms(current)[rows]
+        frm, to = SQUARE_MAP[turn, frm], SQUARE_MAP[turn, to]
+    indices = _TABLE[frm, to, promotion]
+    if (indices < 0).any():  # cannot happen for a legal move; a broken table must not pass silently
+        raise AssertionError("a legal move has no policy index")
+    return moves, indices, starts, counts
+
+
+def decode_policy(
+    logits: Any, positions: Any, input_format: Any, *, temperature: float = 1.0
+) -> list[MovePolicy]:
+    """Per position, its legal moves and their probabilities: the softmax of the network's
+    logits (``[B, 1858]``, a tensor on any device or an array) over the legal moves only,
+    divided by ``temperature`` first; sorted, most probable first.  A position without legal
+    moves (mate, stalemate) gets an empty ``MovePolicy``."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    batch = prepare(positions)
+    values = logits.detach().float().cpu().numpy() if isinstance(logits, torch.Tensor) else np.asarray(logits, np.float32)
+    if values.ndim != 2 or values.shape != (len(batch), NUM_POLICY_MOVES):
+        raise ValueError(f"logits must be [{len(batch)}, {NUM_POLICY_MOVES}] for {len(batch)} positions, got {list(values.shape)}")
+    moves, indices, starts, counts = policy_indices(batch, input_format)
+    rows = np.repeat(np.arange(len(batch)), counts)
+    chosen = values[rows, indices].astype(np.float64) / temperature
+    probs = np.zeros(chosen.shape, np.float64)
+    has = counts > 0
+    if chosen.size:
+        top = np.maximum.reduceat(chosen, starts[has])
+        e = np.exp(chosen - np.repeat(top, counts[has]))
+        total = np.add.reduceat(e, starts[has])
+        probs = e / np.repeat(total, counts[has])
+    order = np.lexsort((-probs, rows))
+    texts = [B.UCI_TEXT[c] for c in moves[order].tolist()]
+    probs32 = probs[order].astype(np.float32)
+    sorted_indices = indices[order]
+    out = []
+    for b in range(len(batch)):
+        s, c = int(starts[b]), int(counts[b])
+        out.append(MovePolicy(texts[s: s + c], probs32[s: s + c], sorted_indices[s: s + c]))
+    return out
+
