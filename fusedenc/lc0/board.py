@@ -60,10 +60,10 @@ _NOT_A = ~_FILE_A
 _NOT_H = ~(_FILE_A << _U(7))
 _NOT_AB = ~(_FILE_A | (_FILE_A << _U(1)))
 _NOT_GH = ~((_FILE_A << _U(6)) | (_FILE_A << _U(7)))
-_RANK_1 = _U(0xFF)
-_RANK_3 = _RANK_1 << _U(16)
-_RANK_6 = _RANK_1 << _U(40)
-_RANK_8 = _RANK_1 << _U(56)
+RANK_1 = _U(0xFF)
+_RANK_3 = RANK_1 << _U(16)
+_RANK_6 = RANK_1 << _U(40)
+RANK_8 = RANK_1 << _U(56)
 #: One bit per square.
 SQUARE_BB = np.array([1 << s for s in range(64)], dtype=np.uint64)
 

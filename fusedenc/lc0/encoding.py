@@ -64,7 +64,7 @@ SUPPORTED_INPUT_FORMATS = (
     InputFormat.WITH_CANONICALIZATION_HECTOPLIES_ARMAGEDDON,
     InputFormat.WITH_CANONICALIZATION_V2_ARMAGEDDON,
 )
-_CANONICAL = {InputFormat.WITH_CANONICALIZATION, InputFormat.WITH_CANONICALIZATION_HECTOPLIES,
+CANONICAL_FORMATS = {InputFormat.WITH_CANONICALIZATION, InputFormat.WITH_CANONICALIZATION_HECTOPLIES,
               InputFormat.WITH_CANONICALIZATION_V2, InputFormat.WITH_CANONICALIZATION_HECTOPLIES_ARMAGEDDON,
               InputFormat.WITH_CANONICALIZATION_V2_ARMAGEDDON}
 _HECTOPLIES = {InputFormat.WITH_CANONICALIZATION_HECTOPLIES, InputFormat.WITH_CANONICALIZATION_V2,
@@ -197,7 +197,7 @@ def _history_slots(batch: PositionBatch, fmt: InputFormat, fill: HistoryFill):
     states, reps = batch.states, batch.repetitions
     first, length = batch.offsets[:-1], np.diff(batch.offsets)
     current = first + length - 1
-    stop_early, v2 = fmt in _CANONICAL, fmt in _V2
+    stop_early, v2 = fmt in CANONICAL_FORMATS, fmt in _V2
     castling_now = states.castling[current]
     standard_start = (states.key()[first] == _STARTPOS_KEY).all(axis=1)
     source = np.full((n, 8), -1, np.int64)
@@ -294,7 +294,7 @@ def encode_masks(
         bit = lambda s: np.uint64(1 << s)  # noqa: E731
         masks[:, _AUX] = np.where(we_q, bit(0), zero) | np.where(they_q, bit(56), zero)
         masks[:, _AUX + 1] = np.where(we_k, bit(7), zero) | np.where(they_k, bit(63), zero)
-        if fmt in _CANONICAL:
+        if fmt in CANONICAL_FORMATS:
             ep = current.ep.astype(np.int64)
             masks[:, _AUX + 4] = np.where(ep >= 0, B.SQUARE_BB[56 + np.maximum(ep, 0) % 8], zero)
         else:
@@ -305,7 +305,7 @@ def encode_masks(
     if fmt in _ARMAGEDDON:
         masks[:, _AUX + 6] = np.where(black, _ALL, zero)
     masks[:, _AUX + 7] = _ALL
-    transforms = choose_transforms(current) if fmt in _CANONICAL else np.zeros(n, np.int64)
+    transforms = choose_transforms(current) if fmt in CANONICAL_FORMATS else np.zeros(n, np.int64)
     return masks, values, transforms
 
 

@@ -25,9 +25,9 @@ import torch
 
 from . import board as B
 from .encoding import SQUARE_MAP, choose_transforms, resolve_input_format
-from .encoding import _CANONICAL as CANONICAL_FORMATS
+from .encoding import CANONICAL_FORMATS
 from .moves import NUM_POLICY_MOVES, POLICY_MOVES
-from .positions import PositionBatch, prepare
+from .positions import prepare
 
 __all__ = ["MovePolicy", "decode_policy", "policy_indices"]
 

@@ -113,7 +113,7 @@ def _check_boards(boards: Boards) -> list[Optional[str]]:
     flag(kings_w != 1, lambda i: f"white has {kings_w[i]} kings, not 1")
     flag(kings_b != 1, lambda i: f"black has {kings_b[i]} kings, not 1")
     pawns = bb[:, B.PAWN] | bb[:, 6 + B.PAWN]
-    flag((pawns & (B._RANK_1 | B._RANK_8)) != 0, "a pawn stands on the first or last rank")
+    flag((pawns & (B.RANK_1 | B.RANK_8)) != 0, "a pawn stands on the first or last rank")
     for color, name in ((0, "white"), (1, "black")):
         count = _popcount(np.bitwise_or.reduce(bb[:, 6 * color: 6 * color + 6], axis=1))
         flag(count > 16, lambda i, c=count, nm=name: f"{nm} has {c[i]} pieces (at most 16)")
