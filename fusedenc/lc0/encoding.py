@@ -181,7 +181,8 @@ def choose_transforms(current: B.Boards) -> np.ndarray:
         o = [int(v) for v in ours[i]]
         t = [int(v) for v in theirs[i]]
         both = [o[p] | t[p] for p in range(6)]
-        ours_all, theirs_all = np.bitwise_or.reduce(o), np.bitwise_or.reduce(t)
+        ours_all = o[0] | o[1] | o[2] | o[3] | o[4] | o[5]
+        theirs_all = t[0] | t[1] | t[2] | t[3] | t[4] | t[5]
         order = [ours_all | theirs_all, ours_all, both[B.KING], both[B.QUEEN], both[B.ROOK], both[B.KNIGHT], both[B.BISHOP]]
         transform[i] = _break_diagonal_tie(order, int(transform[i]))
     return transform

@@ -34,14 +34,14 @@ __all__ = ["EpdRecord", "PgnGame", "read_epd", "parse_epd_line", "read_pgn", "sa
 
 START_FEN = "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1"
 
-#: A file path, an open text file, or the text itself (a str with a newline, or any
-#: iterable of lines).
+#: A file path (str or path-like), or the lines themselves: an open text file, an
+#: ``io.StringIO(text)`` or any iterable of lines.
 Source = Union[str, "os.PathLike[str]", io.TextIOBase, Iterable[str]]
 
 
 def _lines(source: Source) -> tuple[str, Iterator[str]]:
     """(a name for messages, the source's lines)."""
-    if isinstance(source, (str, os.PathLike)) and not (isinstance(source, str) and "\n" in source):
+    if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the generator
 
@@ -50,9 +50,7 @@ def _lines(source: Source) -> tuple[str, Iterator[str]]:
                 yield from f
 
         return path, gen()
-    if isinstance(source, str):
-        return "<text>", iter(source.splitlines(keepends=True))
-    return getattr(source, "name", "<lines>"), iter(source)
+    return getattr(source, "name", "<text>"), iter(source)
 
 
 # ------------------------------------------------------------------ EPD ----
@@ -157,7 +155,7 @@ def _counter(ops: dict[str, list[str]], op: str, default: str, where: str) -> st
 
 
 def read_epd(source: Source) -> Iterator[EpdRecord]:
-    """The records of an EPD file (path, open file, text or lines), blank and ``#`` lines
+    """The records of an EPD file (a path, an open file or lines), blank and ``#`` lines
     skipped.  ``OSError`` if the file cannot be opened; ``ValueError`` naming the line for a
     malformed one."""
     name, lines = _lines(source)
@@ -305,7 +303,7 @@ class _PgnParser:
 
 
 def read_pgn(source: Source) -> Iterator[PgnGame]:
-    """The games of a PGN file (path, open file, text or lines), in file order, each move
+    """The games of a PGN file (a path, an open file or lines), in file order, each move
     converted to UCI and checked.  ``OSError`` if the file cannot be opened; ``ValueError``
     naming the game, its line and the move for a move that is not legal or is ambiguous.
 

@@ -61,11 +61,11 @@ def _split_fen(fen: str) -> tuple[str, int, int, int, int, int]:
         raise ValueError(f"the board has {len(ranks)} ranks, not 8")
     expanded = [r.translate(_EXPAND) for r in ranks]
     for i, r in enumerate(expanded):
-        if len(r) != 8:
-            raise ValueError(f"rank {8 - i} ({ranks[i]!r}) has {len(r)} squares, not 8")
         bad = set(r) - set(_LETTERS + ".")
         if bad:
             raise ValueError(f"rank {8 - i} ({ranks[i]!r}) has characters that are no piece: {''.join(sorted(bad))}")
+        if len(r) != 8:
+            raise ValueError(f"rank {8 - i} ({ranks[i]!r}) has {len(r)} squares, not 8")
     squares = "".join(reversed(expanded))
     if turn not in ("w", "b"):
         raise ValueError(f"side to move is {turn!r}, not 'w' or 'b'")
