@@ -308,7 +308,7 @@ class PositionBatch:
     ``repetitions[i]`` counts earlier occurrences of state ``i`` in its history.
     """
 
-    def __init__(self, states: Boards, offsets: np.ndarray, repetitions: np.ndarray, labels: list[str]):
+    def __init__(self, states: Boards, offsets: np.ndarray, repetitions: np.ndarray, labels: Any):
         self.states = states
         self.offsets = offsets
         self.repetitions = repetitions
@@ -369,16 +369,15 @@ def prepare(positions: Union[Iterable[Any], "PositionBatch"]) -> PositionBatch:
     ready = [p for p in items if isinstance(p, Position)]
     if ready and len(ready) == len(items):
         return _from_positions(items)
-    fens, move_texts, labels = [], [], []
+    fens, move_texts = [], []
     for i, item in enumerate(items):
         try:
             fen, moves = _as_history(item)
         except ValueError as exc:
             raise ValueError(f"position {i}: {exc}") from None
-        label = f"position {i} ({fen!r}{f' + {len(moves)} moves' if moves else ''})"
         fens.append(fen)
         move_texts.append(moves)
-        labels.append(label)
+    labels = _Labels(fens, move_texts)
     starts = parse_fens(fens, labels=labels)
     codes = [_move_codes(m, labels[i]) if m else () for i, m in enumerate(move_texts)]
     states, offsets, played = _replay(starts, codes, labels)
@@ -387,13 +386,24 @@ def prepare(positions: Union[Iterable[Any], "PositionBatch"]) -> PositionBatch:
     return batch
 
 
+class _Labels:
+    """``labels[i]``: how error messages name position ``i``; made only when one is needed."""
+
+    def __init__(self, fens: list, move_lists: list) -> None:
+        self.fens, self.move_lists = fens, move_lists
+
+    def __getitem__(self, i: int) -> str:
+        n = len(self.move_lists[i])
+        return f"position {i} ({self.fens[i]!r}{f' + {n} moves' if n else ''})"
+
+
 def _from_positions(items: Sequence["Position"]) -> PositionBatch:
     lengths = np.array([len(p._states) for p in items], np.int64)
     offsets = np.zeros(len(items) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     states = Boards.concat([p._states for p in items]) if items else Boards.empty(0)
     reps = np.concatenate([p._repetitions for p in items]) if items else np.zeros(0, np.int16)
-    labels = [f"position {i} ({p.fen()!r})" for i, p in enumerate(items)]
+    labels = _Labels([p.start_fen for p in items], [p.moves for p in items])
     return PositionBatch(states, offsets, reps, labels)
 
 
