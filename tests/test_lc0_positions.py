@@ -118,6 +118,7 @@ def test_fen_round_trip_and_fields():
         ("4k2R/8/8/8/8/8/8/4K3 w - - 0 1", "not to move is in check"),
         ("4k3/4Q3/8/8/8/8/8/4K3 w - - 0 1", "not to move is in check"),
         ("4k3/8/8/8/8/8/8/4K3 w - - -1 1", "halfmove clock"),
+        ("7K/8/3B4/2Q1k3/1b3B2/4Q3/3b4/8 b - - 18 28", "in check from 4 pieces"),
     ],
 )
 def test_bad_fens_are_refused_naming_the_position(fen, words):

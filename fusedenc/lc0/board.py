@@ -37,6 +37,7 @@ __all__ = [
     "ROOK",
     "WHITE",
     "apply_moves",
+    "checkers",
     "in_check",
     "is_legal",
     "legal_moves",
@@ -228,6 +229,21 @@ def attacked(boards: Boards, targets: np.ndarray, by: np.ndarray) -> np.ndarray:
     hits |= rook_attacks(targets, occupied) & (piece(ROOK) | queens)
     hits |= bishop_attacks(targets, occupied) & (piece(BISHOP) | queens)
     return hits != 0
+
+
+def checkers(boards: Boards) -> np.ndarray:
+    """Per row, the set of pieces giving check to the side to move."""
+    us = boards.turn.astype(np.int64)
+    them = 1 - us
+    king = boards.pieces(us, KING)
+    occupied = boards.occupied()
+    queens = boards.pieces(them, QUEEN)
+    return (
+        (knight_attacks(king) & boards.pieces(them, KNIGHT))
+        | (pawn_attacks(king, us) & boards.pieces(them, PAWN))
+        | (rook_attacks(king, occupied) & (boards.pieces(them, ROOK) | queens))
+        | (bishop_attacks(king, occupied) & (boards.pieces(them, BISHOP) | queens))
+    )
 
 
 def in_check(boards: Boards) -> np.ndarray:

@@ -49,7 +49,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .encoding import encode_masks, expand_planes, resolve_input_format
+from .encoding import GATHER, encode_masks, expand_planes, resolve_input_format
 from .evaluate import Evaluation, evaluations
 from .netfile import NetFile, read_net
 from .network import Lc0Network
@@ -168,9 +168,11 @@ class _Replica:
         if device.type == "cuda":
             with torch.cuda.device(device):
                 self.stream = torch.cuda.Stream(device)
+                self.shifts = torch.arange(64, device=device, dtype=torch.int64)
+                self.gather = torch.as_tensor(GATHER, device=device)
                 if owner.graphs:
                     runner = net.graph_runner(owner.batch_sizes)
-                    runner.capture_all()  # capture now: the first batches are not slowed by it
+                    _capture_all_on(runner, device)  # now: the first batches are not slowed by it
                     self.run = runner
                 else:
                     self.run = net
@@ -263,7 +265,7 @@ class _Replica:
             masks.copy_(slot.masks_host[:n], non_blocking=True)
             values.copy_(slot.values_host[:n], non_blocking=True)
             transforms.copy_(slot.transforms_host[:n], non_blocking=True)
-            planes = expand_planes(masks, values, transforms, out=slot.planes[:n])
+            planes = _expand_on_device(masks, values, transforms, self.shifts, self.gather, slot.planes[:n])
             out = self.run(planes)
             heads = {}
             for k, v in out.items():
@@ -306,6 +308,45 @@ class _Replica:
         for r, ev in zip(requests, results, strict=True):
             r.future.set_result(ev)
         owner._count(self.stats, positions=len(requests), batches=1)
+
+
+#: Planes 0-108 turn with the board in the canonical formats; 109-111 are uniform.
+_TURNED_PLANES = 109
+
+
+def _expand_on_device(masks, values, transforms, shifts, gather, out: torch.Tensor) -> torch.Tensor:
+    """``encoding.expand_planes``' math on the GPU without a device-to-host sync.
+
+    ``expand_planes`` asks the device which planes have values other than 1 (a ``.tolist()``):
+    that waits for the GPU with the GIL held, so the launch thread would stall the host
+    stages for a whole batch of network time (seen on an H200: t82 at 256 positions fell from
+    the graph's 34.6k positions/s to 7.6k).  Here every plane is scaled by its value (a
+    multiply over ``[B, 112, 64]``, nothing on a GPU) and the canonical turn is always
+    gathered (identity for turn 0), so nothing is asked of the device."""
+    n = masks.shape[0]
+    planes = (masks.unsqueeze(-1) >> shifts).bitwise_and_(1).to(torch.float32)  # [n, 112, 64]
+    index = gather[transforms].unsqueeze(1).expand(-1, _TURNED_PLANES, -1)
+    planes[:, :_TURNED_PLANES] = planes[:, :_TURNED_PLANES].gather(2, index)
+    planes.mul_(values.unsqueeze(-1))
+    out.copy_(planes.view(n, _PLANES, 8, 8))
+    return out
+
+
+def _capture_all_on(runner: Any, device: torch.device) -> None:
+    """``runner.capture_all()`` on ``device``'s own capture stream.
+
+    ``fusedenc.graphs.capture`` lets ``torch.cuda.graph`` pick its class-wide default capture
+    stream, which torch makes once, on the device current at the process's first capture; a
+    graph for another GPU is then captured on a stream of the wrong device and fails
+    ("operation not permitted when stream is capturing", seen with two H200s).  Until
+    ``capture`` passes a stream of its own device, the default is set to one here."""
+    saved = torch.cuda.graph.default_capture_stream
+    torch.cuda.graph.default_capture_stream = torch.cuda.Stream(device)
+    try:
+        with torch.cuda.device(device):
+            runner.capture_all()
+    finally:
+        torch.cuda.graph.default_capture_stream = saved
 
 
 def _evaluations(batch: Any, heads: dict[str, torch.Tensor], input_format: Any, temperature: float) -> list[Evaluation]:

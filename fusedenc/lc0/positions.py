@@ -156,6 +156,9 @@ def _check_boards(boards: Boards) -> list[Optional[str]]:
         mover = sub.turn.astype(np.int64)
         exposed = B.attacked(sub, sub.pieces(1 - mover, B.KING), mover)
         flag(np.isin(np.arange(n), idx[exposed]), "the side not to move is in check")
+        givers = np.zeros(n, np.int64)
+        givers[idx] = _popcount(B.checkers(sub))
+        flag(givers > 2, lambda i: f"the side to move is in check from {givers[i]} pieces (at most 2 after a real move)")
     return problems
 
 
