@@ -318,32 +318,28 @@ def _expand(rows: np.ndarray, frm: np.ndarray, targets: np.ndarray, promotion: i
 
 def _pawn_moves(boards: Boards, rows_out: list, moves_out: list) -> None:
     n = len(boards)
-    rows = np.arange(n)
     us = boards.turn.astype(np.int64)
     white = us == WHITE
     pawns = boards.pieces(us, PAWN)
-    occupied = boards.occupied()
-    empty = ~occupied
-    enemy = boards.side(1 - us)
-    ep_bb = np.where(boards.ep >= 0, SQUARE_BB[np.maximum(boards.ep, 0)], _U(0))
+    empty = ~boards.occupied()
+    prey = boards.side(1 - us) | np.where(boards.ep >= 0, SQUARE_BB[np.maximum(boards.ep, 0)], _U(0))
     one = np.where(white, _shl(pawns, 8), _shr(pawns, 8)) & empty
     two = np.where(white, _shl(one & _RANK_3, 8), _shr(one & _RANK_6, 8)) & empty
-    prey = enemy | ep_bb
     left = np.where(white, _step(pawns, _NORTH_WEST), _step(pawns, _SOUTH_WEST)) & prey
     right = np.where(white, _step(pawns, _NORTH_EAST), _step(pawns, _SOUTH_EAST)) & prey
-    # (targets, from-square offset for white, for black)
-    for targets, dw, db in ((one, -8, 8), (two, -16, 16), (left, -7, 9), (right, -9, 7)):
-        i, to = square_bits(targets)
-        r = rows[i]
-        frm = to + np.where(white[r], dw, db)
-        last_rank = (to >= 56) | (to < 8)
-        plain = ~last_rank
-        rows_out.append(r[plain])
-        moves_out.append(frm[plain] | (to[plain] << 6))
-        if last_rank.any():
-            for piece in (QUEEN, ROOK, BISHOP, KNIGHT):
-                rows_out.append(r[last_rank])
-                moves_out.append(frm[last_rank] | (to[last_rank] << 6) | (piece << 12))
+    # All four target sets in one pass; the from-square is the target minus the kind's step.
+    i, to = square_bits(np.stack([one, two, left, right], axis=1).reshape(-1))
+    r, kind = i // 4, i % 4
+    step = np.array([[-8, 8], [-16, 16], [-7, 9], [-9, 7]])  # [kind, colour]: white, black
+    frm = to + step[kind, us[r]]
+    last_rank = (to >= 56) | (to < 8)
+    plain = ~last_rank
+    rows_out.append(r[plain])
+    moves_out.append(frm[plain] | (to[plain] << 6))
+    if last_rank.any():
+        for piece in (QUEEN, ROOK, BISHOP, KNIGHT):
+            rows_out.append(r[last_rank])
+            moves_out.append(frm[last_rank] | (to[last_rank] << 6) | (piece << 12))
 
 
 def _castling_moves(boards: Boards, rows_out: list, moves_out: list) -> None:
@@ -446,26 +442,22 @@ def legal_moves(boards: Boards) -> tuple[np.ndarray, np.ndarray]:
     us = boards.turn.astype(np.int64)
     own = boards.side(us)
     occupied = boards.occupied()
-    rows_out: list[np.ndarray] = []
-    moves_out: list[np.ndarray] = []
-    for piece in (KNIGHT, BISHOP, ROOK, QUEEN, KING):
-        r, sq = square_bits(boards.pieces(us, piece))
-        if r.size == 0:
-            continue
-        if piece == KNIGHT:
-            targets = _KNIGHT_TABLE[sq]
-        elif piece == KING:
-            targets = _KING_TABLE[sq]
-        else:
-            gen, occ = SQUARE_BB[sq], occupied[r]
-            targets = np.zeros(r.size, np.uint64)
-            if piece in (ROOK, QUEEN):
-                targets |= rook_attacks(gen, occ)
-            if piece in (BISHOP, QUEEN):
-                targets |= bishop_attacks(gen, occ)
-        rr, mm = _expand(r, sq, targets & ~own[r])
-        rows_out.append(rr)
-        moves_out.append(mm)
+    n = len(boards)
+    # Every non-pawn piece of the side to move in one pass: (row, piece, square).
+    own_pieces = boards.bb.reshape(n, 2, 6)[np.arange(n), us][:, KNIGHT:]  # [n, 5]: N B R Q K
+    i, sq = square_bits(own_pieces.reshape(-1))
+    r, piece = i // 5, i % 5 + KNIGHT
+    targets = np.where(piece == KNIGHT, _KNIGHT_TABLE[sq], _U(0))
+    targets = np.where(piece == KING, _KING_TABLE[sq], targets)
+    straight = np.nonzero((piece == ROOK) | (piece == QUEEN))[0]
+    diagonal = np.nonzero((piece == BISHOP) | (piece == QUEEN))[0]
+    if straight.size:
+        targets[straight] |= rook_attacks(SQUARE_BB[sq[straight]], occupied[r[straight]])
+    if diagonal.size:
+        targets[diagonal] |= bishop_attacks(SQUARE_BB[sq[diagonal]], occupied[r[diagonal]])
+    rr, mm = _expand(r, sq, targets & ~own[r])
+    rows_out: list[np.ndarray] = [rr]
+    moves_out: list[np.ndarray] = [mm]
     _pawn_moves(boards, rows_out, moves_out)
     castling_start = sum(r.size for r in rows_out)  # castling moves still need the destination tested
     _castling_moves(boards, rows_out, moves_out)
