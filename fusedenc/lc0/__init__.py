@@ -26,12 +26,17 @@ From a position to a move:
   input format of lc0's encoder;
 * ``policy``    - ``decode_policy(logits, positions, input_format)``: legal moves on the real
   board with probabilities;
-* ``evaluate``  - ``Evaluation``; ``Lc0Network.evaluate(positions)`` runs the whole path.
+* ``evaluate``  - ``Evaluation``; ``Lc0Network.evaluate(positions)`` runs the whole path;
+* ``evaluator`` - ``Evaluator``: many threads submit positions, batches run on one or more GPUs
+  (``hostwork``: the host side of a batch, run in worker processes);
+* ``gamefiles`` - ``read_epd``, ``read_pgn``, ``san_to_uci``: positions from EPD and PGN files.
 """
 
 from .encoding import encode_planes
 from .errors import Lc0FileError, Lc0FormatError
 from .evaluate import Evaluation
+from .evaluator import Evaluator
+from .gamefiles import read_epd, read_pgn, san_to_uci
 from .netfile import NetFile, read_net
 from .network import Lc0GraphRunner, Lc0Network, load_network
 from .policy import MovePolicy, decode_policy
@@ -52,6 +57,7 @@ __all__ = [
     "ActivationFunction",
     "DefaultActivation",
     "Evaluation",
+    "Evaluator",
     "InputEmbeddingFormat",
     "LayerEncoding",
     "MovePolicy",
@@ -72,5 +78,8 @@ __all__ = [
     "expected_shapes",
     "load_network",
     "prepare",
+    "read_epd",
+    "read_pgn",
+    "san_to_uci",
     "read_net",
 ]

@@ -317,7 +317,6 @@ def _expand(rows: np.ndarray, frm: np.ndarray, targets: np.ndarray, promotion: i
 
 
 def _pawn_moves(boards: Boards, rows_out: list, moves_out: list) -> None:
-    n = len(boards)
     us = boards.turn.astype(np.int64)
     white = us == WHITE
     pawns = boards.pieces(us, PAWN)

@@ -337,6 +337,9 @@ def expand_planes(
         planes = torch.from_numpy(bits).to(torch.float32)
         v = torch.from_numpy(np.asarray(values, np.float32))
     else:
+        # On the GPU nothing may wait for the device (the caller's threads would stall with
+        # the GIL held): the canonical turn is gathered for every row (turn 0 is the
+        # identity) and every plane scaled by its value, both cheap there.
         device = masks.device
         shifts = _SHIFTS.get(device)
         if shifts is None:
@@ -346,8 +349,14 @@ def expand_planes(
         t = torch.as_tensor(transforms, device=device)
         index = _GATHERS[device][t].unsqueeze(1).expand(-1, _AUX + 5, -1)
         planes[:, : _AUX + 5] = planes[:, : _AUX + 5].gather(2, index)
-        v = torch.as_tensor(values, device=device, dtype=torch.float32)
-    scaled = torch.nonzero((v != 1).any(dim=0)).flatten().tolist() if n else []
+        planes.mul_(torch.as_tensor(values, device=device, dtype=torch.float32).unsqueeze(-1))
+        planes = planes.view(n, PLANES, 8, 8)
+        if out is not None:
+            if tuple(out.shape) != tuple(planes.shape):
+                raise ValueError(f"out must have shape {list(planes.shape)}, got {list(out.shape)}")
+            return out.copy_(planes)
+        return planes.to(dtype)
+    scaled = np.nonzero((np.asarray(values) != 1).any(axis=0))[0].tolist() if n else []
     for p in scaled:  # in practice only the rule-50 plane
         planes[:, p] *= v[:, p].unsqueeze(-1)
     planes = planes.view(n, PLANES, 8, 8)

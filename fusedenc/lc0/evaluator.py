@@ -13,48 +13,52 @@ devices' speeds).
 Per device the work is a three-stage pipeline, each stage a thread, so that the host work
 of one batch overlaps the GPU work of another:
 
-1. *gather* (host): take requests from the queue, ``prepare`` them (parse, check, replay
-   histories) and encode them (lc0's compact form: a mask and a value per plane) straight
-   into pinned host buffers;
-2. *launch* (GPU): copy the encoding to the device, expand it to planes there, replay the
-   network's CUDA graph (``Lc0GraphRunner``), copy the heads back into pinned host buffers
-   and record an event; nothing here waits for the GPU;
-3. *finish* (host): wait for that event, decode the policy over the legal moves and set
-   the futures.
+1. *gather* (host): take requests from the queue and hand them to a host worker
+   (``hostwork.prepare_batch``: parse, check, replay histories, encode lc0's compact planes,
+   list the legal moves with their policy indices).  With a GPU the workers are processes
+   (``host_workers``, several batches at once): that numpy work holds the GIL too much for
+   threads of one process to share it (three such threads fed a T82 net on an H200 at
+   7-13k positions/s where the GPU does 34k);
+2. *launch* (GPU): wait for the batch's host work, copy its encoding to the device, expand
+   it to planes there, replay the network's CUDA graph (``Lc0GraphRunner``), copy the heads
+   back into pinned host buffers and record an event; nothing here waits for the GPU;
+3. *finish* (host): wait for that event, softmax the legal moves' logits and set the
+   futures.
 
 The stages hand each other *slots* (pinned encoding buffers, their device copies, a device
-planes buffer, pinned head buffers and an event); ``pipeline_depth`` slots per device (3 by default: one per
-stage) bound the batches in flight.  A slot goes back to the gather stage only after its
+planes buffer, pinned head buffers and an event); ``pipeline_depth`` slots per device (by
+default one per host worker and two more) bound the batches in flight.  A slot goes back to the gather stage only after its
 batch is decoded, so no buffer is overwritten while a copy or a decode still reads it.
 torch releases the GIL in copies, graph replays and event waits, which is what lets the
 three Python threads overlap.  On a CPU device (tests, machines without a GPU) the same
 stages run with a plain forward.
 
 A bad position (a FEN that does not parse, an illegal move in its history) fails its own
-future only: when ``prepare`` refuses a batch, the requests are split in halves until the
+future only: when ``prepare`` refuses a batch, the host worker splits it in halves until the
 bad ones are found, and the rest are evaluated.
 """
 
 from __future__ import annotations
 
 import collections
+import multiprocessing
 import os
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from .encoding import GATHER, encode_masks, expand_planes, resolve_input_format
+from . import hostwork
+from .encoding import expand_planes, resolve_input_format
 from .evaluate import Evaluation, evaluations
 from .netfile import NetFile, read_net
 from .network import Lc0Network
-from .policy import decode_policy
-from .positions import prepare
+from .policy import decode_arrays
 
 __all__ = ["Evaluator", "DEFAULT_BATCH_SIZES"]
 
@@ -130,7 +134,8 @@ class _Slot:
         self.event = torch.cuda.Event() if cuda else None
         # Filled per batch:
         self.requests: list[_Request] = []
-        self.batch: Any = None
+        self.job: Any = None  # a Future of the batch's hostwork.HostBatch
+        self.host: Optional[hostwork.HostBatch] = None
         self.heads: Optional[dict[str, torch.Tensor]] = None
         self.error: Optional[BaseException] = None
 
@@ -168,11 +173,9 @@ class _Replica:
         if device.type == "cuda":
             with torch.cuda.device(device):
                 self.stream = torch.cuda.Stream(device)
-                self.shifts = torch.arange(64, device=device, dtype=torch.int64)
-                self.gather = torch.as_tensor(GATHER, device=device)
                 if owner.graphs:
                     runner = net.graph_runner(owner.batch_sizes)
-                    _capture_all_on(runner, device)  # now: the first batches are not slowed by it
+                    runner.capture_all()  # now: the first batches are not slowed by it
                     self.run = runner
                 else:
                     self.run = net
@@ -201,7 +204,16 @@ class _Replica:
         for t in self.threads:
             t.join()
 
-    # -- stage 1: gather, prepare, encode (host) --
+    def release(self) -> None:
+        """After ``join``: drop the network, its graphs, the buffers and the link to the owner,
+        so that they are freed now, by reference counting.  Left in a reference cycle they
+        would wait for Python's cycle collector, which can run at any allocation, also while
+        another runner captures a CUDA graph; destroying a graph then breaks that capture
+        (seen on an H200: CUBLAS_STATUS_EXECUTION_FAILED inside a later Evaluator's capture)."""
+        self.run = self.net = None
+        self.free = self.launch_q = self.finish_q = None
+        self.owner = None
+    # -- stage 1: gather (host): requests to a host worker --
     def _gather_loop(self) -> None:
         owner = self.owner
         try:
@@ -211,30 +223,30 @@ class _Replica:
                 if requests is None:  # closed and drained
                     self.free.put(slot)
                     break
-                self._encode(slot, requests)
-                if slot.requests or slot.error is not None:
-                    self.launch_q.put(slot)
-                else:  # every request failed or was cancelled
+                if not requests:  # every request taken had been cancelled
                     self.free.put(slot)
+                    continue
+                slot.requests, slot.host, slot.heads, slot.error = requests, None, None, None
+                slot.job = owner._host_job([r.position for r in requests])
+                self.launch_q.put(slot)
         finally:
             self.launch_q.put(None)
 
-    def _encode(self, slot: _Slot, requests: list[_Request]) -> None:
+    def _take_host_batch(self, slot: _Slot) -> None:
+        """Wait for the slot's host work; fail the refused requests, keep the others."""
         owner = self.owner
-        slot.requests, slot.batch, slot.heads, slot.error = requests, None, None, None
-        try:
-            batch, kept = owner._prepare(requests, self.stats)
-            slot.requests = kept
-            if not kept:
-                return
-            n = len(kept)
-            masks, values, transforms = encode_masks(batch, owner.input_format)
-            slot.masks_host[:n].copy_(torch.from_numpy(masks.view(np.int64)))
-            slot.values_host[:n].copy_(torch.from_numpy(values))
-            slot.transforms_host[:n].copy_(torch.from_numpy(transforms))
-            slot.batch = batch
-        except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
-            slot.error = exc
+        host = slot.job.result()
+        for i, exc in host.errors:
+            slot.requests[i].future.set_exception(exc)
+        if host.errors:
+            owner._count(self.stats, failed=len(host.errors))
+        slot.requests = [slot.requests[i] for i in host.kept.tolist()]
+        slot.host = host
+        n = len(slot.requests)
+        if n:
+            slot.masks_host[:n].copy_(torch.from_numpy(host.masks.view(np.int64)))
+            slot.values_host[:n].copy_(torch.from_numpy(host.values))
+            slot.transforms_host[:n].copy_(torch.from_numpy(host.transforms))
 
     # -- stage 2: launch (GPU; nothing here waits for it) --
     def _launch_loop(self) -> None:
@@ -244,11 +256,12 @@ class _Replica:
             slot = self.launch_q.get()
             if slot is None:
                 break
-            if slot.error is None:
-                try:
+            try:
+                self._take_host_batch(slot)
+                if slot.requests:
                     self._launch(slot)
-                except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
-                    slot.error = exc
+            except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
+                slot.error = exc
             self.finish_q.put(slot)
         self.finish_q.put(None)
 
@@ -265,7 +278,7 @@ class _Replica:
             masks.copy_(slot.masks_host[:n], non_blocking=True)
             values.copy_(slot.values_host[:n], non_blocking=True)
             transforms.copy_(slot.transforms_host[:n], non_blocking=True)
-            planes = _expand_on_device(masks, values, transforms, self.shifts, self.gather, slot.planes[:n])
+            planes = expand_planes(masks, values, transforms, out=slot.planes[:n])
             out = self.run(planes)
             heads = {}
             for k, v in out.items():
@@ -284,19 +297,21 @@ class _Replica:
             try:
                 self._finish(slot)
             finally:
-                slot.requests, slot.batch, slot.heads = [], None, None
+                slot.requests, slot.job, slot.host, slot.heads = [], None, None, None
                 self.free.put(slot)
 
     def _finish(self, slot: _Slot) -> None:
         owner, requests = self.owner, slot.requests
+        if slot.error is None and not requests:
+            return
         if slot.error is None:
             try:
                 if slot.event is not None:
                     slot.event.synchronize()
-                    heads = {k: v.float() for k, v in slot.heads.items()}
-                else:
-                    heads = slot.heads
-                results = _evaluations(slot.batch, heads, owner.input_format, owner.temperature)
+                host = slot.host
+                logits = slot.heads["policy"].numpy()  # pinned host memory (fp16 on a GPU): no copy
+                policies = decode_arrays(logits, host.moves, host.indices, host.counts, owner.temperature)
+                results = evaluations(slot.heads, policies)
             except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
                 slot.error = exc
         if slot.error is not None:
@@ -308,51 +323,6 @@ class _Replica:
         for r, ev in zip(requests, results, strict=True):
             r.future.set_result(ev)
         owner._count(self.stats, positions=len(requests), batches=1)
-
-
-#: Planes 0-108 turn with the board in the canonical formats; 109-111 are uniform.
-_TURNED_PLANES = 109
-
-
-def _expand_on_device(masks, values, transforms, shifts, gather, out: torch.Tensor) -> torch.Tensor:
-    """``encoding.expand_planes``' math on the GPU without a device-to-host sync.
-
-    ``expand_planes`` asks the device which planes have values other than 1 (a ``.tolist()``):
-    that waits for the GPU with the GIL held, so the launch thread would stall the host
-    stages for a whole batch of network time (seen on an H200: t82 at 256 positions fell from
-    the graph's 34.6k positions/s to 7.6k).  Here every plane is scaled by its value (a
-    multiply over ``[B, 112, 64]``, nothing on a GPU) and the canonical turn is always
-    gathered (identity for turn 0), so nothing is asked of the device."""
-    n = masks.shape[0]
-    planes = (masks.unsqueeze(-1) >> shifts).bitwise_and_(1).to(torch.float32)  # [n, 112, 64]
-    index = gather[transforms].unsqueeze(1).expand(-1, _TURNED_PLANES, -1)
-    planes[:, :_TURNED_PLANES] = planes[:, :_TURNED_PLANES].gather(2, index)
-    planes.mul_(values.unsqueeze(-1))
-    out.copy_(planes.view(n, _PLANES, 8, 8))
-    return out
-
-
-def _capture_all_on(runner: Any, device: torch.device) -> None:
-    """``runner.capture_all()`` on ``device``'s own capture stream.
-
-    ``fusedenc.graphs.capture`` lets ``torch.cuda.graph`` pick its class-wide default capture
-    stream, which torch makes once, on the device current at the process's first capture; a
-    graph for another GPU is then captured on a stream of the wrong device and fails
-    ("operation not permitted when stream is capturing", seen with two H200s).  Until
-    ``capture`` passes a stream of its own device, the default is set to one here."""
-    saved = torch.cuda.graph.default_capture_stream
-    torch.cuda.graph.default_capture_stream = torch.cuda.Stream(device)
-    try:
-        with torch.cuda.device(device):
-            runner.capture_all()
-    finally:
-        torch.cuda.graph.default_capture_stream = saved
-
-
-def _evaluations(batch: Any, heads: dict[str, torch.Tensor], input_format: Any, temperature: float) -> list[Evaluation]:
-    """The heads of a batch (float32 CPU tensors) -> one ``Evaluation`` per position, the
-    way ``evaluate.evaluate`` makes them (its ``evaluations``)."""
-    return evaluations(heads, decode_policy(heads["policy"], batch, input_format, temperature=temperature))
 
 
 class Evaluator:
@@ -377,8 +347,10 @@ class Evaluator:
     ``max_batch``); ``graphs=False`` runs the network eagerly instead.  ``max_batch``: the
     most positions one batch takes; ``max_wait_ms``: how long a worker that has some
     requests waits for more before it runs a smaller batch (the latency an engine pays when
-    the load is light).  ``temperature``: the policy softmax's.  ``pipeline_depth``: batches
-    in flight per device (>= 1; 3 lets gather, GPU and decode overlap).
+    the load is light).  ``temperature``: the policy softmax's.  ``host_workers``: processes
+    for the host work (parsing, encoding, legal moves; default: with a GPU, up to 4 per GPU
+    within the cores; 0 on a CPU, where it runs in this process).  ``pipeline_depth``:
+    batches in flight per device (default: its share of the host workers, plus two).
     """
 
     def __init__(
@@ -391,8 +363,9 @@ class Evaluator:
         max_batch: int = 1024,
         max_wait_ms: float = 1.0,
         temperature: float = 1.0,
-        pipeline_depth: int = 3,
+        pipeline_depth: Optional[int] = None,
         graphs: bool = True,
+        host_workers: Optional[int] = None,
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch <= 0:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
@@ -400,8 +373,12 @@ class Evaluator:
             raise ValueError(f"max_wait_ms must be a number >= 0, got {max_wait_ms!r}")
         if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
             raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-        if isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int) or pipeline_depth < 1:
+        if pipeline_depth is not None and (isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int)
+                                           or pipeline_depth < 1):
             raise ValueError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
+        if host_workers is not None and (isinstance(host_workers, bool) or not isinstance(host_workers, int)
+                                         or host_workers < 0):
+            raise ValueError(f"host_workers must be an int >= 0, got {host_workers!r}")
         if batch_sizes is None:
             batch_sizes = [b for b in DEFAULT_BATCH_SIZES if b < max_batch] + [max_batch]
         sizes = sorted(set(batch_sizes))
@@ -409,7 +386,7 @@ class Evaluator:
             raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
         self.batch_sizes = tuple(sizes)
         self.max_batch, self.max_wait = max_batch, max_wait_ms / 1000.0
-        self.temperature, self.pipeline_depth, self.graphs = float(temperature), pipeline_depth, bool(graphs)
+        self.temperature, self.graphs = float(temperature), bool(graphs)
 
         given: Optional[Lc0Network] = None
         if isinstance(net, Lc0Network):
@@ -430,6 +407,21 @@ class Evaluator:
             self.input_format = resolve_input_format(file.input_format)  # Lc0FormatError if not encoded here
             self.source = file.source
         self.dtype = dtype
+        if host_workers is None:  # processes only where a GPU must be fed; tests on a CPU stay in-process
+            gpus = sum(d.type == "cuda" for d in self.devices)
+            host_workers = min(4 * gpus, max(1, (os.cpu_count() or 2) - 2 * len(self.devices))) if gpus else 0
+        self.host_workers = host_workers
+        if pipeline_depth is None:
+            pipeline_depth = max(3, -(-host_workers // len(self.devices)) + 2)
+        self.pipeline_depth = pipeline_depth
+        self._pool: Optional[ProcessPoolExecutor] = None
+        if host_workers:
+            # spawn: the workers import fusedenc afresh and never inherit this process's CUDA
+            # state or threads; they are started (and their imports paid) here, not on the
+            # first batch.
+            self._pool = ProcessPoolExecutor(host_workers, mp_context=multiprocessing.get_context("spawn"))
+            for f in [self._pool.submit(hostwork.warm_up) for _ in range(host_workers)]:
+                f.result()
 
         self._lock = threading.Condition()
         self._queue: "collections.deque[_Request]" = collections.deque()
@@ -441,6 +433,8 @@ class Evaluator:
                 self._replicas.append(_Replica(self, file, given, d))
         except BaseException:
             self._replicas = []
+            if self._pool is not None:
+                self._pool.shutdown(cancel_futures=True)
             raise
         for r in self._replicas:
             r.start()
@@ -495,35 +489,17 @@ class Evaluator:
         # Futures cancelled by their caller are dropped here; the others can no longer be.
         return [r for r in taken if r.future.set_running_or_notify_cancel()] if taken else []
 
-    def _prepare(self, requests: list[_Request], stats: EvaluatorStats) -> tuple[Any, list[_Request]]:
-        """``prepare`` the requests' positions; the requests ``prepare`` refuses (found by
-        splitting in halves) get their exception and are dropped.  (batch, the kept requests)."""
-        if not requests:
-            return None, []
+    def _host_job(self, positions: list[Any]) -> "Future[hostwork.HostBatch]":
+        """The host work of one batch: in a worker process, or here (no workers)."""
+        if self._pool is not None:
+            return self._pool.submit(hostwork.prepare_batch, [hostwork.portable(p) for p in positions],
+                                     self.input_format)
+        job: Future = Future()
         try:
-            return prepare([r.position for r in requests]), requests
-        except Exception:  # noqa: BLE001 - one bad position: find it, below
-            pass
-        good: list[_Request] = []
-
-        def split(rs: list[_Request]) -> None:
-            try:
-                prepare([r.position for r in rs])
-            except Exception as exc:  # noqa: BLE001 - goes to that request's future
-                if len(rs) == 1:
-                    rs[0].future.set_exception(exc)
-                    self._count(stats, failed=1)
-                    return
-                half = len(rs) // 2
-                split(rs[:half])
-                split(rs[half:])
-            else:
-                good.extend(rs)
-
-        split(requests)
-        if not good:
-            return None, []
-        return prepare([r.position for r in good]), good
+            job.set_result(hostwork.prepare_batch(positions, self.input_format))
+        except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
+            job.set_exception(exc)
+        return job
 
     def _count(self, stats: EvaluatorStats, positions: int = 0, failed: int = 0, batches: int = 0) -> None:
         with self._lock:
@@ -544,6 +520,11 @@ class Evaluator:
             self._lock.notify_all()
         for r in self._replicas:
             r.join()
+        for r in self._replicas:
+            r.release()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     @property
     def closed(self) -> bool:

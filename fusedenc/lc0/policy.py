@@ -29,7 +29,7 @@ from .encoding import CANONICAL_FORMATS
 from .moves import NUM_POLICY_MOVES, POLICY_MOVES
 from .positions import prepare
 
-__all__ = ["MovePolicy", "decode_policy", "policy_indices"]
+__all__ = ["MovePolicy", "decode_arrays", "decode_policy", "policy_indices"]
 
 
 def _index_table() -> np.ndarray:
@@ -50,6 +50,7 @@ def _index_table() -> np.ndarray:
 
 
 _TABLE = _index_table()
+_UCI_TEXT = np.array(B.UCI_TEXT, dtype=object)  # move code -> UCI text, by one fancy index
 
 
 @dataclass
@@ -104,9 +105,21 @@ def decode_policy(
     values = logits.detach().float().cpu().numpy() if isinstance(logits, torch.Tensor) else np.asarray(logits, np.float32)
     if values.ndim != 2 or values.shape != (len(batch), NUM_POLICY_MOVES):
         raise ValueError(f"logits must be [{len(batch)}, {NUM_POLICY_MOVES}] for {len(batch)} positions, got {list(values.shape)}")
-    moves, indices, starts, counts = policy_indices(batch, input_format)
-    rows = np.repeat(np.arange(len(batch)), counts)
-    chosen = values[rows, indices].astype(np.float64) / temperature
+    moves, indices, _, counts = policy_indices(batch, input_format)
+    return decode_arrays(values, moves, indices, counts, temperature)
+
+
+def decode_arrays(
+    logits: np.ndarray, moves: np.ndarray, indices: np.ndarray, counts: np.ndarray, temperature: float = 1.0
+) -> list[MovePolicy]:
+    """``decode_policy`` from ``policy_indices``' arrays (position ``b``'s moves are the next
+    ``counts[b]`` of ``moves`` / ``indices``) and logits ``[B, 1858]`` as an array: the form in
+    which the ``Evaluator``'s host workers hand a batch over."""
+    n = len(counts)
+    starts = np.zeros(n, np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    rows = np.repeat(np.arange(n), counts)
+    chosen = logits[rows, indices].astype(np.float64) / temperature
     probs = np.zeros(chosen.shape, np.float64)
     has = counts > 0
     if chosen.size:
@@ -114,13 +127,13 @@ def decode_policy(
         e = np.exp(chosen - np.repeat(top, counts[has]))
         total = np.add.reduceat(e, starts[has])
         probs = e / np.repeat(total, counts[has])
-    order = np.lexsort((-probs, rows))
-    texts = [B.UCI_TEXT[c] for c in moves[order].tolist()]
+    # Most probable first within each position: one sort of row - p/2 (p in [0, 1] keeps the
+    # rows apart); a lexsort of (-p, row) costs five times as much.
+    order = np.argsort(rows - probs * 0.5, kind="stable")
+    texts = _UCI_TEXT[moves[order]].tolist()
     probs32 = probs[order].astype(np.float32)
     sorted_indices = indices[order]
     out = []
-    for b in range(len(batch)):
-        s, c = int(starts[b]), int(counts[b])
+    for s, c in zip(starts.tolist(), counts.tolist()):
         out.append(MovePolicy(texts[s: s + c], probs32[s: s + c], sorted_indices[s: s + c]))
     return out
-

@@ -339,7 +339,7 @@ class PositionBatch:
         return self._legal
 
 
-def _as_history(item: Any) -> tuple[str, Sequence[Any]]:
+def as_history(item: Any) -> tuple[str, Sequence[Any]]:
     """(start FEN, moves) of one position given in any accepted form."""
     if isinstance(item, str):
         return item, ()
@@ -375,7 +375,7 @@ def prepare(positions: Union[Iterable[Any], "PositionBatch"]) -> PositionBatch:
     fens, move_texts = [], []
     for i, item in enumerate(items):
         try:
-            fen, moves = _as_history(item)
+            fen, moves = as_history(item)
         except ValueError as exc:
             raise ValueError(f"position {i}: {exc}") from None
         fens.append(fen)
