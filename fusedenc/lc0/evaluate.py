@@ -9,39 +9,83 @@ network runs, so a bad position costs no GPU work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
 from .encoding import encode_masks, expand_planes, resolve_input_format
-from .policy import MovePolicy, decode_policy
+from .policy import DecodedPolicies, MovePolicy, decode_arrays, policy_indices
 from .positions import prepare
 
 __all__ = ["Evaluation", "evaluate"]
 
 
-@dataclass
 class Evaluation:
     """A network's view of one position, from the side to move.
 
-    ``moves`` (UCI, on the real board) with ``probs``, most probable first; ``wdl``: win,
-    draw, loss probabilities (None for a net without a WDL head); ``q``: W - L (or the
-    value head's tanh output for such a net); ``moves_left``: the moves-left head's
-    estimate in plies (None where the net has none)."""
+    ``moves`` (UCI, on the real board) with ``probs``, most probable first, and their
+    ``policy_indices`` (places in the 1858 logits); ``wdl``: win, draw, loss probabilities
+    (None for a net without a WDL head); ``q``: W - L (or the value head's tanh output for
+    such a net); ``moves_left``: the moves-left head's estimate in plies (None where the net
+    has none).  Made from a batch's arrays, an evaluation builds its move list when first
+    read, so that the thread that owns the GPU does no per-move work."""
 
-    moves: list[str]
-    probs: np.ndarray
-    q: float
-    wdl: Optional[np.ndarray] = None
-    moves_left: Optional[float] = None
-    policy_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    __slots__ = ("_policies", "_index", "_policy", "_heads")
+
+    def __init__(self, moves: Sequence[str], probs: Any, q: float, wdl: Any = None, moves_left: Optional[float] = None,
+                 policy_indices: Any = None) -> None:
+        indices = np.zeros(len(moves), np.int64) if policy_indices is None else np.asarray(policy_indices)
+        self._policy: Optional[MovePolicy] = MovePolicy(list(moves), np.asarray(probs, np.float32), indices)
+        self._policies: Optional[DecodedPolicies] = None
+        self._index = 0
+        self._heads = _Heads(np.array([q], np.float64), None if wdl is None else np.asarray(wdl, np.float32)[None],
+                             None if moves_left is None else np.array([moves_left], np.float32))
+
+    @classmethod
+    def _of_batch(cls, policies: DecodedPolicies, heads: "_Heads", index: int) -> "Evaluation":
+        e = cls.__new__(cls)
+        e._policies, e._index, e._policy, e._heads = policies, index, None, heads
+        return e
+
+    def _decoded(self) -> MovePolicy:
+        if self._policy is None:
+            self._policy = self._policies[self._index]
+        return self._policy
+
+    @property
+    def moves(self) -> list[str]:
+        return self._decoded().moves
+
+    @property
+    def probs(self) -> np.ndarray:
+        return self._decoded().probs
+
+    @property
+    def policy_indices(self) -> np.ndarray:
+        return self._decoded().indices
+
+    @property
+    def q(self) -> float:
+        return float(self._heads.q[self._row])
+
+    @property
+    def wdl(self) -> Optional[np.ndarray]:
+        return None if self._heads.wdl is None else self._heads.wdl[self._row]
+
+    @property
+    def moves_left(self) -> Optional[float]:
+        return None if self._heads.moves_left is None else float(self._heads.moves_left[self._row])
+
+    @property
+    def _row(self) -> int:
+        return self._index if self._policies is not None else 0
 
     @property
     def best_move(self) -> Optional[str]:
         """The most probable move (None without legal moves)."""
-        return self.moves[0] if self.moves else None
+        moves = self.moves
+        return moves[0] if moves else None
 
     def top(self, n: int = 5) -> list[tuple[str, float]]:
         return [(m, float(p)) for m, p in zip(self.moves[:n], self.probs[:n])]
@@ -57,22 +101,41 @@ class Evaluation:
             out["moves_left"] = round(self.moves_left, 3)
         return out
 
+    def __repr__(self) -> str:
+        return (f"Evaluation(best_move={self.best_move!r}, moves={len(self.moves)}, q={self.q:.4f}, "
+                f"wdl={None if self.wdl is None else [round(float(x), 4) for x in self.wdl]}, "
+                f"moves_left={self.moves_left})")
 
-def evaluations(heads: Mapping[str, torch.Tensor], policies: list[MovePolicy]) -> list[Evaluation]:
-    """Join decoded policies with the value heads (``[B, 3]`` WDL or ``[B, 1]`` value, and
-    ``[B, 1]`` moves left) into ``Evaluation`` objects."""
-    wdl = heads.get("wdl")
-    wdl = wdl.detach().float().cpu().numpy() if wdl is not None else None
-    value = heads.get("value")
-    value = value.detach().float().cpu().numpy().reshape(-1) if value is not None else None
-    ml = heads.get("moves_left")
-    ml = ml.detach().float().cpu().numpy().reshape(-1) if ml is not None else None
-    out = []
-    for b, pol in enumerate(policies):
-        w = wdl[b] if wdl is not None else None
-        q = float(w[0] - w[2]) if w is not None else float(value[b])
-        out.append(Evaluation(pol.moves, pol.probs, q, w, float(ml[b]) if ml is not None else None, pol.indices))
-    return out
+
+class _Heads:
+    """A batch's value heads as arrays: ``q`` (W - L, or the value), ``wdl``, ``moves_left``."""
+
+    __slots__ = ("q", "wdl", "moves_left")
+
+    def __init__(self, q: np.ndarray, wdl: Optional[np.ndarray], moves_left: Optional[np.ndarray]) -> None:
+        self.q, self.wdl, self.moves_left = q, wdl, moves_left
+
+
+def evaluations(heads: Mapping[str, torch.Tensor], policies: Sequence[MovePolicy]) -> list[Evaluation]:
+    """Join decoded policies (a ``DecodedPolicies`` or a list of ``MovePolicy``) with the
+    value heads (``[B, 3]`` WDL or ``[B, 1]`` value, and ``[B, 1]`` moves left) into
+    ``Evaluation`` objects."""
+    def array(name: str) -> Optional[np.ndarray]:
+        t = heads.get(name)
+        return None if t is None else t.detach().float().cpu().numpy()
+
+    wdl, value, ml = array("wdl"), array("value"), array("moves_left")
+    q = (wdl[:, 0].astype(np.float64) - wdl[:, 2]) if wdl is not None else value.reshape(-1).astype(np.float64)
+    values = _Heads(q, wdl, None if ml is None else ml.reshape(-1))
+    if not isinstance(policies, DecodedPolicies):
+        out = []
+        for b, pol in enumerate(policies):
+            e = Evaluation._of_batch(policies, values, b)  # type: ignore[arg-type]
+            e._policy = pol
+            out.append(e)
+        return out
+    make = Evaluation._of_batch
+    return [make(policies, values, b) for b in range(len(policies))]
 
 
 def evaluate(
@@ -101,5 +164,6 @@ def evaluate(
         m = torch.from_numpy(masks.view(np.int64)).to(device, non_blocking=True)
         planes = expand_planes(m, torch.from_numpy(values).to(device), torch.from_numpy(transforms).to(device), dtype=dtype)
     heads = run(planes)
-    policies = decode_policy(heads["policy"], batch, fmt, temperature=temperature)
-    return evaluations(heads, policies)
+    moves, indices, _, counts = policy_indices(batch, fmt)
+    logits = heads["policy"].detach().float().cpu().numpy()
+    return evaluations(heads, decode_arrays(logits, moves, indices, counts, temperature))

@@ -46,6 +46,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -243,10 +244,10 @@ class _Replica:
         slot.requests = [slot.requests[i] for i in host.kept.tolist()]
         slot.host = host
         n = len(slot.requests)
-        if n:
-            slot.masks_host[:n].copy_(torch.from_numpy(host.masks.view(np.int64)))
-            slot.values_host[:n].copy_(torch.from_numpy(host.values))
-            slot.transforms_host[:n].copy_(torch.from_numpy(host.transforms))
+        if n:  # numpy copies: torch's would wake its thread pool, which spins on the host's cores
+            slot.masks_host.numpy()[:n] = host.masks.view(np.int64)
+            slot.values_host.numpy()[:n] = host.values
+            slot.transforms_host.numpy()[:n] = host.transforms
 
     # -- stage 2: launch (GPU; nothing here waits for it) --
     def _launch_loop(self) -> None:
@@ -323,6 +324,24 @@ class _Replica:
         for r, ev in zip(requests, results, strict=True):
             r.future.set_result(ev)
         owner._count(self.stats, positions=len(requests), batches=1)
+
+
+def _host_pool(workers: int) -> ProcessPoolExecutor:
+    """Worker processes for the host work, started now (not on the first batch).
+
+    Forked where the platform can (as PyTorch's DataLoader does): a spawned worker re-runs
+    the user's main script, which then needs an ``if __name__ == "__main__"`` guard, and pays
+    the imports again.  The workers run numpy code only; they never touch CUDA, which a forked
+    child may not use.  Python 3.12 warns about forking a process that has threads (torch's
+    own): the warning is about children that take locks those threads might hold, which these
+    do not (numpy arrays in, numpy arrays out)."""
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+        for f in [pool.submit(hostwork.warm_up) for _ in range(workers)]:
+            f.result()
+    return pool
 
 
 class Evaluator:
@@ -416,12 +435,7 @@ class Evaluator:
         self.pipeline_depth = pipeline_depth
         self._pool: Optional[ProcessPoolExecutor] = None
         if host_workers:
-            # spawn: the workers import fusedenc afresh and never inherit this process's CUDA
-            # state or threads; they are started (and their imports paid) here, not on the
-            # first batch.
-            self._pool = ProcessPoolExecutor(host_workers, mp_context=multiprocessing.get_context("spawn"))
-            for f in [self._pool.submit(hostwork.warm_up) for _ in range(host_workers)]:
-                f.result()
+            self._pool = _host_pool(host_workers)
 
         self._lock = threading.Condition()
         self._queue: "collections.deque[_Request]" = collections.deque()
@@ -492,8 +506,7 @@ class Evaluator:
     def _host_job(self, positions: list[Any]) -> "Future[hostwork.HostBatch]":
         """The host work of one batch: in a worker process, or here (no workers)."""
         if self._pool is not None:
-            return self._pool.submit(hostwork.prepare_batch, [hostwork.portable(p) for p in positions],
-                                     self.input_format)
+            return self._pool.submit(hostwork.prepare_batch, hostwork.pack(positions), self.input_format)
         job: Future = Future()
         try:
             job.set_result(hostwork.prepare_batch(positions, self.input_format))

@@ -23,7 +23,7 @@ from .encoding import encode_masks
 from .policy import policy_indices
 from .positions import Position, as_history, prepare
 
-__all__ = ["HostBatch", "portable", "prepare_batch"]
+__all__ = ["HostBatch", "pack", "portable", "prepare_batch", "unpack"]
 
 
 @dataclass
@@ -55,9 +55,46 @@ def portable(position: Any) -> Any:
         return position
 
 
-def prepare_batch(positions: list[Any], input_format: Any) -> HostBatch:
-    """Prepare, encode and list the legal moves of ``positions``; a position that ``prepare``
-    refuses is left out with its exception (found by splitting the batch in halves)."""
+def pack(positions: list[Any]) -> Any:
+    """A batch as the worker gets it: FENs and ``(fen, [uci moves])`` pairs as one string
+    (``fen TAB moves`` lines: pickling it is a copy, where a list of tuples of strings costs
+    the GPU process microseconds a position); any other batch as a list of ``portable``s."""
+    lines = []
+    try:
+        for p in positions:
+            if type(p) is str:
+                lines.append(p)
+            elif type(p) is tuple and len(p) == 2 and type(p[0]) is str and type(p[1]) in (list, tuple):
+                moves = " ".join(p[1])
+                if moves.count(" ") != max(len(p[1]) - 1, 0):  # a "move" with a space: keep it as it is
+                    raise TypeError
+                lines.append(f"{p[0]}\t{moves}")
+            else:
+                raise TypeError
+    except TypeError:
+        return [portable(p) for p in positions]
+    text = "\n".join(lines)
+    if text.count("\n") != len(lines) - 1 or text.count("\t") > len(lines):  # separators inside a FEN
+        return [portable(p) for p in positions]
+    return text
+
+
+def unpack(payload: Any) -> list[Any]:
+    """``pack``'s inverse."""
+    if not isinstance(payload, str):
+        return payload
+    out: list[Any] = []
+    for line in payload.split("\n"):
+        fen, tab, moves = line.partition("\t")
+        out.append((fen, moves.split(" ") if moves else []) if tab else fen)
+    return out
+
+
+def prepare_batch(positions: Any, input_format: Any) -> HostBatch:
+    """Prepare, encode and list the legal moves of ``positions`` (a list, or ``pack``'s
+    string); a position that ``prepare`` refuses is left out with its exception (found by
+    splitting the batch in halves)."""
+    positions = unpack(positions)
     errors: list[tuple[int, BaseException]] = []
     try:
         batch = prepare(positions)

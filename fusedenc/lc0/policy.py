@@ -29,7 +29,7 @@ from .encoding import CANONICAL_FORMATS
 from .moves import NUM_POLICY_MOVES, POLICY_MOVES
 from .positions import prepare
 
-__all__ = ["MovePolicy", "decode_arrays", "decode_policy", "policy_indices"]
+__all__ = ["DecodedPolicies", "MovePolicy", "decode_arrays", "decode_policy", "policy_indices"]
 
 
 def _index_table() -> np.ndarray:
@@ -106,12 +106,35 @@ def decode_policy(
     if values.ndim != 2 or values.shape != (len(batch), NUM_POLICY_MOVES):
         raise ValueError(f"logits must be [{len(batch)}, {NUM_POLICY_MOVES}] for {len(batch)} positions, got {list(values.shape)}")
     moves, indices, _, counts = policy_indices(batch, input_format)
-    return decode_arrays(values, moves, indices, counts, temperature)
+    return list(decode_arrays(values, moves, indices, counts, temperature))
+
+
+class DecodedPolicies:
+    """A batch's policies, decoded with array operations only; ``policies[b]`` makes
+    position ``b``'s ``MovePolicy`` (its move texts, probabilities and indices) when asked.
+    An engine's process that owns the GPU then spends no per-move Python work on a batch:
+    each search thread pays for the positions it reads."""
+
+    __slots__ = ("moves", "probs", "indices", "starts", "counts")
+
+    def __init__(self, moves: np.ndarray, probs: np.ndarray, indices: np.ndarray, starts: np.ndarray,
+                 counts: np.ndarray) -> None:
+        self.moves, self.probs, self.indices, self.starts, self.counts = moves, probs, indices, starts, counts
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __getitem__(self, b: int) -> MovePolicy:
+        s, c = int(self.starts[b]), int(self.counts[b])
+        return MovePolicy(_UCI_TEXT[self.moves[s: s + c]].tolist(), self.probs[s: s + c], self.indices[s: s + c])
+
+    def __iter__(self):
+        return (self[b] for b in range(len(self)))
 
 
 def decode_arrays(
     logits: np.ndarray, moves: np.ndarray, indices: np.ndarray, counts: np.ndarray, temperature: float = 1.0
-) -> list[MovePolicy]:
+) -> DecodedPolicies:
     """``decode_policy`` from ``policy_indices``' arrays (position ``b``'s moves are the next
     ``counts[b]`` of ``moves`` / ``indices``) and logits ``[B, 1858]`` as an array: the form in
     which the ``Evaluator``'s host workers hand a batch over."""
@@ -130,10 +153,4 @@ def decode_arrays(
     # Most probable first within each position: one sort of row - p/2 (p in [0, 1] keeps the
     # rows apart); a lexsort of (-p, row) costs five times as much.
     order = np.argsort(rows - probs * 0.5, kind="stable")
-    texts = _UCI_TEXT[moves[order]].tolist()
-    probs32 = probs[order].astype(np.float32)
-    sorted_indices = indices[order]
-    out = []
-    for s, c in zip(starts.tolist(), counts.tolist()):
-        out.append(MovePolicy(texts[s: s + c], probs32[s: s + c], sorted_indices[s: s + c]))
-    return out
+    return DecodedPolicies(moves[order], probs[order].astype(np.float32), indices[order], starts, counts)
