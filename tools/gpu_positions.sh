@@ -23,7 +23,7 @@ first=${nets%% *}
 timeout --signal=INT 200 python3 bench/lc0_positions.py --synthetic "$first" $devices --out-dir "$OUT" > "$OUT/bench-$first.log" 2>&1
 echo "bench $first: rc $? at $(( $(date +%s) - start )) s" >> "$OUT/env.txt"
 timeout --signal=INT 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_lc0_positions_gpu.py \
-  tests/test_lc0_evaluator.py tests/test_lc0_network.py > "$OUT/gpu-tests.log" 2>&1
+  tests/test_lc0_evaluator.py ${FUSEDENC_EXTRA_GPU_TESTS:-tests/test_lc0_network.py} > "$OUT/gpu-tests.log" 2>&1
 tests_rc=$?
 echo "tests: rc $tests_rc at $(( $(date +%s) - start )) s" >> "$OUT/env.txt"
 for net in ${nets#"$first"}; do
