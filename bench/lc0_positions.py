@@ -142,6 +142,8 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int) -> dict
             "mean_batch": (stats["positions"] - before["positions"]) / max(batches, 1),
             "devices": [str(d) for d in devices],
             "per_device": {k: v["positions"] - before["devices"][k]["positions"] for k, v in stats["devices"].items()},
+            "stage_seconds": {k: {s: round(t - before["devices"][k]["seconds"][s], 3) for s, t in v["seconds"].items()}
+                              for k, v in stats["devices"].items()},
             "how": "submit_many in chunks of the batch size, one thread, all queued at once"}
 
 
@@ -177,6 +179,9 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
                 notes.append(f"mean batch {r['mean_batch']:.0f}")
             if r.get("per_device") and len(r["per_device"]) > 1:
                 notes.append("per device " + ", ".join(f"{k} {v}" for k, v in r["per_device"].items()))
+            if r.get("stage_seconds"):
+                first = next(iter(r["stage_seconds"].values()))
+                notes.append("stages (s, first device) " + ", ".join(f"{k} {v:.2f}" for k, v in first.items()))
             if "wall_nps" in r:
                 notes.append(f"whole command {r['wall_nps']:,.0f}/s ({r['wall_s']:.1f} s: reading+checking "
                              f"{r['read_seconds']:.1f} s, start-up {r['startup_seconds']:.1f} s)")

@@ -166,6 +166,10 @@ class _Replica:
     def __init__(self, owner: "Evaluator", file: NetFile, net: Optional[Lc0Network], device: torch.device) -> None:
         self.owner, self.device = owner, device
         self.stats = EvaluatorStats()
+        # Wall seconds per stage, to see which one limits: the launch thread waiting for the
+        # host workers and issuing the GPU work, the finish thread waiting for the GPU and
+        # decoding (softmax, Evaluations, futures).
+        self.seconds = {"host_wait": 0.0, "launch": 0.0, "gpu_wait": 0.0, "decode": 0.0}
         dtype = owner.dtype
         if net is None:
             net = Lc0Network(file, dtype=dtype, device=device)
@@ -258,9 +262,13 @@ class _Replica:
             if slot is None:
                 break
             try:
+                t0 = time.perf_counter()
                 self._take_host_batch(slot)
+                t1 = time.perf_counter()
                 if slot.requests:
                     self._launch(slot)
+                self.seconds["host_wait"] += t1 - t0
+                self.seconds["launch"] += time.perf_counter() - t1
             except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
                 slot.error = exc
             self.finish_q.put(slot)
@@ -307,8 +315,11 @@ class _Replica:
             return
         if slot.error is None:
             try:
+                t0 = time.perf_counter()
                 if slot.event is not None:
                     slot.event.synchronize()
+                t1 = time.perf_counter()
+                self.seconds["gpu_wait"] += t1 - t0
                 host = slot.host
                 logits = slot.heads["policy"].numpy()  # pinned host memory (fp16 on a GPU): no copy
                 policies = decode_arrays(logits, host.moves, host.indices, host.counts, owner.temperature)
@@ -323,6 +334,7 @@ class _Replica:
             return
         for r, ev in zip(requests, results, strict=True):
             r.future.set_result(ev)
+        self.seconds["decode"] += time.perf_counter() - t1
         owner._count(self.stats, positions=len(requests), batches=1)
 
 
@@ -550,10 +562,12 @@ class Evaluator:
         self.close()
 
     def stats(self) -> dict[str, Any]:
-        """``{"positions", "failed", "batches", "mean_batch", "devices": {device: the same}}``."""
+        """``{"positions", "failed", "batches", "mean_batch", "devices": {device: the same, and
+        "seconds": wall time per stage (host_wait, launch, gpu_wait, decode)}}``: a stage busy
+        for most of the wall time is the one that limits."""
         with self._lock:
             out = self._stats.as_dict()
-            out["devices"] = {str(r.device): r.stats.as_dict() for r in self._replicas}
+            out["devices"] = {str(r.device): {**r.stats.as_dict(), "seconds": dict(r.seconds)} for r in self._replicas}
         return out
 
     def __repr__(self) -> str:
