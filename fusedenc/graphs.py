@@ -59,20 +59,9 @@ def capture(
     # A capture stream of this device: torch's default one is made once, on whichever device
     # was current at the process's first capture, and a graph of another GPU captured on it
     # fails ("operation not permitted when stream is capturing", seen with two H200s).
-    with own_cublas_workspace(), torch.cuda.graph(graph, pool=pool, stream=_capture_stream(device)):
+    with own_cublas_workspace(), torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device)):
         out = fn()
     return graph, out
-
-
-_CAPTURE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    stream = _CAPTURE_STREAMS.get(device)
-    if stream is None:
-        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
 
 
 class _Captured:

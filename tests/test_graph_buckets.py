@@ -37,7 +37,7 @@ class _FakeStream:
 
 
 @contextlib.contextmanager
-def _fake_capture(graph, pool=None):
+def _fake_capture(graph, pool=None, stream=None):
     _FakeGraph.capturing = graph
     try:
         yield
