@@ -11,6 +11,7 @@ shapes) make the tolerance that of fp16.
 from __future__ import annotations
 
 import random
+import sys
 import threading
 from concurrent.futures import CancelledError
 
@@ -319,3 +320,25 @@ def test_two_gpus(net_file):
     assert set(per) == {"cuda:0", "cuda:1"}
     assert per["cuda:0"]["positions"] + per["cuda:1"]["positions"] == 600
     assert per["cuda:0"]["batches"] > 0 and per["cuda:1"]["batches"] > 0  # both pulled from the queue
+
+
+def test_switch_interval_is_shortened_while_used_and_restored():
+    from fusedenc.lc0.evaluator import _SwitchInterval
+
+    before = sys.getswitchinterval()
+    s = _SwitchInterval()
+    s.shorten(before / 10)
+    s.shorten(before / 10)  # a second Evaluator
+    assert abs(sys.getswitchinterval() - before / 10) < 1e-9
+    s.restore()
+    assert abs(sys.getswitchinterval() - before / 10) < 1e-9  # the first still runs
+    s.restore()
+    assert sys.getswitchinterval() == before
+
+
+def test_switch_interval_argument(net_file):
+    with pytest.raises(ValueError, match="switch_interval"):
+        Evaluator(net_file, devices="cpu", dtype=torch.float32, switch_interval=0)
+    before = sys.getswitchinterval()
+    with Evaluator(net_file, devices="cpu", dtype=torch.float32):
+        assert sys.getswitchinterval() == before  # only an Evaluator with a GPU changes it

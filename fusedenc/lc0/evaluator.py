@@ -44,6 +44,7 @@ import collections
 import multiprocessing
 import os
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -338,6 +339,38 @@ class _Replica:
         owner._count(self.stats, positions=len(requests), batches=1)
 
 
+class _SwitchInterval:
+    """Python's thread switch interval, shortened while any Evaluator that asked for it runs.
+
+    Every torch call of the launch stage lets go of the GIL and takes it back; while another
+    thread of the process runs Python (the finish stage's loops, the pool's unpickling, the
+    caller's own threads), taking it back can wait a whole switch interval (5 ms by default),
+    and a launch is about twenty such calls.  A shorter interval bounds each wait."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved: Optional[float] = None
+
+    def shorten(self, seconds: float) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._saved = sys.getswitchinterval()
+                if seconds < self._saved:
+                    sys.setswitchinterval(seconds)
+            self._users += 1
+
+    def restore(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._saved is not None:
+                sys.setswitchinterval(self._saved)
+                self._saved = None
+
+
+_SWITCH_INTERVAL = _SwitchInterval()
+
+
 def _host_pool(workers: int) -> ProcessPoolExecutor:
     """Worker processes for the host work, started now (not on the first batch).
 
@@ -382,6 +415,9 @@ class Evaluator:
     for the host work (parsing, encoding, legal moves; default: with a GPU, up to 4 per GPU
     within the cores; 0 on a CPU, where it runs in this process).  ``pipeline_depth``:
     batches in flight per device (default: its share of the host workers, plus two).
+    ``switch_interval``: while an Evaluator with a GPU runs, Python's thread switch interval
+    is at most this (seconds; None leaves it alone; restored by ``close``), so the thread that
+    launches GPU work does not wait up to 5 ms for the GIL at each torch call.
     """
 
     def __init__(
@@ -397,6 +433,7 @@ class Evaluator:
         pipeline_depth: Optional[int] = None,
         graphs: bool = True,
         host_workers: Optional[int] = None,
+        switch_interval: Optional[float] = 0.0002,
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch <= 0:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
@@ -410,6 +447,9 @@ class Evaluator:
         if host_workers is not None and (isinstance(host_workers, bool) or not isinstance(host_workers, int)
                                          or host_workers < 0):
             raise ValueError(f"host_workers must be an int >= 0, got {host_workers!r}")
+        if switch_interval is not None and (isinstance(switch_interval, bool) or not isinstance(switch_interval, (int, float))
+                                            or not switch_interval > 0):
+            raise ValueError(f"switch_interval must be a number of seconds > 0 or None, got {switch_interval!r}")
         if batch_sizes is None:
             batch_sizes = [b for b in DEFAULT_BATCH_SIZES if b < max_batch] + [max_batch]
         sizes = sorted(set(batch_sizes))
@@ -462,6 +502,9 @@ class Evaluator:
             if self._pool is not None:
                 self._pool.shutdown(cancel_futures=True)
             raise
+        self._switch = switch_interval is not None and any(d.type == "cuda" for d in self.devices)
+        if self._switch:
+            _SWITCH_INTERVAL.shorten(float(switch_interval))
         for r in self._replicas:
             r.start()
 
@@ -550,6 +593,9 @@ class Evaluator:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        if self._switch:
+            self._switch = False
+            _SWITCH_INTERVAL.restore()
 
     @property
     def closed(self) -> bool:
