@@ -119,9 +119,9 @@ def _graph_row(file, device, dtype, positions, b: int, reps: int) -> dict[str, A
             "how": f"{'Lc0GraphRunner' if device.type == 'cuda' else 'Lc0Network'}, {t.method}, median of {reps}"}
 
 
-def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int) -> dict[str, Any]:
+def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, **options: Any) -> dict[str, Any]:
     """(b)/(d): the Evaluator from positions to moves, ``submit_many`` in chunks of ``b``."""
-    with Evaluator(file, devices=devices, dtype=dtype, max_batch=b, batch_sizes=[b], max_wait_ms=1.0) as ev:
+    with Evaluator(file, devices=devices, dtype=dtype, max_batch=b, batch_sizes=[b], max_wait_ms=1.0, **options) as ev:
         warm = positions[: b * 2 * len(devices)]
         ev.evaluate(warm)  # warm-up: first batches, allocator, threads
         before = ev.stats()
@@ -138,6 +138,8 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int) -> dict
         stats = ev.stats()
     batches = stats["batches"] - before["batches"]
     name = "evaluator" if len(devices) == 1 else f"evaluator-{len(devices)}gpu"
+    if "switch_interval" in options:
+        name += f" (switch {'default' if options['switch_interval'] is None else options['switch_interval']})"
     return {"row": name, "batch": b, "positions": n, "seconds": seconds, "nps": n / seconds,
             "mean_batch": (stats["positions"] - before["positions"]) / max(batches, 1),
             "devices": [str(d) for d in devices],
@@ -169,7 +171,7 @@ def _cli_row(net_path: str, epd: str, device_arg: str, dtype_name: str, b: int, 
 
 
 def report(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [f"   {'batch':>5}  {'row':18s} {'positions/s':>12} {'x graph':>8}  notes"]
+    lines = [f"   {'batch':>5}  {'row':28s} {'positions/s':>12} {'x graph':>8}  notes"]
     for b in sorted({r["batch"] for r in rows}):
         base = next((r["nps"] for r in rows if r["batch"] == b and r["row"] in ("graph", "eager")), None)
         for r in (r for r in rows if r["batch"] == b):
@@ -185,7 +187,7 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
             if "wall_nps" in r:
                 notes.append(f"whole command {r['wall_nps']:,.0f}/s ({r['wall_s']:.1f} s: reading+checking "
                              f"{r['read_seconds']:.1f} s, start-up {r['startup_seconds']:.1f} s)")
-            lines.append(f"   {b:>5}  {r['row']:18s} {r['nps']:>12,.0f} {ratio:>8}  {'; '.join(notes)}")
+            lines.append(f"   {b:>5}  {r['row']:28s} {r['nps']:>12,.0f} {ratio:>8}  {'; '.join(notes)}")
     return lines
 
 
@@ -209,6 +211,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=os.environ.get(common.RESULTS_DIR_ENV) or common.DEFAULT_RESULTS_DIR)
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--compare-switch", action="store_true",
+                    help="also the 1-GPU Evaluator with Python's default thread switch interval (switch_interval=None)")
     args = ap.parse_args(argv)
     if args.reps < MIN_REPS:
         ap.error(f"--reps must be at least {MIN_REPS}")
@@ -260,6 +264,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(report(rows)[-1], flush=True)
         rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds))
         print(report(rows)[-1], flush=True)
+        if args.compare_switch:
+            rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds, switch_interval=None))
+            print(report(rows)[-1], flush=True)
         if multi:
             rows.append(_evaluator_row(file, multi, dtype, positions[:n_pos], b, args.rounds))
             print(report(rows)[-1], flush=True)

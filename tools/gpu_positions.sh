@@ -20,7 +20,7 @@ echo "build: $(( $(date +%s) - start )) s" >> "$OUT/env.txt"
 devices=""
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && devices="--devices cuda:0,cuda:1"
 first=${nets%% *}
-timeout --signal=INT 200 python3 bench/lc0_positions.py --synthetic "$first" $devices --out-dir "$OUT" > "$OUT/bench-$first.log" 2>&1
+timeout --signal=INT 200 python3 bench/lc0_positions.py --synthetic "$first" $devices --compare-switch --out-dir "$OUT" > "$OUT/bench-$first.log" 2>&1
 echo "bench $first: rc $? at $(( $(date +%s) - start )) s" >> "$OUT/env.txt"
 timeout --signal=INT 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_lc0_positions_gpu.py \
   tests/test_lc0_evaluator.py ${FUSEDENC_EXTRA_GPU_TESTS:-tests/test_lc0_network.py} > "$OUT/gpu-tests.log" 2>&1
