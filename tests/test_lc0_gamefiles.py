@@ -236,3 +236,47 @@ def test_epd_bad_best_move_names_the_line():
     [rec] = read_epd(["", "", "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - bm Ke2;"])
     with pytest.raises(ValueError, match="EPD line 3: bm 'Ke2'"):
         rec.best_moves_uci()
+
+
+def test_many_games_read_in_batches_agree_with_python_chess():
+    """More games than one conversion batch, random legal games written by python-chess:
+    every move, every position's FEN and the end state as python-chess has them; a bad move
+    in a later game comes after every game before it."""
+    chess = pytest.importorskip("chess")
+    import chess.pgn
+
+    rng = random.Random(7)
+    text = io.StringIO()
+    for _ in range(300):
+        board, game = chess.Board(), chess.pgn.Game()
+        node = game
+        for _ in range(rng.randint(1, 120)):
+            legal = list(board.legal_moves)
+            if not legal:
+                break
+            move = rng.choice(legal)
+            node = node.add_variation(move)
+            board.push(move)
+        print(game, file=text, end="\n\n")
+    source = text.getvalue()
+    ours = list(read_pgn(io.StringIO(source)))
+    theirs = io.StringIO(source)
+    assert len(ours) == 300
+    for g in ours:
+        ref = chess.pgn.read_game(theirs)
+        board = ref.board()
+        assert g.moves == [m.uci() for m in ref.mainline_moves()]
+        assert len(g.fens) == len(g.moves) + 1
+        for fen, move in zip(g.fens, list(ref.mainline_moves()) + [None]):
+            assert fen.split()[:3] == board.fen().split()[:3] and fen.split()[4:] == board.fen().split()[4:]
+            if move is not None:
+                board.push(move)
+        assert g.ended == (not any(board.legal_moves))
+    games = source.split("\n\n[Event")
+    assert "\n\n1. " in games[279]
+    games[279] = games[279].replace("\n\n1. ", "\n\n1. Ke4 ", 1)  # game 280 starts with an illegal move
+    seen = []
+    with pytest.raises(ValueError, match=r"game 280 .*Ke4"):
+        for g in read_pgn(io.StringIO("\n\n[Event".join(games))):
+            seen.append(g.number)
+    assert seen == list(range(1, 280))

@@ -281,12 +281,12 @@ def _pgn_items(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
     positions, ids = [], []
     try:
         for game in read_pgn(path):
-            for ply, pos in enumerate(game.positions):
+            for ply, fen in enumerate(game.fens):
                 last = ply == len(game.moves)
-                if last and not pos.legal_moves():
+                if last and game.ended:
                     continue  # mate or stalemate: nothing to evaluate
-                positions.append(pos)
-                ids.append({"index": len(ids), "game": game.number, "ply": ply, "fen": pos.fen(),
+                positions.append(game.history(ply))
+                ids.append({"index": len(ids), "game": game.number, "ply": ply, "fen": fen,
                             "played": None if last else game.moves[ply]})  # fmt: skip
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None

@@ -28,7 +28,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional, Union
 
-from .positions import Position
+import numpy as np
+
+from . import board as B
+from .board import Boards
+from .positions import Position, board_fens, parse_fens
 
 __all__ = ["EpdRecord", "PgnGame", "read_epd", "parse_epd_line", "read_pgn", "san_to_uci", "START_FEN"]
 
@@ -186,16 +190,22 @@ def san_to_uci(position: Position, san: str) -> str:
     mark is not required to match a capture (files written by hand omit it).  ValueError for
     a token that is not SAN, a move that is not legal, or one that fits several legal moves.
     """
+    legal = position.legal_moves()
+    return _resolve_san(san, legal, lambda uci: (position.piece_at(uci[:2]) or "").upper(), position.turn)
+
+
+def _resolve_san(san: str, legal: list[str], piece_of, turn: str) -> str:
+    """``san_to_uci`` given the legal moves (UCI), ``piece_of(uci)`` (the moving piece's
+    upper-case letter) and the side to move ("w" or "b")."""
     text = _MARKS.sub("", san.strip())
     m = _SAN.match(text)
     if m is None:
         raise ValueError(f"{san!r} is not a move in SAN")
-    legal = position.legal_moves()
     if m.group("castle"):
         long = m.group("castle").count("-") == 2
-        rank = "1" if position.turn == "w" else "8"
+        rank = "1" if turn == "w" else "8"
         uci = f"e{rank}{'c' if long else 'g'}{rank}"
-        if uci not in legal or (position.piece_at(f"e{rank}") or "").upper() != "K":
+        if uci not in legal or piece_of(uci) != "K":
             raise ValueError(f"{san!r}: castling {'queenside' if long else 'kingside'} is not legal here")
         return uci
     if m.group("piece"):
@@ -211,7 +221,7 @@ def san_to_uci(position: Position, san: str) -> str:
             continue
         if (promo or None) != (uci[4] if len(uci) == 5 else None):
             continue
-        if (position.piece_at(uci[:2]) or "").upper() != piece:
+        if piece_of(uci) != piece:
             continue
         found.append(uci)
     if len(found) == 1:
@@ -229,9 +239,9 @@ def san_to_uci(position: Position, san: str) -> str:
 class PgnGame:
     """One game of a PGN file: ``number`` (1-based, in file order), ``headers`` (tag name ->
     value), ``start_fen`` (``"startpos"`` or the ``[FEN]`` tag's FEN), ``moves`` (UCI),
-    ``sans`` (the moves as written, marks removed), ``line`` (where the game starts), and
-    ``positions``: the ``Position`` before each move and the one after the last (``len(moves)
-    + 1`` of them), made while the moves were checked."""
+    ``sans`` (the moves as written, marks removed), ``line`` (where the game starts), ``fens``
+    (the position before each move and the one after the last, ``len(moves) + 1`` of them),
+    ``ended`` (no legal move is left after the last move: mate or stalemate)."""
 
     number: int
     headers: dict[str, str]
@@ -239,7 +249,9 @@ class PgnGame:
     moves: list[str]
     sans: list[str]
     line: int
-    positions: list[Any] = field(default_factory=list, repr=False)
+    fens: list[str] = field(default_factory=list, repr=False)
+    ended: bool = False
+    _positions: Optional[list[Position]] = field(default=None, repr=False, compare=False)
 
     @property
     def result(self) -> Optional[str]:
@@ -249,6 +261,18 @@ class PgnGame:
         """The position before move ``ply`` (0-based; ``len(moves)``: after the last) as the
         ``(start_fen, moves)`` pair ``prepare`` takes."""
         return self.start_fen, self.moves[:ply]
+
+    @property
+    def positions(self) -> list[Position]:
+        """The ``Position`` before each move and the one after the last (made when first
+        asked: each holds its history; ``history(ply)`` is the cheap form)."""
+        if self._positions is None:
+            pos = Position.from_fen(self.start_fen)
+            self._positions = [pos]
+            for uci in self.moves:
+                pos = pos.push(uci)
+                self._positions.append(pos)
+        return self._positions
 
 
 _TOKEN = re.compile(
@@ -269,37 +293,104 @@ _TOKEN = re.compile(
 
 
 class _PgnParser:
+    """Collects games (tags and move tokens) and converts their SAN in batches: all games of
+    a batch advance one ply at a time, each ply one vectorized legal-move generation and one
+    vectorized move application (``board``), the SAN matched per game against its moves."""
+
+    BATCH = 256
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.games = 0
+        self.pending: list[tuple[int, dict[str, str], list[tuple[str, int]], int]] = []
 
-    def game(self, headers: dict[str, str], tokens: list[tuple[str, int]], line: int) -> PgnGame:
+    def add(self, headers: dict[str, str], tokens: list[tuple[str, int]], line: int) -> list[PgnGame]:
+        """Queue a game; the converted games once a batch is full."""
         self.games += 1
-        number = self.games
-        where = f"{self.name}: game {number} (line {line})"
-        fen = headers.get("FEN")
-        if fen is not None and headers.get("SetUp", "1") not in ("1",):
-            fen = None  # [SetUp "0"]: the FEN tag does not apply
-        try:
-            pos = Position.from_fen(fen) if fen else Position.startpos()
-        except ValueError as exc:
-            raise ValueError(f"{where}: bad [FEN] tag {fen!r}: {exc}") from None
-        moves, sans, positions = [], [], [pos]
-        for tok, tok_line in tokens:
-            if tok == "--" or tok == "Z0":
-                raise ValueError(f"{where}, line {tok_line}: null move {tok!r} is not supported")
+        self.pending.append((self.games, headers, tokens, line))
+        return self.flush() if len(self.pending) >= self.BATCH else []
+
+    def flush(self) -> list[PgnGame]:
+        """Convert the queued games; the ones before the first bad game, then its error."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return []
+        games: list[Optional[PgnGame]] = []
+        errors: dict[int, ValueError] = {}
+        starts = []
+        for k, (number, headers, tokens, line) in enumerate(pending):
+            where = f"{self.name}: game {number} (line {line})"
+            fen = headers.get("FEN")
+            if fen is not None and headers.get("SetUp", "1") not in ("1",):
+                fen = None  # [SetUp "0"]: the FEN tag does not apply
             try:
-                uci = san_to_uci(pos, tok)
+                starts.append(parse_fens([fen or "startpos"]))
             except ValueError as exc:
-                move_no = len(moves) // 2 + 1
-                side = "white" if pos.turn == "w" else "black"
-                raise ValueError(f"{where}, line {tok_line}: move {move_no} ({side}) {tok!r}: {exc}") from None
-            pos = pos.push_uci(uci)
-            moves.append(uci)
-            sans.append(_MARKS.sub("", tok))
-            positions.append(pos)
-        return PgnGame(number=number, headers=headers, start_fen=fen or "startpos", moves=moves, sans=sans,
-                       line=line, positions=positions)  # fmt: skip
+                errors[k] = ValueError(f"{where}: bad [FEN] tag {fen!r}: {str(exc).split(': ', 1)[-1]}")
+                starts.append(parse_fens(["startpos"]))
+            games.append(PgnGame(number=number, headers=headers, start_fen=fen or "startpos", moves=[], sans=[],
+                                 line=line))  # fmt: skip
+        boards = Boards.concat(starts)
+        states: list[list[Boards]] = [[] for _ in pending]
+        active = [k for k in range(len(pending)) if k not in errors]
+        current = boards.take(active)
+        ply = 0
+        while active:
+            rows, codes = B.legal_moves(current)
+            counts = np.bincount(rows, minlength=len(active))
+            offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+            texts = [B.UCI_TEXT[c] for c in codes.tolist()]
+            us = current.turn.astype(np.int64)[rows]
+            mine = current.bb.reshape(-1, 2, 6)[rows, us] & B.SQUARE_BB[codes & 63][:, None]
+            letters = [B.PIECE_LETTERS[p] for p in np.argmax(mine != 0, axis=1).tolist()]
+            turns = current.turn.tolist()
+            chosen, keep = [], []
+            for i, k in enumerate(active):
+                tokens = pending[k][2]
+                if ply >= len(tokens):
+                    games[k].ended = offsets[i + 1] == offsets[i]
+                    continue
+                tok, tok_line = tokens[ply]
+                legal = texts[offsets[i]: offsets[i + 1]]
+                piece = dict(zip(legal, letters[offsets[i]: offsets[i + 1]]))
+                side = "white" if turns[i] == B.WHITE else "black"
+                try:
+                    if tok in ("--", "Z0"):
+                        raise ValueError(f"null move {tok!r} is not supported")
+                    uci = _resolve_san(tok, legal, piece.get, "wb"[turns[i]])
+                except ValueError as exc:
+                    where = f"{self.name}: game {pending[k][0]} (line {pending[k][3]})"
+                    text = str(exc)
+                    prefix = f"{where}, line {tok_line}: "
+                    move = f"move {len(games[k].moves) // 2 + 1} ({side}) {tok!r}: "
+                    errors[k] = ValueError(prefix + (text if text.startswith("null move") else move + text))
+                    continue
+                games[k].moves.append(uci)
+                games[k].sans.append(_MARKS.sub("", tok))
+                chosen.append(B.UCI_CODE[uci])
+                keep.append(i)
+            for i, k in enumerate(active):
+                states[k].append(current.take([i]))
+            if not keep:
+                break
+            current = B.apply_moves(current.take(keep), np.array(chosen, np.int64))
+            active = [active[i] for i in keep]
+            ply += 1
+        out = []
+        for k, game in enumerate(games):
+            if k in errors:
+                self.pending = []
+                return out + [_Raise(errors[k])]
+            game.fens = board_fens(Boards.concat(states[k])) if states[k] else []
+            out.append(game)
+        return out
+
+
+class _Raise:
+    """An error kept in the order of the games: raised when the reader reaches it."""
+
+    def __init__(self, error: ValueError) -> None:
+        self.error = error
 
 
 def read_pgn(source: Source) -> Iterator[PgnGame]:
@@ -309,6 +400,13 @@ def read_pgn(source: Source) -> Iterator[PgnGame]:
 
     A game ends at its result token (``1-0``, ``0-1``, ``1/2-1/2``, ``*``), at the next tag
     section, or at the end of the file.  Lines starting with ``%`` are escapes (skipped)."""
+    for item in _read_pgn_batched(source):
+        if isinstance(item, _Raise):
+            raise item.error
+        yield item
+
+
+def _read_pgn_batched(source: Source) -> Iterator[Any]:
     name, lines = _lines(source)
     parser = _PgnParser(name)
     headers: dict[str, str] = {}
@@ -318,13 +416,13 @@ def read_pgn(source: Source) -> Iterator[PgnGame]:
     in_comment = False
     in_moves = False
 
-    def finish() -> Optional[PgnGame]:
+    def finish() -> list[Any]:
         nonlocal headers, tokens, start_line, in_moves
         if start_line is None:
-            return None
-        game = parser.game(headers, tokens, start_line)
+            return []
+        done = parser.add(headers, tokens, start_line)
         headers, tokens, start_line, in_moves = {}, [], None, False
-        return game
+        return done
 
     for lineno, text in enumerate(lines, 1):
         if text.startswith("%"):
@@ -344,9 +442,7 @@ def read_pgn(source: Source) -> Iterator[PgnGame]:
                 if depth:
                     continue
                 if in_moves:  # a tag after movetext without a result: a new game
-                    game = finish()
-                    if game is not None:
-                        yield game
+                    yield from finish()
                 if start_line is None:
                     start_line = lineno
                 headers[m.group("tname")] = re.sub(r"\\(.)", r"\1", m.group("tvalue"))
@@ -364,9 +460,7 @@ def read_pgn(source: Source) -> Iterator[PgnGame]:
                 if start_line is None:
                     start_line = lineno
                 headers.setdefault("Result", m.group("result"))
-                game = finish()
-                if game is not None:
-                    yield game
+                yield from finish()
             elif m.group("word") is not None:
                 word = m.group("word")
                 if depth or (word != "--" and _ANNOTATION.fullmatch(word)):
@@ -378,6 +472,5 @@ def read_pgn(source: Source) -> Iterator[PgnGame]:
             # NAGs, ';' comments, move numbers and dots: skipped
     if depth:
         raise ValueError(f"{name}: the file ends inside a variation ('(' without ')')")
-    game = finish()
-    if game is not None:
-        yield game
+    yield from finish()
+    yield from parser.flush()

@@ -23,6 +23,7 @@ corners); a Chess960 castling right is refused by name.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 from . import board as B
 from .board import Boards
 
-__all__ = ["Position", "PositionBatch", "STARTPOS_FEN", "parse_fens", "prepare"]
+__all__ = ["Position", "PositionBatch", "STARTPOS_FEN", "board_fen", "board_fens", "parse_fens", "prepare"]
 
 STARTPOS_FEN = "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1"
 
@@ -205,24 +206,38 @@ def _label(labels: Optional[Sequence[str]], i: int, fen: Any) -> str:
 
 def board_fen(boards: Boards, i: int) -> str:
     """Row ``i`` as a FEN."""
-    bb = [int(v) for v in boards.bb[i]]
-    ranks = []
-    for rank in range(7, -1, -1):
-        text, gap = "", 0
-        for file in range(8):
-            bit = 1 << (8 * rank + file)
-            letter = next((_LETTERS[c] for c in range(12) if bb[c] & bit), None)
-            if letter is None:
-                gap += 1
-                continue
-            text += (str(gap) if gap else "") + letter
-            gap = 0
-        ranks.append(text + (str(gap) if gap else ""))
-    castling = "".join(c for c, bit in _CASTLING_BITS.items() if int(boards.castling[i]) & bit) or "-"
-    ep = int(boards.ep[i])
-    ep_text = B.move_uci(ep)[:2] if ep >= 0 else "-"
-    turn = "wb"[int(boards.turn[i])]
-    return f"{'/'.join(ranks)} {turn} {castling} {ep_text} {int(boards.rule50[i])} {int(boards.ply[i]) // 2 + 1}"
+    return board_fens(boards.take([i]))[0]
+
+
+_FEN_LETTERS = np.frombuffer(_LETTERS.encode(), np.uint8)
+_RUN_OF_EMPTY = re.compile(r"\.+")
+
+
+def board_fens(boards: Boards) -> list[str]:
+    """Every row as a FEN, the board part built with array operations (``board_fen`` does
+    one row square by square)."""
+    n = len(boards)
+    if n == 0:
+        return []
+    bits = np.unpackbits(np.ascontiguousarray(boards.bb, "<u8").view(np.uint8).reshape(n, 12, 8), axis=2,
+                         bitorder="little")  # [n, 12, 64]
+    chars = np.full((n, 64), ord("."), np.uint8)
+    for col in range(12):
+        chars[bits[:, col].astype(bool)] = _FEN_LETTERS[col]
+    ranks = chars.reshape(n, 8, 8)[:, ::-1]  # rank 8 first
+    slash = np.full((n, 8, 1), ord("/"), np.uint8)
+    slash[:, -1] = ord("|")  # between positions: one pass of the run counter over the batch
+    text = np.concatenate([ranks, slash], axis=2).reshape(n * 72).tobytes().decode()
+    placements = _RUN_OF_EMPTY.sub(lambda m: str(len(m.group())), text).split("|")
+    return [
+        f"{p} {'wb'[t]} {_CASTLING_TEXT[c]} {_EP_TEXT[e]} {r} {ply // 2 + 1}"
+        for p, t, c, e, r, ply in zip(placements, boards.turn.tolist(), boards.castling.tolist(),
+                                      boards.ep.tolist(), boards.rule50.tolist(), boards.ply.tolist())
+    ]
+
+
+_CASTLING_TEXT = ["".join(c for c, bit in _CASTLING_BITS.items() if v & bit) or "-" for v in range(16)]
+_EP_TEXT = {-1: "-", **{s: B.move_uci(s)[:2] for s in range(64)}}
 
 
 def _move_codes(moves: Sequence[str], label: str) -> list[int]:
