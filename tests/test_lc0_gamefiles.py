@@ -243,12 +243,12 @@ def test_many_games_read_in_batches_agree_with_python_chess():
     every move, every position's FEN and the end state as python-chess has them; a bad move
     in a later game comes after every game before it."""
     chess = pytest.importorskip("chess")
-    import chess.pgn
+    pgn = pytest.importorskip("chess.pgn")
 
     rng = random.Random(7)
     text = io.StringIO()
     for _ in range(300):
-        board, game = chess.Board(), chess.pgn.Game()
+        board, game = chess.Board(), pgn.Game()
         node = game
         for _ in range(rng.randint(1, 120)):
             legal = list(board.legal_moves)
@@ -263,7 +263,7 @@ def test_many_games_read_in_batches_agree_with_python_chess():
     theirs = io.StringIO(source)
     assert len(ours) == 300
     for g in ours:
-        ref = chess.pgn.read_game(theirs)
+        ref = pgn.read_game(theirs)
         board = ref.board()
         assert g.moves == [m.uci() for m in ref.mainline_moves()]
         assert len(g.fens) == len(g.moves) + 1
