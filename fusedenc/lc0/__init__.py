@@ -33,7 +33,7 @@ From a position to a move:
 """
 
 from .encoding import encode_planes
-from .errors import Lc0FileError, Lc0FormatError
+from .errors import Lc0FileError, Lc0FormatError, Lc0NonFiniteError, Lc0ValueWarning
 from .evaluate import Evaluation
 from .evaluator import Evaluator
 from .gamefiles import read_epd, read_pgn, san_to_uci
@@ -65,6 +65,8 @@ __all__ = [
     "Lc0GraphRunner",
     "Lc0Network",
     "Lc0FormatError",
+    "Lc0NonFiniteError",
+    "Lc0ValueWarning",
     "NetFile",
     "NetworkStructure",
     "Position",

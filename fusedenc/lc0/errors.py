@@ -6,7 +6,7 @@ weights, the net file) raises them without importing the layers above it.
 
 from __future__ import annotations
 
-__all__ = ["Lc0FileError", "Lc0FormatError"]
+__all__ = ["Lc0FileError", "Lc0FormatError", "Lc0NonFiniteError", "Lc0ValueWarning"]
 
 
 class Lc0FileError(ValueError):
@@ -19,3 +19,13 @@ class Lc0FormatError(ValueError):
     """The file is well formed, but describes a network fusedenc does not run (a residual
     body, a position-encoding table we do not ship, relative position encodings, a
     missing or mis-sized weight).  The message names every such field."""
+
+
+class Lc0ValueWarning(UserWarning):
+    """A net fusedenc runs holds weights so large that a forward likely overflows (values
+    beyond float16's range in a wider dtype): the warning names the layers."""
+
+
+class Lc0NonFiniteError(FloatingPointError):
+    """A forward's heads are not finite (``Lc0Network(..., check_finite=True)``): the message
+    names each head with NaN or infinite values."""

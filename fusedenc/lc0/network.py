@@ -36,7 +36,7 @@ from .errors import Lc0FormatError
 from .netfile import NetFile, read_net
 from .reference import BODY_LAYER_NORM_EPS
 from .schema import InputFormat, MovesLeftFormat, ValueFormat
-from .support import check_supported
+from .support import check_finite_heads, check_supported, shaped_as_expected
 
 __all__ = ["Lc0GraphRunner", "Lc0Network", "load_network"]
 
@@ -173,9 +173,26 @@ class Lc0Network(nn.Module):
     the net has that head.  Inference only.
     """
 
-    def __init__(self, net: NetFile, *, dtype: torch.dtype = torch.float16, device: Union[str, torch.device] = "cuda"):
+    def __init__(
+        self,
+        net: NetFile,
+        *,
+        dtype: torch.dtype = torch.float16,
+        device: Union[str, torch.device] = "cuda",
+        check_finite: bool = False,
+    ):
         super().__init__()
-        check_supported(net)
+        # Everything about the file is checked before anything is built or reaches the device:
+        # the format, every size the builder uses, and the values against ``dtype`` (a layer that
+        # would be inf in it is refused; one beyond float16's range in a wider dtype is warned about).
+        check_supported(net, dtype=dtype)
+        if net.get(net.policy_head_paths()["vanilla"]["pol_encoder"]):
+            raise Lc0FormatError(f"{net.source}: policy-head encoder layers are not supported yet")
+        net = shaped_as_expected(net)  # every layer in the shape the builder reads (the file's dims set aside, as lc0 does)
+        #: Opt-in: a forward whose heads are NaN or infinite raises ``Lc0NonFiniteError`` naming
+        #: them (one sync per call; eager calls only: inside a CUDA graph capture, i.e.
+        #: ``Lc0GraphRunner``, nothing is checked).  Off: the forward does no extra work.
+        self.check_finite = bool(check_finite)
         w = net.weights
         acts = net.activation_names()
         self.activations = acts
@@ -216,7 +233,7 @@ class Lc0Network(nn.Module):
         # Body: blocks and their smolgen.
         global_w = w.get("smolgen_w")
         self.smolgen_w = None
-        if global_w is not None and global_w.numel():
+        if global_w is not None and global_w.numel() and any(layer["mha"].get("smolgen") for layer in layers):
             self.smolgen_w = _param(global_w, (64 * 64, global_w.numel() // 4096), **kw)
         self.blocks = nn.ModuleList(_block(layer, heads, acts["ffn"], alpha, eps, **kw) for layer in layers)
         self.smolgen = nn.ModuleList(
@@ -227,8 +244,6 @@ class Lc0Network(nn.Module):
 
         # Heads.
         ph = net.policy_heads()["vanilla"]
-        if ph.get("pol_encoder"):
-            raise Lc0FormatError(f"{net.source}: policy-head encoder layers are not supported yet")
         pe, pd = ph["ip_pol_b"].numel(), ph["ip2_pol_b"].numel()
         self.pol_embed = _Dense(ph["ip_pol_w"], ph["ip_pol_b"], pe, acts["policy"], **kw)
         self.pol_q = _Dense(ph["ip2_pol_w"], ph["ip2_pol_b"], pd, "none", **kw)
@@ -295,6 +310,12 @@ class Lc0Network(nn.Module):
 
     @torch.no_grad()
     def forward(self, planes: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self._forward_heads(planes)
+        if self.check_finite and not (planes.is_cuda and torch.cuda.is_current_stream_capturing()):
+            check_finite_heads(out, self.source)
+        return out
+
+    def _forward_heads(self, planes: torch.Tensor) -> dict[str, torch.Tensor]:
         self._check(planes)
         b = planes.shape[0]
         if b == 0:  # an empty batch: empty heads, nothing launched
@@ -518,12 +539,19 @@ class Lc0GraphRunner(BucketedGraphs):
 
 
 def load_network(
-    path: Union[str, bytes], *, dtype: torch.dtype = torch.float16, device: Union[str, torch.device] = "cuda"
+    path: Union[str, bytes],
+    *,
+    dtype: torch.dtype = torch.float16,
+    device: Union[str, torch.device] = "cuda",
+    max_bytes: Optional[int] = None,
+    check_finite: bool = False,
 ) -> Lc0Network:
     """Read an lc0 network file (``.pb.gz``) and build its ``Lc0Network`` in ``dtype`` on ``device``.
 
     Everything about the file is checked before any tensor reaches the device: a file that
     is not an lc0 net, a damaged one, or a net in a format fusedenc does not run raises
-    ``Lc0FileError`` / ``Lc0FormatError`` naming what is wrong.
+    ``Lc0FileError`` / ``Lc0FormatError`` naming what is wrong.  ``max_bytes``: ``read_net``'s
+    limit on the decompressed file (None: 2 GiB or ``FUSEDENC_LC0_MAX_BYTES``);
+    ``check_finite``: ``Lc0Network``'s opt-in check of each forward's heads.
     """
-    return Lc0Network(read_net(path), dtype=dtype, device=device)
+    return Lc0Network(read_net(path, max_bytes=max_bytes), dtype=dtype, device=device, check_finite=check_finite)

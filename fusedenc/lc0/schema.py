@@ -6,9 +6,12 @@ them, read by ``protobuf.decode``.  Every field net.proto declares is listed, in
 the ones fusedenc does not run (residual towers, relative position encodings, ONNX
 payloads), so that nothing in a file is dropped without the loader seeing it.
 
-``SCHEMA[message][number] = Field(name, kind, repeated, enum)``; a kind that is not a
-scalar (``protobuf.SCALAR_KINDS``) names another message of the table.  Nested proto
-messages are spelled ``Outer.Inner`` (``Weights.Layer``).
+``SCHEMA[message][number] = Field(name, kind, repeated, enum, limit)``; a kind that is not
+a scalar (``protobuf.SCALAR_KINDS``) names another message of the table.  Nested proto
+messages are spelled ``Outer.Inner`` (``Weights.Layer``).  ``limit`` bounds a repeated
+field's entries (``protobuf.DEFAULT_REPEATED_LIMIT``, 1024, where not given: real nets have
+tens of encoder layers; ``MAX_DIMS`` for a layer's ``dims``), so that a tiny hostile file
+cannot ask for a million layers.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ __all__ = [
     "DEFAULT_ACTIVATION_FUNCTION",
     "LAYER",
     "LC0_MAGIC",
+    "MAX_DIMS",
     "SCHEMA",
     "ActivationFunction",
     "DefaultActivation",
@@ -42,6 +46,9 @@ LC0_MAGIC = 0x1C0
 
 #: The message every weight tensor is stored in.
 LAYER = "Weights.Layer"
+
+#: The most ``dims`` entries a layer may give (lc0's tensors have 1 to 4).
+MAX_DIMS = 8
 
 
 class LayerEncoding(enum.IntEnum):
@@ -235,7 +242,7 @@ SCHEMA: Schema = {
         2: Field("max_val", "float"),
         3: Field("params", "bytes"),
         4: Field("encoding", "enum", enum=LayerEncoding),
-        5: Field("dims", "uint32", repeated=True),
+        5: Field("dims", "uint32", repeated=True, limit=MAX_DIMS),
     },
     "Weights.ConvBlock": {
         1: Field("weights", L),

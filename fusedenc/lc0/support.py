@@ -4,16 +4,32 @@ fusedenc runs attention bodies (formats 6, 7, 134) with the PE_DENSE embedding, 
 relative position encodings, and every weight the body and heads need, at the size the
 rest of the file implies (``expected_shapes``: derived from the file's own bias lengths,
 as lc0 derives them).  ``check_supported`` raises ``Lc0FormatError`` listing every problem,
-before any tensor reaches a device.
+before any tensor reaches a device: besides the format and each missing or mis-sized weight,
+every size fusedenc's network builder cannot use (an attention width other than d_model,
+body widths that are not multiples of 8), and with ``dtype=`` the layers whose values do
+not fit that dtype.  (A policy head's own encoder layers, which ``reference`` runs, are
+refused by ``Lc0Network`` before it builds anything.)
+
+Values (issue 46): ``read_net`` refuses a layer with NaN or infinite values.  For a dtype,
+``check_supported(net, dtype=...)`` refuses the layers with values beyond the dtype's range
+(they would be inf on the device: float16's is +-65504) and warns (``Lc0ValueWarning``) about
+layers beyond float16's range in a wider dtype: lc0's fp16 backends cannot run such a net,
+and values that large usually overflow in the forward (a LayerNorm squares them), giving
+NaN heads.  ``check_finite_heads`` is the forward's opt-in check
+(``Lc0Network(..., check_finite=True)``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional
+import warnings
+from typing import Any, Mapping, Optional
+
+import torch
 
 from ..activations import LC0_ACTIVATIONS
-from .errors import Lc0FormatError
+from .errors import Lc0FormatError, Lc0NonFiniteError, Lc0ValueWarning
 from .netfile import NetFile, enum_label, enum_name, present
 from .schema import (
     ATTENTION_BODIES,
@@ -25,7 +41,13 @@ from .schema import (
     ValueFormat,
 )
 
-__all__ = ["check_supported", "expected_shapes"]
+__all__ = ["FLOAT16_MAX", "check_finite_heads", "check_supported", "expected_shapes", "shaped_as_expected"]
+
+#: float16's largest finite value: weights beyond it are refused for a float16 net and warned
+#: about for a wider one (lc0's fp16 backends cannot run them either).
+FLOAT16_MAX = 65504.0
+#: Row lengths fusedenc's encoder blocks need a multiple of (16-byte rows of fp16/bf16).
+BODY_DIM_MULTIPLE = 8
 
 Shape = Optional[tuple[Optional[int], ...]]
 
@@ -47,11 +69,25 @@ class _Specs:
         if required or self.net.get(path) is not None:
             self.layers.append((path, shape if known else None, required))
 
-    def encoder_layer(self, p: str, width: Optional[int], heads: Optional[int]) -> tuple[bool, Optional[int]]:
+    def encoder_layer(
+        self, p: str, width: Optional[int], heads: Optional[int], body: bool = False
+    ) -> tuple[bool, Optional[int]]:
         """An encoder layer at ``p`` working on ``width``-wide rows; returns whether it has
-        smolgen and its gen size (None where unknown)."""
+        smolgen and its gen size (None where unknown).  ``body``: a layer of the body, which
+        fusedenc runs as an ``EncoderBlock`` (attention width = d_model, multiples of 8)."""
         dm = self.numel(f"{p}.mha.q_b")
         d_ff = self.numel(f"{p}.ffn.dense1_b")
+        if body and dm and width and dm != width:
+            self.problems.append(
+                f"{p}.mha.q_b: attention width {dm} differs from d_model {width} (weights.ip_emb_b): "
+                "fusedenc's encoder blocks need them equal"
+            )
+        if body and dm and dm % BODY_DIM_MULTIPLE:
+            self.problems.append(f"{p}.mha.q_b: attention width {dm} is not a multiple of {BODY_DIM_MULTIPLE} "
+                                 "(fusedenc's GEMMs need 16-byte rows)")
+        if body and d_ff and d_ff % BODY_DIM_MULTIPLE:
+            self.problems.append(f"{p}.ffn.dense1_b: FFN width {d_ff} is not a multiple of {BODY_DIM_MULTIPLE} "
+                                 "(fusedenc's GEMMs need 16-byte rows)")
         for x in "qkv":
             self.add(f"{p}.mha.{x}_w", (dm, width))
             self.add(f"{p}.mha.{x}_b", (dm,))
@@ -132,15 +168,15 @@ def _specs(net: NetFile) -> _Specs:
     any_smolgen = False
     gen_sizes = set()
     for i in range(len(w.get("encoder", []))):
-        has_smolgen, gen = specs.encoder_layer(f"weights.encoder[{i}]", d, heads)
+        has_smolgen, gen = specs.encoder_layer(f"weights.encoder[{i}]", d, heads, body=True)
         any_smolgen |= has_smolgen
         if gen is not None:
             gen_sizes.add(gen)
     if len(gen_sizes) > 1:
         specs.problems.append(f"weights.encoder: smolgen gen sizes differ between layers ({sorted(gen_sizes)})")
-    if any_smolgen or "smolgen_w" in w:  # every layer's smolgen ends in the one global smolgen_w
+    if any_smolgen:  # every layer's smolgen ends in the one global smolgen_w (unused without, as in lc0)
         gen = next(iter(gen_sizes)) if len(gen_sizes) == 1 else None
-        specs.add("weights.smolgen_w", (64 * 64, gen), required=any_smolgen)
+        specs.add("weights.smolgen_w", (64 * 64, gen))
 
     # Policy: the attention policy of every head lc0 would build (vanilla is the one it runs).
     for name, paths in net.policy_head_paths().items():
@@ -199,9 +235,10 @@ def expected_shapes(net: NetFile) -> dict[str, tuple[int, ...]]:
 MAX_PROBLEMS_SHOWN = 25
 
 
-def _format_problems(net: NetFile) -> list[str]:
+def _format_problems(net: NetFile, dtype: Optional[torch.dtype] = None) -> list[str]:
     """Why fusedenc cannot run ``net``: the body and format first (when they rule the net out,
-    nothing else is checked), then every missing or mis-sized weight."""
+    nothing else is checked), then every missing or mis-sized weight, then (for ``dtype``)
+    the layers whose values do not fit it."""
     if not net.has_weights:
         detail = " (it carries an ONNX model, which fusedenc does not run)" if net.has_onnx_model else ""
         return [f"no weights{detail}"]
@@ -254,17 +291,116 @@ def _format_problems(net: NetFile) -> list[str]:
         if shape is not None and value.numel() != math.prod(shape):
             problems.append(f"{path}: has {value.numel()} values, expected shape {shape} = {math.prod(shape)} values")
     problems.extend(specs.problems)
+    if dtype is not None:
+        problems.extend(_range_problems(net, [path for path, _, _ in specs.layers], dtype))
     return problems
 
 
-def check_supported(net: NetFile) -> None:
+def _ranges(net: NetFile, paths: list[str]) -> dict[str, tuple[float, float]]:
+    """(smallest, largest) value of each present layer of ``paths``: as ``read_net`` recorded
+    them, or measured (a ``NetFile`` made some other way)."""
+    out = {}
+    for path in dict.fromkeys(paths):
+        value = net.get(path)
+        if present(value):
+            r = net.value_ranges.get(path)
+            if r is None:
+                lo, hi = torch.aminmax(value.detach().float().reshape(-1))
+                r = (float(lo), float(hi))
+            out[path] = r
+    return out
+
+
+def _range_problems(net: NetFile, paths: list[str], dtype: torch.dtype) -> list[str]:
+    """The layers of ``paths`` whose values are inf in ``dtype`` (refused); warns
+    (``Lc0ValueWarning``) about those beyond float16's range when ``dtype`` is wider."""
+    if not (dtype.is_floating_point and torch.finfo(dtype).bits >= 16):
+        return []
+    ranges = _ranges(net, paths)
+    if not ranges:
+        return []
+    names = list(ranges)
+    ends = torch.tensor([v for name in names for v in ranges[name]], dtype=torch.float64)
+    inf = torch.isinf(ends.to(torch.float32).to(dtype)).view(-1, 2).any(1).tolist()  # float32: as decoded
+    largest = {name: max(abs(lo), abs(hi)) for name, (lo, hi) in ranges.items()}
+    problems = [
+        f"{name}: values up to {largest[name]:.4g} do not fit {_dtype_name(dtype)} (largest "
+        f"{torch.finfo(dtype).max:.6g}): they would be inf on the device and the heads NaN"
+        + ("; load it in torch.float32" if dtype != torch.float32 else "")
+        for name, bad in zip(names, inf)
+        if bad
+    ]
+    if not problems and torch.finfo(dtype).max > FLOAT16_MAX:
+        large = [name for name in names if largest[name] > FLOAT16_MAX]
+        if large:
+            shown = ", ".join(f"{name} (up to {largest[name]:.4g})" for name in large[:8])
+            more = f" and {len(large) - 8} more" if len(large) > 8 else ""
+            warnings.warn(
+                f"{net.source}: {len(large)} weight layers hold values beyond float16's range (+-65504): "
+                f"{shown}{more}.  lc0's fp16 backends cannot run this net, and values this large usually "
+                f"overflow in the forward (a LayerNorm squares them): its heads may come out inf or NaN in "
+                f"{_dtype_name(dtype)} too.  fusedenc runs it as it is; Lc0Network(..., check_finite=True) "
+                "makes a forward with non-finite heads raise.",
+                Lc0ValueWarning,
+                stacklevel=4,
+            )
+    return problems
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_supported(net: NetFile, *, dtype: Optional[torch.dtype] = None) -> None:
     """Raise ``Lc0FormatError`` naming every reason fusedenc cannot run ``net``: a body that
     is not an attention body, an unsupported embedding (PE_MAP, NONE), relative position
-    encodings, an activation, policy or value format it lacks, and each missing or
-    mis-sized weight (sizes as lc0 derives them from the file's bias lengths)."""
-    problems = _format_problems(net)
+    encodings, an activation, policy or value format it lacks, each missing or mis-sized
+    weight (sizes as lc0 derives them from the file's bias lengths), and each size fusedenc's
+    network cannot take (see the module doc).  With ``dtype``: also the layers whose values do
+    not fit it, and a ``Lc0ValueWarning`` for layers beyond float16's range in a wider dtype."""
+    problems = _format_problems(net, dtype)
     if problems:
         shown = problems[:MAX_PROBLEMS_SHOWN]
         more = len(problems) - len(shown)
         lines = "\n".join(f"  - {p}" for p in shown) + (f"\n  ... and {more} more" if more else "")
         raise Lc0FormatError(f"{net.source}: fusedenc cannot run this net:\n{lines}")
+
+
+def shaped_as_expected(net: NetFile) -> NetFile:
+    """``net`` with every layer of ``expected_shapes`` viewed in that shape (the file's
+    ``dims`` set aside, as lc0 sets them aside: only the count matters), so that a builder can
+    rely on the shapes; other layers as they are.  For a net ``check_supported`` passed."""
+    shapes = expected_shapes(net)
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            shape = shapes.get(path)
+            return node.reshape(shape) if shape is not None and node.numel() == math.prod(shape) else node
+        if isinstance(node, Mapping):
+            return {k: walk(v, f"{path}.{k}") for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        return node
+
+    return dataclasses.replace(net, weights=walk(net.weights, "weights"))
+
+
+def check_finite_heads(out: Mapping[str, torch.Tensor], source: str) -> None:
+    """Raise ``Lc0NonFiniteError`` naming each head of a forward's output with NaN or infinite
+    values.  One device sync for all heads; not for use inside a CUDA graph capture."""
+    heads = [(name, t) for name, t in out.items() if t.numel()]
+    if not heads:
+        return
+    finite = torch.stack([torch.isfinite(t).all() for _, t in heads]).tolist()
+    if all(finite):
+        return
+    bad = []
+    for (name, t), ok in zip(heads, finite):
+        if not ok:
+            nan = int(torch.isnan(t).sum())
+            inf = int(torch.isinf(t).sum())
+            bad.append(f"{name} ({nan} NaN and {inf} infinite of {t.numel()} values)")
+    raise Lc0NonFiniteError(
+        f"{source}: the forward's heads are not finite: {', '.join(bad)}: the net's weights overflow in this "
+        "dtype (see the Lc0ValueWarning when it was loaded) or the planes hold non-finite values"
+    )

@@ -7,6 +7,11 @@ FLOAT16/BFLOAT16 widen exactly to float32.  Dense weights are stored ``[out][in]
 
 Everything is vectorised over whole layers (a BT4-sized net holds ~190 M values).
 Errors name the layer's path, e.g. ``weights.encoder[3].mha.q_w``.
+
+Every decoded layer is checked for values that are not finite in float32 (NaN, inf; a
+LINEAR16 range whose formula overflows) with one ``aminmax`` pass, and its smallest and
+largest value are recorded (``ranges``) so that a network can tell, once it knows its
+dtype, which layers overflow it (``support.check_supported(net, dtype=...)``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 
 from .errors import Lc0FileError, Lc0FormatError
 from .protobuf import SCALAR_KINDS, UNKNOWN_FIELDS, Schema
-from .schema import LAYER, SCHEMA, LayerEncoding
+from .schema import LAYER, MAX_DIMS, SCHEMA, LayerEncoding
 
 __all__ = [
     "ELEMENT_BYTES",
@@ -49,6 +54,23 @@ _STORED_DTYPE = {
 
 _KNOWN = ", ".join(f"{e.name} {int(e)}" for e in ELEMENT_BYTES)
 
+#: Bound on the product of a layer's dims (far above any layer a file can hold): products
+#: are computed against it, never as huge integers.
+_MAX_DIMS_PRODUCT = 1 << 48
+
+
+def _dims_product(dims: Sequence[int]) -> Optional[int]:
+    """The product of ``dims`` (0 if one is 0), or None where the nonzero ones pass ``_MAX_DIMS_PRODUCT``."""
+    if 0 in dims:
+        return 0
+    product = 1
+    for d in dims:
+        if d:
+            product *= d
+            if product > _MAX_DIMS_PRODUCT:
+                return None
+    return product
+
 
 def layer_encoding(layer: Mapping[str, Any], where: str) -> LayerEncoding:
     """The layer's encoding; LINEAR16 when the field is absent, as lc0 reads it."""
@@ -67,10 +89,15 @@ def _swap_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).view(-1, size).flip(1).contiguous().view(t.dtype).view(t.shape)
 
 
-def _from_le_bytes(data: Any, dtype: torch.dtype) -> torch.Tensor:
-    # A private writable copy: torch.frombuffer wants a writable buffer, and the copy frees the
-    # file's buffer from this tensor's lifetime (FLOAT32 layers would otherwise pin it).
-    t = torch.frombuffer(bytearray(data), dtype=dtype)
+def _from_le_bytes(data: Any, dtype: torch.dtype, *, copy: bool = True) -> torch.Tensor:
+    """The values of ``data`` (little-endian).  ``copy=False``: a view of ``data`` where it is a
+    writable buffer (``read_net``'s decompressed file), for a caller that converts it at once
+    (16-bit layers: ``.to(float32)`` is the copy); else a private writable copy (torch.frombuffer
+    wants a writable buffer, and the copy frees the file's buffer from this tensor's lifetime)."""
+    view = memoryview(data)
+    if copy or view.readonly or sys.byteorder != "little":
+        view = bytearray(view)
+    t = torch.frombuffer(view, dtype=dtype)
     return t if sys.byteorder == "little" else _swap_bytes(t)
 
 
@@ -85,14 +112,15 @@ def _to_le_bytes(t: torch.Tensor) -> bytes:
     return bytes(out)
 
 
-def decode_layer(layer: Mapping[str, Any], where: str) -> torch.Tensor:
+def decode_layer(layer: Mapping[str, Any], where: str, *, ranges: Optional[dict] = None) -> torch.Tensor:
     """A decoded ``Weights.Layer`` (as ``protobuf.decode`` returns it) as a float32 tensor:
     shaped by ``dims`` when the layer has them, else 1-D.
 
     Raises ``Lc0FileError`` naming ``where`` for an unknown encoding, a byte count that is
     not a whole number of values, a LINEAR16 layer with values but no ``min_val``/``max_val``
-    (lc0 would silently read 0 for both), ``dims`` that do not hold the values, and
-    non-finite values.
+    (lc0 would silently read 0 for both), ``dims`` that do not hold the values (or more than
+    ``schema.MAX_DIMS`` of them), and values that are not finite in float32.  ``ranges``, when
+    given, gets ``ranges[where] = (smallest, largest)`` for a layer with values.
     """
     encoding = layer_encoding(layer, where)
     params = layer.get("params", b"")
@@ -103,17 +131,28 @@ def decode_layer(layer: Mapping[str, Any], where: str) -> torch.Tensor:
             f"{where}: {nbytes} bytes of {encoding.name} data is not a whole number of {size}-byte values"
         )
     count = nbytes // size
-    dims = [int(d) for d in layer.get("dims", ())]
-    if dims and math.prod(dims) != count:
-        raise Lc0FileError(
-            f"{where}: dims {dims} hold {math.prod(dims)} values, but params has {nbytes} bytes "
-            f"= {count} {encoding.name} values"
-        )
+    dims = list(layer.get("dims", ()))
+    if len(dims) > MAX_DIMS:
+        raise Lc0FileError(f"{where}: {len(dims)} dims, more than the {MAX_DIMS} fusedenc reads")
+    dims = [int(d) for d in dims]
+    if any(d < 0 or d > 0xFFFFFFFF for d in dims):
+        raise Lc0FileError(f"{where}: dims {dims} are not all uint32 values")
+    if dims:
+        product = _dims_product(dims)
+        if product != count:
+            held = f"{product}" if product is not None else f"more than {_MAX_DIMS_PRODUCT}"
+            raise Lc0FileError(
+                f"{where}: dims {dims} hold {held} values, but params has {nbytes} bytes "
+                f"= {count} {encoding.name} values"
+            )
+        if count == 0 and _dims_product([d or 1 for d in dims]) is None:
+            raise Lc0FileError(f"{where}: dims {dims} describe an empty tensor too large to shape")
     shape = tuple(dims) if dims else (count,)
     if count == 0:
         return torch.zeros(shape, dtype=torch.float32)
 
-    raw = _from_le_bytes(params, _STORED_DTYPE[encoding])
+    # FLOAT32 is copied (its .to(float32) is no copy); 16-bit layers are read in place and widened.
+    raw = _from_le_bytes(params, _STORED_DTYPE[encoding], copy=encoding == LayerEncoding.FLOAT32)
     if encoding == LayerEncoding.LINEAR16:
         missing = [name for name in ("min_val", "max_val") if name not in layer]
         if missing:
@@ -128,9 +167,18 @@ def decode_layer(layer: Mapping[str, Any], where: str) -> torch.Tensor:
         values.add_(theta.neg_().add_(1.0).mul_(lo))
     else:
         values = raw.to(torch.float32)
+    # One pass for both: NaN propagates through min/max, inf shows as an end.
+    smallest, largest = (float(v) for v in torch.aminmax(values))
+    if not (math.isfinite(smallest) and math.isfinite(largest)):
         bad = int((~torch.isfinite(values)).sum())
-        if bad:
-            raise Lc0FileError(f"{where}: {bad} of {count} {encoding.name} values are NaN or infinite")
+        if encoding == LayerEncoding.LINEAR16:
+            raise Lc0FileError(
+                f"{where}: LINEAR16 range [{lo:.9g}, {hi:.9g}] gives {bad} of {count} values that are not finite "
+                "in float32 (lc0's formula overflows)"
+            )
+        raise Lc0FileError(f"{where}: {bad} of {count} {encoding.name} values are NaN or infinite")
+    if ranges is not None:
+        ranges[where] = (smallest, largest)
     return values.view(shape)
 
 
@@ -198,11 +246,13 @@ def decode_weight_tree(
     schema: Schema = SCHEMA,
     encodings: Optional[Counter] = None,
     unknown: Optional[list[str]] = None,
+    ranges: Optional[dict] = None,
 ) -> dict[str, Any]:
     """A copy of a decoded message tree with every ``Weights.Layer`` replaced by its float32
     tensor (each decoded once).  Scalars and nested messages keep their shape; the field
     numbers the schema did not know are dropped from the tree and appended to ``unknown``
-    as ``"path#number"``; ``encodings`` counts the layers per encoding name.
+    as ``"path#number"``; ``encodings`` counts the layers per encoding name; ``ranges`` gets
+    each layer's (smallest, largest) value by path (``decode_layer``).
     """
     fields = {f.name: f for f in schema[message].values()}
     out: dict[str, Any] = {}
@@ -223,13 +273,14 @@ def decode_weight_tree(
             if field.kind == LAYER:
                 if unknown is not None and UNKNOWN_FIELDS in item:
                     unknown.extend(f"{ipath}#{number}" for number in item[UNKNOWN_FIELDS])
-                decoded.append(decode_layer(item, ipath))
+                decoded.append(decode_layer(item, ipath, ranges=ranges))
                 if encodings is not None:
                     encodings[layer_encoding(item, ipath).name] += 1
             else:
                 decoded.append(
                     decode_weight_tree(
-                        item, field.kind, path=ipath, schema=schema, encodings=encodings, unknown=unknown
+                        item, field.kind, path=ipath, schema=schema, encodings=encodings, unknown=unknown,
+                        ranges=ranges,
                     )
                 )
         out[key] = decoded if field.repeated else decoded[0]
