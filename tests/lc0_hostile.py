@@ -1,4 +1,4 @@
-"""Hostile and damaged Lc0 network files for ``test_lc0_hostile_files.py`` (issue 46).
+"""Hostile and damaged Lc0 network files for ``test_lc0_hostile_files.py``.
 
 * ``micro_net``: a very small valid net (``lc0_writer.build_net``) whose structure is most of
   its bytes, so that random mutations hit keys and lengths, not only weights;

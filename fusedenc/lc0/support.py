@@ -10,7 +10,7 @@ body widths that are not multiples of 8), and with ``dtype=`` the layers whose v
 not fit that dtype.  (A policy head's own encoder layers, which ``reference`` runs, are
 refused by ``Lc0Network`` before it builds anything.)
 
-Values (issue 46): ``read_net`` refuses a layer with NaN or infinite values.  For a dtype,
+Values: ``read_net`` refuses a layer with NaN or infinite values.  For a dtype,
 ``check_supported(net, dtype=...)`` refuses the layers with values beyond the dtype's range
 (they would be inf on the device: float16's is +-65504) and warns (``Lc0ValueWarning``) about
 layers beyond float16's range in a wider dtype: lc0's fp16 backends cannot run such a net,
