@@ -41,6 +41,24 @@ _CASTLING_BITS = {"K": B.WHITE_KINGSIDE, "Q": B.WHITE_QUEENSIDE, "k": B.BLACK_KI
 _FILES = "abcdefgh"
 
 
+_KNOWN = str.maketrans({c: None for c in _LETTERS + "./"})  # deletes every character a placement may hold
+
+
+def _explain_placement(placement: str) -> None:
+    """Raise the ValueError that says what is wrong with a FEN's board field."""
+    ranks = placement.split("/")
+    if len(ranks) != 8:
+        raise ValueError(f"the board has {len(ranks)} ranks, not 8")
+    for i, r in enumerate(ranks):
+        expanded = r.translate(_EXPAND)
+        bad = set(expanded) - set(_LETTERS + ".")
+        if bad:
+            raise ValueError(f"rank {8 - i} ({r!r}) has characters that are no piece: {''.join(sorted(bad))}")
+        if len(expanded) != 8:
+            raise ValueError(f"rank {8 - i} ({r!r}) has {len(expanded)} squares, not 8")
+    raise ValueError(f"the board field {placement!r} is malformed")
+
+
 def _popcount(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype="<u8")
     return np.unpackbits(x.view(np.uint8).reshape(*x.shape, 8), axis=-1).sum(axis=-1)
@@ -57,17 +75,11 @@ def _split_fen(fen: str) -> tuple[str, int, int, int, int, int]:
     if not 4 <= len(parts) <= 6:
         raise ValueError(f"has {len(parts)} fields, a FEN has 6 (or 4, as in EPD)")
     placement, turn, castling, ep = parts[:4]
-    ranks = placement.split("/")
-    if len(ranks) != 8:
-        raise ValueError(f"the board has {len(ranks)} ranks, not 8")
-    expanded = [r.translate(_EXPAND) for r in ranks]
-    for i, r in enumerate(expanded):
-        bad = set(r) - set(_LETTERS + ".")
-        if bad:
-            raise ValueError(f"rank {8 - i} ({ranks[i]!r}) has characters that are no piece: {''.join(sorted(bad))}")
-        if len(r) != 8:
-            raise ValueError(f"rank {8 - i} ({ranks[i]!r}) has {len(r)} squares, not 8")
-    squares = "".join(reversed(expanded))
+    expanded = placement.translate(_EXPAND)
+    # The common case in three C calls: 8 ranks of 8 known characters; else say what is wrong.
+    if len(expanded) != 71 or expanded[8::9] != "///////" or expanded.translate(_KNOWN):
+        _explain_placement(placement)
+    squares = "".join(expanded.split("/")[::-1])
     if turn not in ("w", "b"):
         raise ValueError(f"side to move is {turn!r}, not 'w' or 'b'")
     bits = 0
@@ -163,31 +175,29 @@ def _check_boards(boards: Boards) -> list[Optional[str]]:
     return problems
 
 
-@functools.lru_cache(maxsize=65536)
-def _parse_one(fen: str) -> tuple:
-    """A FEN's fields with the board as 12 bitboards (ints); cached: engines send the same
-    start FEN with many move lists.  Raises ValueError."""
-    squares, turn, castling, ep, rule50, ply = _split_fen(fen)
-    chars = np.frombuffer(squares.encode(), np.uint8)
-    bits = np.packbits(chars[None, :] == np.frombuffer(_LETTERS.encode(), np.uint8)[:, None], axis=1, bitorder="little")
-    return tuple(int(v) for v in bits.view("<u8").reshape(12)), turn, castling, ep, rule50, ply
+_split_cached = functools.lru_cache(maxsize=65536)(lambda fen: _split_fen(fen))  # engines repeat start FENs
+_LETTER_CODES = np.frombuffer(_LETTERS.encode(), np.uint8)
 
 
 def parse_fens(fens: Sequence[str], *, labels: Optional[Sequence[str]] = None) -> Boards:
     """FENs (or ``"startpos"``) -> ``Boards``.  Raises ValueError naming the first FEN that
-    is malformed or an impossible position (``labels[i]`` names FEN ``i`` in the message)."""
+    is malformed or an impossible position (``labels[i]`` names FEN ``i`` in the message).
+    The text of each FEN is split in Python; its squares become bitboards for the whole batch
+    at once."""
     n = len(fens)
     rows = []
     for i, fen in enumerate(fens):
         try:
-            rows.append(_parse_one(fen))
+            rows.append(_split_cached(fen))
         except ValueError as exc:
             raise ValueError(f"{_label(labels, i, fen)}: bad FEN: {exc}") from None
         except TypeError:
             raise ValueError(f"{_label(labels, i, fen)}: a FEN must be a string, got {type(fen).__name__}") from None
     boards = Boards.empty(n)
     if n:
-        boards.bb[:] = np.array([r[0] for r in rows], dtype=np.uint64)
+        squares = np.frombuffer("".join(r[0] for r in rows).encode(), np.uint8).reshape(n, 64)
+        for col, code in enumerate(_LETTER_CODES):
+            boards.bb[:, col] = np.packbits(squares == code, axis=1, bitorder="little").view("<u8").reshape(n)
         fields = np.array([r[1:] for r in rows], dtype=np.int64)
         boards.turn[:] = fields[:, 0]
         boards.castling[:] = fields[:, 1]
