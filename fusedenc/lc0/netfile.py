@@ -15,7 +15,7 @@ Weight paths are spelled from the ``Weights`` message down, as in error messages
 
 Damaged and hostile files (nets come from anywhere) are refused with ``Lc0FileError``
 before they cost much: the gzip stream is inflated in pieces up to ``max_bytes``
-(``DEFAULT_MAX_BYTES``, 2 GiB, unless ``read_net(..., max_bytes=...)`` or the
+(``netbytes``: ``DEFAULT_MAX_BYTES``, 2 GiB, unless ``read_net(..., max_bytes=...)`` or the
 ``FUSEDENC_LC0_MAX_BYTES`` environment variable says otherwise), while
 ``protobuf.StructureScan`` checks the protobuf structure as it arrives (a bomb of zeros is
 refused after its first piece); concatenated gzip members are read as one stream and bytes
@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 import torch
 
 from ..activations import LC0_ACTIVATIONS
 from .errors import Lc0FileError, Lc0FormatError
-from .protobuf import UNKNOWN_FIELDS, StructureScan, decode
+from .netbytes import Source, load_bytes, max_bytes_limit, not_a_net
+from .protobuf import UNKNOWN_FIELDS, decode
 from .schema import (
     DEFAULT_ACTIVATION_FUNCTION,
     LC0_MAGIC,
@@ -56,7 +56,6 @@ from .schema import (
 from .weights import decode_weight_tree
 
 __all__ = [
-    "DEFAULT_MAX_BYTES",
     "NetFile",
     "enum_label",
     "enum_name",
@@ -64,11 +63,6 @@ __all__ = [
     "present",
     "read_net",
 ]
-
-GZIP_MAGIC = b"\x1f\x8b"
-#: An uncompressed Net begins with field 1 (key 0x0d: fixed32) holding the magic; lc0's
-#: reader goes through zlib, which passes such a file through, so lc0 reads these too.
-RAW_NET_PREFIX = b"\x0d" + LC0_MAGIC.to_bytes(4, "little")
 
 #: NetworkFormat field -> its enum, from the schema.
 FORMAT_ENUMS: dict[str, type] = {f.name: f.enum for f in SCHEMA["NetworkFormat"].values()}
@@ -81,21 +75,6 @@ POLICY_HEAD_FIELDS = tuple(f.name for f in SCHEMA["Weights.PolicyHead"].values()
 VALUE_HEAD_FIELDS = tuple(f.name for f in SCHEMA["Weights.ValueHead"].values())
 #: The single-head format's value fields in Weights (no err/cat layers there).
 LEGACY_VALUE_FIELDS = ("value", "ip_val_w", "ip_val_b", "ip1_val_w", "ip1_val_b", "ip2_val_w", "ip2_val_b")
-
-Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
-
-#: The most bytes ``read_net`` decompresses by default: 2 GiB.  A BT4-sized net is ~370 MB
-#: (LINEAR16 or FLOAT16; ~740 MB stored FLOAT32), and 2 GiB is also the most a protobuf
-#: message may hold in Google's implementations, so no standard tool writes a larger net;
-#: reading one at the limit needs ~2 GiB for the file and twice that for float32 tensors.
-#: Raise it with ``read_net(..., max_bytes=...)`` / ``load_network(..., max_bytes=...)`` or
-#: the ``FUSEDENC_LC0_MAX_BYTES`` environment variable (bytes).
-DEFAULT_MAX_BYTES = 2 << 30
-MAX_BYTES_ENV = "FUSEDENC_LC0_MAX_BYTES"
-#: Compressed bytes read from a file at a time, and decompressed bytes per inflate step.
-_READ_CHUNK = 1 << 22
-_INFLATE_CHUNK = 1 << 24
-
 
 def enum_name(enum_cls: type, value: int) -> str:
     """``value``'s name in ``enum_cls``, or ``"<value> (not in net.proto)"``."""
@@ -384,133 +363,6 @@ def _body_sizes(net: NetFile) -> dict[str, Any]:
 # -- reading ------------------------------------------------------------------------------
 
 
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
-_RAISE_HINT = (
-    "; a BT4-sized net is ~370 MB, so this is a damaged or hostile file unless it is a genuinely larger "
-    "net, which read_net(path, max_bytes=...) / load_network(..., max_bytes=...) or the "
-    f"{MAX_BYTES_ENV} environment variable reads"
-)
-
-
-def _max_bytes(max_bytes: Optional[int]) -> int:
-    if max_bytes is None:
-        env = os.environ.get(MAX_BYTES_ENV, "").strip()
-        if not env:
-            return DEFAULT_MAX_BYTES
-        try:
-            max_bytes = int(env)
-        except ValueError:
-            raise ValueError(f"{MAX_BYTES_ENV}={env!r} is not a whole number of bytes") from None
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
-    return max_bytes
-
-
-class _Input:
-    """The compressed bytes in pieces, from an open file or a buffer already in memory."""
-
-    def __init__(self, file: Any = None, data: Any = None, start: int = 0) -> None:
-        self.file, self.data, self.pos = file, data, start
-
-    def read(self) -> Any:
-        if self.file is not None:
-            return self.file.read(_READ_CHUNK)
-        piece = self.data[self.pos : self.pos + _READ_CHUNK]
-        self.pos += len(piece)
-        return piece
-
-
-def _gunzip(source: _Input, first: Any, name: str, max_bytes: int) -> bytearray:
-    """Every gzip member of the input, inflated in pieces of at most ``_INFLATE_CHUNK`` bytes
-    into one buffer of at most ``max_bytes`` (zlib checks each header and CRC), the protobuf
-    structure checked as it arrives (``StructureScan``).  After the last member, bytes that
-    do not start another one are ignored, as zlib's gzread (lc0's reader) ignores them."""
-    out = bytearray()
-    scan = StructureScan("Net", SCHEMA, max_bytes=max_bytes, limit_hint=_RAISE_HINT)
-    pending: Any = first
-    while True:  # one gzip member per turn
-        stream = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # 16+: gzip framing
-        while not stream.eof:
-            if not pending:
-                pending = source.read()
-                if not pending:
-                    raise Lc0FileError(
-                        f"{name}: truncated gzip: the compressed data ends before its end marker "
-                        "(an incomplete download?)"
-                    )
-            room = max_bytes - len(out) + 1  # one byte more than allowed tells that the limit is passed
-            try:
-                piece = stream.decompress(pending, min(_INFLATE_CHUNK, room))
-            except zlib.error as exc:
-                raise Lc0FileError(f"{name}: corrupt gzip data ({exc})") from None
-            pending = stream.unconsumed_tail
-            if not piece:
-                continue
-            if len(out) + len(piece) > max_bytes:
-                raise Lc0FileError(
-                    f"{name}: decompresses to more than {max_bytes} bytes ({_size(max_bytes)}, the max_bytes "
-                    f"limit): stopped there{_RAISE_HINT}"
-                )
-            before = len(out)
-            out += piece
-            if before < 2 <= len(out) and bytes(out[:2]) in (b"1\n", b"2\n"):
-                raise Lc0FileError(f"{name}: an old text-format weights file (version {chr(out[0])}), "
-                                   "which lc0 itself no longer reads")
-            try:
-                scan.feed(out)
-            except Lc0FileError as exc:
-                raise _not_a_net(name, out, exc) from None
-        pending = stream.unused_data
-        if len(pending) < 2:
-            pending = bytes(pending) + bytes(source.read())
-        if bytes(pending[:2]) != GZIP_MAGIC:
-            return out
-
-
-def _not_a_net(name: str, raw: Any, exc: Lc0FileError) -> Lc0FileError:
-    """A protobuf error, said as 'not an Lc0 network' where the data does not start like one."""
-    if bytes(raw[:5]) != RAW_NET_PREFIX:
-        return Lc0FileError(f"{name}: not an Lc0 network (it does not start with magic {LC0_MAGIC:#x}): {exc}")
-    return Lc0FileError(f"{name}: {exc}")
-
-
-def _load(source: Source, name: str, max_bytes: int) -> Any:
-    """The decompressed bytes of ``source`` (a path or a buffer), at most ``max_bytes``."""
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data = memoryview(source).cast("B") if memoryview(source).ndim != 1 else memoryview(source)
-        head = bytes(data[:5])
-        if head[:2] == GZIP_MAGIC:
-            return _gunzip(_Input(data=data), b"", name, max_bytes)
-        if head == RAW_NET_PREFIX:
-            if len(data) > max_bytes:
-                raise Lc0FileError(f"{name}: {len(data)} bytes, more than the max_bytes limit "
-                                   f"({max_bytes} bytes){_RAISE_HINT}")
-            return data
-        raise _not_gzip(name, head)
-    with open(name, "rb") as f:
-        head = f.read(5)
-        if head[:2] == GZIP_MAGIC:
-            return _gunzip(_Input(file=f), head, name, max_bytes)
-        if head == RAW_NET_PREFIX:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise Lc0FileError(f"{name}: {size} bytes, more than the max_bytes limit "
-                                   f"({max_bytes} bytes){_RAISE_HINT}")
-            f.seek(0)
-            return f.read()
-        raise _not_gzip(name, head)
-
-
-def _not_gzip(name: str, head: bytes) -> Lc0FileError:
-    return Lc0FileError(
-        f"{name}: not a gzip file (it starts with {head[:4].hex(' ') or 'nothing'}; a .pb.gz starts with 1f 8b) "
-        "and not an uncompressed Lc0 network either"
-    )
-
-
 def _collect_unknown(node: Any, path: str, out: list[str]) -> None:
     """``path#number`` of every unknown field outside the weights (``decode_weight_tree``
     reports those)."""
@@ -578,13 +430,13 @@ def read_net(source: Source, *, max_bytes: Optional[int] = None) -> NetFile:
     ``max_bytes``: the most bytes the file may decompress to (None: the
     ``FUSEDENC_LC0_MAX_BYTES`` environment variable, else ``DEFAULT_MAX_BYTES``, 2 GiB); a
     file that passes it is refused as soon as it does, naming the limit."""
-    limit = _max_bytes(max_bytes)
+    limit = max_bytes_limit(max_bytes)
     name = "<bytes>" if isinstance(source, (bytes, bytearray, memoryview)) else os.fspath(source)
-    raw = _load(source, name, limit)
+    raw = load_bytes(source, name, limit)
     try:
         msg = decode(raw, "Net", SCHEMA)
     except Lc0FileError as exc:
-        raise _not_a_net(name, raw, exc) from None
+        raise not_a_net(name, raw, exc) from None
     magic = msg.get("magic")
     if magic is None:
         raise Lc0FileError(f"{name}: no magic (Net field 1): not an Lc0 network file")

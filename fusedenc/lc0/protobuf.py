@@ -110,20 +110,10 @@ def _where(path: str, message: str) -> str:
 
 def _read_varint(view: memoryview, pos: int, end: int, path: str) -> tuple[int, int]:
     """The varint at ``pos`` and the position after it.  At most 10 bytes (64 bits)."""
-    result = 0
-    shift = 0
-    start = pos
-    while True:
-        if pos >= end:
-            raise Lc0FileError(f"{path}: truncated varint at byte {start} (the data ends at byte {end})")
-        byte = view[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-        if shift >= 70:
-            raise Lc0FileError(f"{path}: varint at byte {start} is longer than 10 bytes")
+    found = _try_varint(view, pos, end, path)
+    if found is None:
+        raise Lc0FileError(f"{path}: truncated varint at byte {pos} (the data ends at byte {end})")
+    return found
 
 
 def _signed(value: int, bits: int) -> int:
