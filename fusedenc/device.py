@@ -1,4 +1,5 @@
-"""Facts about the GPU a tensor lives on: architecture, capability, vendor, stream.
+"""Facts about the GPU a tensor lives on: architecture, capability, vendor, stream; and
+``parse_devices``, the device lists users write (``"cuda:0,cuda:1"``, ints, ``"cpu"``).
 
 One home for what the attention backends, the tables' matching and the GEMM
 tuning files need to know about a device.  Facts are read once per device.
@@ -8,11 +9,14 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["DeviceFacts", "current_stream", "device_arch", "device_facts", "device_metadata", "torch_vendor"]
+__all__ = [
+    "DeviceFacts", "DeviceSpec", "current_stream", "device_arch", "device_facts", "device_metadata", "parse_devices",
+    "torch_vendor",
+]
 
 
 class DeviceFacts(NamedTuple):
@@ -81,3 +85,41 @@ def current_stream(device: torch.device) -> int:
     if _get_raw_stream is not None:
         return _get_raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+DeviceSpec = Union[None, str, int, torch.device, Sequence[Union[str, int, torch.device]]]
+
+
+def parse_devices(spec: DeviceSpec) -> list[torch.device]:
+    """``devices`` -> a list of distinct torch devices (CUDA devices with their index)."""
+    if spec is None:
+        if not torch.cuda.is_available():
+            raise ValueError("no GPU is visible to torch: pass devices='cpu' (with dtype=torch.float32) to use the CPU")
+        return [torch.device("cuda", torch.cuda.current_device())]
+    if isinstance(spec, str):
+        items: list[Any] = [s.strip() for s in spec.split(",") if s.strip()]
+    elif isinstance(spec, (int, torch.device)):
+        items = [spec]
+    else:
+        items = list(spec)
+    if not items:
+        raise ValueError(f"devices must name at least one device, got {spec!r}")
+    out: list[torch.device] = []
+    for item in items:
+        try:
+            is_index = isinstance(item, int) and not isinstance(item, bool)
+            d = torch.device("cuda", item) if is_index else torch.device(item)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"devices: {item!r} is not a device (cuda, cuda:N or cpu)") from None
+        if d.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"devices: {item!r} asks for a GPU, but torch sees no GPU on this machine")
+            d = torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index)
+            if d.index >= torch.cuda.device_count():
+                raise ValueError(f"devices: {item!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+        elif d.type != "cpu":
+            raise ValueError(f"devices: {item!r}: only cuda and cpu devices are supported")
+        if d in out:
+            raise ValueError(f"devices: {d} is named twice")
+        out.append(d)
+    return out

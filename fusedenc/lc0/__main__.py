@@ -38,6 +38,7 @@ import torch
 from ..tune.cli import int_list
 from ..tune.timing import time_graph
 from .errors import Lc0FileError, Lc0FormatError
+from ..device import parse_devices
 from .netfile import NetFile, read_net
 from .network import Lc0Network
 from .support import check_supported
@@ -122,23 +123,12 @@ def _eval_parser() -> argparse.ArgumentParser:
 
 
 def _devices(text: Optional[str]) -> list[torch.device]:
-    names = [s.strip() for s in (text or ("cuda" if torch.cuda.is_available() else "cpu")).split(",") if s.strip()]
-    out = []
-    for name in names:
-        try:
-            d = torch.device(name)
-        except RuntimeError:
-            raise InputError(f"--device {name!r} is not a device (cuda, cuda:N or cpu)") from None
-        if d.type == "cuda":
-            if not torch.cuda.is_available():
-                raise InputError(f"--device {name}: torch sees no GPU on this machine (use --device cpu --dtype fp32)")
-            if d.index is not None and d.index >= torch.cuda.device_count():
-                raise InputError(f"--device {name}: torch sees {torch.cuda.device_count()} GPU(s)")
-        elif d.type != "cpu":
-            raise InputError(f"--device {name}: only cuda and cpu devices are supported")
-        out.append(d)
-    if not out:
-        raise InputError("--device names no device")
+    """``--device`` (default: cuda where torch sees a GPU, else cpu) -> devices, or InputError."""
+    try:
+        out = parse_devices(text or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except ValueError as exc:
+        hint = " (use --device cpu --dtype fp32)" if "no GPU" in str(exc) else ""
+        raise InputError(f"--device {str(exc).removeprefix('devices: ')}{hint}") from None
     if len(out) > 1 and any(d.type == "cpu" for d in out):
         raise InputError("--device: cpu cannot be combined with GPUs")
     return out

@@ -41,13 +41,11 @@ bad ones are found, and the rest are evaluated.
 from __future__ import annotations
 
 import collections
-import multiprocessing
 import os
 import queue
 import sys
 import threading
 import time
-import warnings
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -55,6 +53,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ..device import DeviceSpec, parse_devices
 from . import hostwork
 from .encoding import expand_planes, resolve_input_format
 from .evaluate import Evaluation, evaluations
@@ -62,51 +61,13 @@ from .netfile import NetFile, read_net
 from .network import Lc0Network
 from .policy import decode_arrays
 
-__all__ = ["Evaluator", "DEFAULT_BATCH_SIZES"]
+__all__ = ["DEFAULT_BATCH_SIZES", "Evaluator"]
 
 #: The CUDA-graph buckets by default (those above ``max_batch`` are dropped and ``max_batch``
 #: is added): a batch replays the smallest bucket that holds it, so the steps stay within 2x.
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256, 512, 1024)
 
 _PLANES = 112
-
-DeviceSpec = Union[None, str, int, torch.device, Sequence[Union[str, int, torch.device]]]
-
-
-def _devices(spec: DeviceSpec) -> list[torch.device]:
-    """``devices`` -> a list of distinct torch devices (CUDA devices with their index)."""
-    if spec is None:
-        if not torch.cuda.is_available():
-            raise ValueError("no GPU is visible to torch: pass devices='cpu' (with dtype=torch.float32) to use the CPU")
-        return [torch.device("cuda", torch.cuda.current_device())]
-    if isinstance(spec, str):
-        items: list[Any] = [s.strip() for s in spec.split(",") if s.strip()]
-    elif isinstance(spec, (int, torch.device)):
-        items = [spec]
-    else:
-        items = list(spec)
-    if not items:
-        raise ValueError(f"devices must name at least one device, got {spec!r}")
-    out: list[torch.device] = []
-    for item in items:
-        try:
-            is_index = isinstance(item, int) and not isinstance(item, bool)
-            d = torch.device("cuda", item) if is_index else torch.device(item)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"devices: {item!r} is not a device (cuda, cuda:N or cpu)") from None
-        if d.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"devices: {item!r} asks for a GPU, but torch sees none")
-            d = torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index)
-            if d.index >= torch.cuda.device_count():
-                raise ValueError(f"devices: {item!r}: torch sees {torch.cuda.device_count()} GPU(s)")
-        elif d.type != "cpu":
-            raise ValueError(f"devices: {item!r}: only cuda and cpu devices are supported")
-        if d in out:
-            raise ValueError(f"devices: {d} is named twice")
-        out.append(d)
-    return out
-
 
 class _Request:
     __slots__ = ("position", "future")
@@ -371,24 +332,6 @@ class _SwitchInterval:
 _SWITCH_INTERVAL = _SwitchInterval()
 
 
-def _host_pool(workers: int) -> ProcessPoolExecutor:
-    """Worker processes for the host work, started now (not on the first batch).
-
-    Forked where the platform can (as PyTorch's DataLoader does): a spawned worker re-runs
-    the user's main script, which then needs an ``if __name__ == "__main__"`` guard, and pays
-    the imports again.  The workers run numpy code only; they never touch CUDA, which a forked
-    child may not use.  Python 3.12 warns about forking a process that has threads (torch's
-    own): the warning is about children that take locks those threads might hold, which these
-    do not (numpy arrays in, numpy arrays out)."""
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
-        for f in [pool.submit(hostwork.warm_up) for _ in range(workers)]:
-            f.result()
-    return pool
-
-
 class Evaluator:
     """Evaluates positions for many threads at once, batching them on one or more devices.
 
@@ -463,7 +406,7 @@ class Evaluator:
         if isinstance(net, Lc0Network):
             given = net
             p = net.preproc.weight
-            self.devices = [p.device] if devices is None else _devices(devices)
+            self.devices = [p.device] if devices is None else parse_devices(devices)
             if self.devices != [p.device]:
                 raise ValueError(f"an Lc0Network runs on its own device ({p.device}); pass the net file to run on "
                                  f"{', '.join(map(str, self.devices))}")  # fmt: skip
@@ -474,7 +417,7 @@ class Evaluator:
             self.source = net.source
         else:
             file = net if isinstance(net, NetFile) else read_net(net)
-            self.devices = _devices(devices)
+            self.devices = parse_devices(devices)
             self.input_format = resolve_input_format(file.input_format)  # Lc0FormatError if not encoded here
             self.source = file.source
         self.dtype = dtype
@@ -487,7 +430,7 @@ class Evaluator:
         self.pipeline_depth = pipeline_depth
         self._pool: Optional[ProcessPoolExecutor] = None
         if host_workers:
-            self._pool = _host_pool(host_workers)
+            self._pool = hostwork.start_pool(host_workers)
 
         self._lock = threading.Condition()
         self._queue: "collections.deque[_Request]" = collections.deque()

@@ -9,11 +9,15 @@ processes (one batch each, several at once) and gets back only arrays: lc0's com
 (``policy.policy_indices``).  What is left for the process that owns the GPU is the
 network, a softmax over the gathered logits and the futures.
 
-Everything here is picklable and free of CUDA, so the workers never touch a GPU.
+Everything a worker runs is picklable and free of CUDA, so the workers never touch a GPU;
+``start_pool`` starts them.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +27,7 @@ from .encoding import encode_masks
 from .policy import policy_indices
 from .positions import Position, as_history, prepare
 
-__all__ = ["HostBatch", "pack", "portable", "prepare_batch", "unpack"]
+__all__ = ["HostBatch", "pack", "portable", "prepare_batch", "start_pool", "unpack"]
 
 
 @dataclass
@@ -138,3 +142,21 @@ def _renamed(exc: ValueError, index: int) -> ValueError:
 def warm_up() -> int:
     """Nothing: run once in each worker so that its imports happen before the first batch."""
     return 0
+
+
+def start_pool(workers: int) -> ProcessPoolExecutor:
+    """Worker processes for the host work, started now (not on the first batch).
+
+    Forked where the platform can (as PyTorch's DataLoader does): a spawned worker re-runs
+    the user's main script, which then needs an ``if __name__ == "__main__"`` guard, and pays
+    the imports again.  The workers run numpy code only; they never touch CUDA, which a forked
+    child may not use.  Python 3.12 warns about forking a process that has threads (torch's
+    own): the warning is about children that take locks those threads might hold, which these
+    do not (numpy arrays in, numpy arrays out)."""
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+        for f in [pool.submit(warm_up) for _ in range(workers)]:
+            f.result()
+    return pool
