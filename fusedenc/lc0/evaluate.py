@@ -116,24 +116,18 @@ class _Heads:
         self.q, self.wdl, self.moves_left = q, wdl, moves_left
 
 
-def evaluations(heads: Mapping[str, torch.Tensor], policies: Sequence[MovePolicy]) -> list[Evaluation]:
-    """Join decoded policies (a ``DecodedPolicies`` or a list of ``MovePolicy``) with the
-    value heads (``[B, 3]`` WDL or ``[B, 1]`` value, and ``[B, 1]`` moves left) into
-    ``Evaluation`` objects."""
+def evaluations(heads: Mapping[str, torch.Tensor], policies: DecodedPolicies) -> list[Evaluation]:
+    """Join a batch's decoded policies with its value heads (``[B, 3]`` WDL or ``[B, 1]``
+    value, and ``[B, 1]`` moves left) into ``Evaluation`` objects."""
     def array(name: str) -> Optional[np.ndarray]:
         t = heads.get(name)
-        return None if t is None else t.detach().float().cpu().numpy()
+        # A copy always: the heads may be buffers the caller reuses (the Evaluator's pinned
+        # slots), and the evaluations outlive the batch.
+        return None if t is None else t.detach().to("cpu", torch.float32, copy=True).numpy()
 
     wdl, value, ml = array("wdl"), array("value"), array("moves_left")
     q = (wdl[:, 0].astype(np.float64) - wdl[:, 2]) if wdl is not None else value.reshape(-1).astype(np.float64)
     values = _Heads(q, wdl, None if ml is None else ml.reshape(-1))
-    if not isinstance(policies, DecodedPolicies):
-        out = []
-        for b, pol in enumerate(policies):
-            e = Evaluation._of_batch(policies, values, b)  # type: ignore[arg-type]
-            e._policy = pol
-            out.append(e)
-        return out
     make = Evaluation._of_batch
     return [make(policies, values, b) for b in range(len(policies))]
 
