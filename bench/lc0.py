@@ -1,7 +1,11 @@
 """Whole Lc0 network throughput: fusedenc against PyTorch on the same net, planes in, heads out.
 
     python3 bench/lc0.py --net NET.pb.gz [--batch-sizes 64,256,1024]
-    python3 bench/lc0.py --synthetic t82,bt4       # synthetic nets of those shapes (tests/lc0_writer.py)
+    python3 bench/lc0.py --synthetic t82,bt4       # random nets of those shapes (fusedenc.lc0.writer)
+
+Without a GPU it runs on the CPU in float32 (torch and fusedenc rows only), as bench/nps.py
+--net and ``python -m fusedenc.lc0 NET`` do: CPU numbers time the PyTorch reference ops that
+fusedenc runs there, not its GPU path, and the report says so.
 
 Implementations (one process, the same file, the same input planes):
 
@@ -62,8 +66,7 @@ SCHEMA = "fusedenc.bench.lc0/1"
 
 def _synthetic(name: str, out_dir: str) -> str:
     """A synthetic net of preset ``name`` (random weights in lc0's shapes), written once."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from lc0_writer import write_preset  # the tests' writer: synthetic nets are test material
+    from fusedenc.lc0.writer import write_preset
 
     path = os.path.join(out_dir, f"synthetic-{name}.pb.gz")
     if not os.path.exists(path):
@@ -156,6 +159,11 @@ def lc0_backendbench(binary: str, net: str, batch: int, backend: str, batches: i
 
 #: What this benchmark can time; ``run_net``'s ``wanted`` picks among them (bench/nps.py --net).
 IMPLS = ("torch", "torch-compile", "fusedenc", "fusedenc-graph")
+#: On the CPU: compiling there is slow and not what the rows are about, graphs need a GPU.
+CPU_IMPLS = ("torch", "fusedenc")
+#: The line a CPU run's report carries (here and in bench/nps.py --net, which prints ``report``).
+CPU_NOTE = ("   CPU run: the fusedenc rows time the PyTorch reference ops fusedenc runs on a CPU, "
+            "not its GPU path (fused kernels, CUDA graphs)")  # fmt: skip
 
 
 def run_net(
@@ -181,7 +189,7 @@ def run_net(
             fp8_nets[name] = Lc0Network(file, dtype=dtype, device=device).quantize(
                 "fp8", fast_accum=True, calibration=cal, fold_norms=fold)  # fmt: skip
     batches = args.batch_sizes
-    rec: dict[str, Any] = {"net": path, "description": desc, "rows": [], "check": {}}
+    rec: dict[str, Any] = {"net": path, "device": str(device), "description": desc, "rows": [], "check": {}}
     # Correctness at the smallest batch, before any timing.
     check_b = min(batches)
     x = _planes(check_b, device, dtype, args.seed)
@@ -243,6 +251,8 @@ def report(rec: dict[str, Any]) -> list[str]:
         f"FFN {d.get('d_ff')}, activations {d.get('activations')}, smolgen {d.get('smolgen')}, embedding {d.get('embedding')}",
         f"   {'batch':>5}  {'implementation':28s} {'positions/s':>12} {'ms':>9} {'x torch':>8} {'x best torch':>12} {'x lc0':>6}",
     ]
+    if rec.get("device") == "cpu":
+        lines.insert(1, CPU_NOTE)
     for b in sorted({r["batch"] for r in rec["rows"]}):
         rows = [r for r in rec["rows"] if r["batch"] == b]
         torch_nps = next((r["nps"] for r in rows if r["impl"] == "torch"), None)
@@ -287,7 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lc0-backend", default="cuda-fp16", help="lc0 backend for --lc0 (default cuda-fp16)")
     ap.add_argument("--lc0-batches", type=int, default=100, help="batches per size for --lc0 (lc0's --batches)")
     ap.add_argument("--fp8", action="store_true", help="also the net's FP8 mode (static, fast accumulation), graphed")
-    ap.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), default="float16")
+    ap.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), default=None,
+                    help="default float16 on a GPU, float32 on the CPU")  # fmt: skip
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-slack", type=float, default=1.5)
@@ -296,24 +307,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.reps < MIN_REPS:
         ap.error(f"--reps must be at least {MIN_REPS}")
-    if not torch.cuda.is_available():
-        print("bench/lc0.py times the whole net on a GPU; none is visible (python -m fusedenc.lc0 NET "
-              "describes a net on any machine)", file=sys.stderr)  # fmt: skip
-        return 2
-    device = torch.device("cuda", torch.cuda.current_device())
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    args.dtype = args.dtype or ("float16" if gpu else "float32")  # fp16 matmuls are slow on CPUs
     dtype = dtypes.BY_NAME[args.dtype]
     os.makedirs(args.out_dir, exist_ok=True)
     nets = args.net or [_synthetic(n, args.out_dir) for n in args.synthetic]
     env = common.environment(device)
     head = [f"fusedenc Lc0 whole-network benchmark on {common.describe_environment(env)}; "
             f"fusedenc backend: {env['fusedenc_backend']}; {args.dtype}, median of {args.reps} calls"]  # fmt: skip
-    print(head[0])
+    if not gpu:
+        head.append(f"no GPU: running on the CPU in {args.dtype}, {', '.join(CPU_IMPLS)} rows only; "
+                    + CPU_NOTE.strip().removeprefix("CPU run: "))  # fmt: skip
+    print("\n".join(head))
     tag = args.tag or "-".join(os.path.basename(p).split(".")[0] for p in nets) + f"_{args.dtype}_{common.slug(env['device_name'])}"
     base = os.path.join(args.out_dir, f"lc0_{tag}")
     records, lines = [], list(head)
     with torch.inference_mode():
         for path in nets:
-            rec = run_net(path, args, device, dtype)
+            rec = run_net(path, args, device, dtype, IMPLS if gpu else CPU_IMPLS)
             records.append(rec)
             lines += [""] + report(rec)
             print("\n".join(report(rec)), flush=True)

@@ -6,7 +6,9 @@ The README's set-up ends with it, so a build without the native core says why
 
 from __future__ import annotations
 
+import argparse
 import sys
+from typing import Optional
 
 import torch
 
@@ -31,7 +33,17 @@ def report() -> list[str]:
     return lines
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
+    # argparse for its --help (usage, exit 0) and for refusing what it does not know (usage
+    # on stderr, exit 2): an unknown argument is a typo, not a request for the status.
+    ap = argparse.ArgumentParser(
+        prog="python -m fusedenc",
+        description="Print what this fusedenc installation runs on: its native core (or why there is none), "
+                    "the torch it runs with, and whether GPU tensors take the fused kernels.",
+        epilog="Related: python -m fusedenc.lc0 (lc0 networks: describe, eval, synth), "
+               "python -m fusedenc.tune (tuning tables).",
+    )  # fmt: skip
+    ap.parse_args(sys.argv[1:] if argv is None else argv)
     print("\n".join(report()))
     return 0
 

@@ -1,5 +1,8 @@
-"""Facts about the GPU a tensor lives on: architecture, capability, vendor, stream; and
-``parse_devices``, the device lists users write (``"cuda:0,cuda:1"``, ints, ``"cpu"``).
+"""Facts about the GPU a tensor lives on: architecture, capability, vendor, stream;
+``parse_devices``, the device lists users write (``"cuda:0,cuda:1"``, ints, ``"cpu"``); and
+``check_device`` / ``check_dtype``, the one check of every ``device=`` and ``dtype=`` argument
+of the public constructors (EncoderBlock, EncoderStack, load_network, Lc0Network), so that a
+wrong one is refused with fusedenc's own words before anything is allocated.
 
 One home for what the attention backends, the tables' matching and the GEMM
 tuning files need to know about a device.  Facts are read once per device.
@@ -13,9 +16,11 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from . import dtypes
+
 __all__ = [
-    "DeviceFacts", "DeviceSpec", "current_stream", "device_arch", "device_facts", "device_metadata", "parse_devices",
-    "torch_vendor",
+    "DeviceFacts", "DeviceSpec", "check_device", "check_dtype", "current_stream", "device_arch", "device_facts",
+    "device_metadata", "parse_devices", "torch_vendor",
 ]
 
 
@@ -89,12 +94,97 @@ def current_stream(device: torch.device) -> int:
 
 DeviceSpec = Union[None, str, int, torch.device, Sequence[Union[str, int, torch.device]]]
 
+#: How the messages spell the dtypes fusedenc runs (``dtypes.SUPPORTED``).
+DTYPES_ACCEPTED = "torch.float16, torch.bfloat16 or torch.float32"
+
+#: Strings users write for a dtype -> the torch.dtype the message tells them to pass.  Strings
+#: are refused, not parsed: torch's own ``dtype=`` arguments take torch.dtype objects only, and
+#: every layer (the Evaluator's buffers among them) can then rely on holding one.
+_DTYPE_WORDS = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}  # fmt: skip
+
+
+def check_dtype(dtype: Any, *, name: str = "dtype", optional: bool = True) -> Optional[torch.dtype]:
+    """``dtype`` if fusedenc runs it (torch.float16, torch.bfloat16, torch.float32); ``None``
+    (where ``optional``) stands for torch's default dtype, which must be one of those too.
+
+    TypeError otherwise, naming what was passed and what to pass: a string such as
+    ``"fp16"`` is told the torch.dtype it means (``torch.float16``)."""
+    if dtype is None:
+        if not optional:
+            raise TypeError(f"{name}=None: pass a torch.dtype ({DTYPES_ACCEPTED})")
+        default = torch.get_default_dtype()
+        if default not in dtypes.SUPPORTED:
+            raise TypeError(f"{name}=None means torch's default dtype, {default}, which fusedenc does not run: "
+                            f"pass {name}= one of {DTYPES_ACCEPTED}")  # fmt: skip
+        return None
+    if isinstance(dtype, str):
+        meant = _DTYPE_WORDS.get(dtype.strip().lower().removeprefix("torch."))
+        what = f"{name}=torch.{dtypes.name(meant)}" if meant is not None else DTYPES_ACCEPTED
+        raise TypeError(f"{name}={dtype!r} is a string: pass a torch.dtype ({what})")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype ({DTYPES_ACCEPTED}), got {type(dtype).__name__} {dtype!r}")
+    if dtype not in dtypes.SUPPORTED:
+        raise TypeError(f"{name}={dtype} is not supported: fusedenc runs {DTYPES_ACCEPTED}")
+    return dtype
+
+
+def _no_gpu_reason() -> str:
+    build = "this torch is a CPU-only build" if torch_vendor() is None else "no GPU is visible to this torch"
+    return f"torch sees no GPU on this machine ({build})"
+
+
+def _device_or_why(item: Any, name: Optional[str]) -> tuple[Optional[torch.device], str]:
+    """``item`` (a str, GPU index or torch.device) as a device fusedenc runs on, or (None, why
+    not) to follow ``item``'s repr; with ``name`` (the argument), a missing GPU's message says
+    how to ask for the CPU instead (callers with a vocabulary of their own, like the CLIs'
+    ``--device``, add theirs)."""
+    try:
+        d = torch.device("cuda", item) if isinstance(item, int) else torch.device(item)
+    except (RuntimeError, TypeError, ValueError):
+        return None, "is not a device (cuda, cuda:N or cpu)"
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            hint = "" if name is None else (f": pass {name}='cpu' (with dtype=torch.float32: float16 is slow on "
+                                            "CPUs) to run on the CPU")  # fmt: skip
+            return None, f"asks for a GPU, but {_no_gpu_reason()}{hint}"
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            return None, f"names GPU {d.index}, but torch sees {torch.cuda.device_count()} GPU(s)"
+    elif d.type != "cpu":
+        return None, f"is a {d.type!r} device: fusedenc runs on cuda (NVIDIA and AMD GPUs) and cpu only"
+    return d, ""
+
+
+def _is_device_like(item: Any) -> bool:
+    return isinstance(item, (str, int, torch.device)) and not isinstance(item, bool)
+
+
+def check_device(device: Any, *, name: str = "device", optional: bool = True) -> Optional[torch.device]:
+    """``device`` (a str, a GPU index or a torch.device) as a torch.device fusedenc runs on;
+    ``None`` (where ``optional``) stays None: torch's default device.  TypeError for another
+    type, ValueError for a device fusedenc cannot use (saying how to ask for the CPU when
+    there is no GPU)."""
+    if device is None:
+        if not optional:
+            raise ValueError(f"{name}=None: pass 'cuda', 'cuda:N' or 'cpu'")
+        return None
+    if not _is_device_like(device):
+        raise TypeError(f"{name} must be a str ('cuda', 'cuda:N', 'cpu'), an int or a torch.device, "
+                        f"got {type(device).__name__}")  # fmt: skip
+    d, why = _device_or_why(device, name)
+    if d is None:
+        raise ValueError(f"{name}={device!r} {why}")
+    return d
+
 
 def parse_devices(spec: DeviceSpec) -> list[torch.device]:
     """``devices`` -> a list of distinct torch devices (CUDA devices with their index)."""
     if spec is None:
         if not torch.cuda.is_available():
-            raise ValueError("no GPU is visible to torch: pass devices='cpu' (with dtype=torch.float32) to use the CPU")
+            raise ValueError(f"{_no_gpu_reason()}: pass devices='cpu' (with dtype=torch.float32) to use the CPU")
         return [torch.device("cuda", torch.cuda.current_device())]
     if isinstance(spec, str):
         items: list[Any] = [s.strip() for s in spec.split(",") if s.strip()]
@@ -106,19 +196,11 @@ def parse_devices(spec: DeviceSpec) -> list[torch.device]:
         raise ValueError(f"devices must name at least one device, got {spec!r}")
     out: list[torch.device] = []
     for item in items:
-        try:
-            is_index = isinstance(item, int) and not isinstance(item, bool)
-            d = torch.device("cuda", item) if is_index else torch.device(item)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"devices: {item!r} is not a device (cuda, cuda:N or cpu)") from None
-        if d.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"devices: {item!r} asks for a GPU, but torch sees no GPU on this machine")
-            d = torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index)
-            if d.index >= torch.cuda.device_count():
-                raise ValueError(f"devices: {item!r}: torch sees {torch.cuda.device_count()} GPU(s)")
-        elif d.type != "cpu":
-            raise ValueError(f"devices: {item!r}: only cuda and cpu devices are supported")
+        d, why = _device_or_why(item, None) if _is_device_like(item) else (None, "is not a device")
+        if d is None:
+            raise ValueError(f"devices: {item!r} {why}")
+        if d.type == "cuda" and d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
         if d in out:
             raise ValueError(f"devices: {d} is named twice")
         out.append(d)

@@ -23,7 +23,8 @@ op instead of the ops' per-call argument checks.  Both compute bit-identical
 results on the GPU (tested).  ``graphs.py`` replays a whole stack as CUDA graphs;
 under ``torch.compile`` a block or stack is one custom op (``traced.py``).
 
-Inference only: no autograd, no dropout.
+Inference only (``torch_modules``): blocks and stacks are made in eval mode, refuse to run in
+training mode, and run without autograd, so no output carries a ``grad_fn``; no dropout.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ import torch.nn as nn
 from . import activations, core, fp8, fp8_fold, norm_fold, traced
 from .attention import plan_for
 from .checks import check_block_call, check_block_operands
+from .device import check_device, check_dtype
 from .executors import Fp8Executor, NativeExecutor, ObservingExecutor, OpsExecutor
 from .graphs import GraphRunner
 from .norm import layer_norm
+from .torch_modules import block_from_torch, inference_only, stack_from_torch
 
 __all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]  # GraphRunner lives in graphs.py
 
@@ -73,7 +76,12 @@ class EncoderBlock(nn.Module):
         layer_norm_eps: epsilon of both LayerNorms.
         bias: whether the linear layers and LayerNorms have biases (as ``nn.TransformerEncoderLayer``).
         batch_first: input is ``[B, S, D]`` (True) or ``[S, B, D]`` (False).
-        dtype, device: of the parameters.
+        dtype: of the parameters, a torch.dtype: torch.float16, torch.bfloat16 or torch.float32
+            (None: torch's default dtype; strings such as "float16" are refused, naming the dtype to pass).
+        device: of the parameters: "cuda", "cuda:N", "cpu", a GPU index or a torch.device (None: torch's default).
+
+    Inference only: made in eval mode; in training mode a call raises ``RuntimeError``; calls run
+    without autograd.
 
     Parameters: ``qkv_weight [3D, D]`` (rows q, k, v, like ``in_proj_weight``),
     ``qkv_bias [3D]``, ``out_weight [D, D]``, ``out_bias``, ``norm1_weight``,
@@ -114,6 +122,8 @@ class EncoderBlock(nn.Module):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if layer_norm_eps < 0:
             raise ValueError(f"layer_norm_eps={layer_norm_eps} must be >= 0")
+        dtype, device = check_dtype(dtype), check_device(device)
+        self.training = False  # inference only: born in eval mode (nn.Module starts in training mode)
         self.d_model, self.n_heads, self.d_ff = d_model, n_heads, d_ff
         self.head_dim = d_model // n_heads
         self.activation = activations.canonical_activation(activation)
@@ -185,47 +195,10 @@ class EncoderBlock(nn.Module):
     # --------------------------------------------------------- conversion ----
 
     @classmethod
-    @torch.no_grad()
     def from_torch(cls, layer: nn.TransformerEncoderLayer) -> "EncoderBlock":
-        """An EncoderBlock computing what ``layer`` computes in eval mode, on its dtype and device."""
-        if not isinstance(layer, nn.TransformerEncoderLayer):
-            raise TypeError(f"layer must be an nn.TransformerEncoderLayer, got {type(layer).__name__}")
-        attn = layer.self_attn
-        if not attn._qkv_same_embed_dim or attn.in_proj_weight is None:
-            raise ValueError("self_attn with kdim/vdim != embed_dim is not supported (needs one packed QKV weight)")
-        if attn.bias_k is not None or attn.add_zero_attn:
-            raise ValueError("self_attn with add_bias_kv or add_zero_attn is not supported")
-        d = attn.embed_dim
-        w = attn.in_proj_weight
-        block = cls(
-            d,
-            attn.num_heads,
-            layer.linear1.out_features,
-            activations.from_torch(layer.activation),
-            norm_first=layer.norm_first,
-            layer_norm_eps=layer.norm1.eps,
-            bias=attn.in_proj_bias is not None,
-            batch_first=attn.batch_first,
-            dtype=w.dtype,
-            device=w.device,
-        )
-        sources = {
-            "qkv_weight": attn.in_proj_weight, "qkv_bias": attn.in_proj_bias,
-            "out_weight": attn.out_proj.weight, "out_bias": attn.out_proj.bias,
-            "norm1_weight": layer.norm1.weight, "norm1_bias": layer.norm1.bias,
-            "ffn1_weight": layer.linear1.weight, "ffn1_bias": layer.linear1.bias,
-            "ffn2_weight": layer.linear2.weight, "ffn2_bias": layer.linear2.bias,
-            "norm2_weight": layer.norm2.weight, "norm2_bias": layer.norm2.bias,
-        }  # fmt: skip
-        if layer.norm2.eps != layer.norm1.eps:
-            raise ValueError(f"norm1.eps={layer.norm1.eps} and norm2.eps={layer.norm2.eps} differ")
-        for name, src in sources.items():
-            dst = getattr(block, name)
-            if (src is None) != (dst is None):
-                raise ValueError(f"{name}: the layer mixes layers with and without bias; not supported")
-            if dst is not None:
-                dst.copy_(src)
-        return block
+        """An EncoderBlock computing what ``layer`` computes in eval mode, on its dtype and device
+        (a layer in training mode with dropout > 0 is refused: call ``layer.eval()`` first)."""
+        return block_from_torch(cls, layer)
 
     # ------------------------------------------------------------------ FP8 ----
 
@@ -261,6 +234,7 @@ class EncoderBlock(nn.Module):
 
     # ------------------------------------------------------------ forward ----
 
+    @inference_only
     def forward(
         self,
         x: torch.Tensor,
@@ -435,6 +409,13 @@ class EncoderBlock(nn.Module):
         """Block-level checks with block-level messages (the ops check their own operands too)."""
         params = [(n, p) for n, p in zip(self._PARAM_NAMES, self._parameters_in_order()) if p is not None]
         check_block_call(params, self.n_heads, x2, batch, seq, attn_bias, key_padding_mask)
+        # The attention op's own checks name its q; a block's caller passed x (checked above).
+        if attn_bias is not None and attn_bias.dtype not in (x2.dtype, torch.float32):
+            want = "" if x2.dtype == torch.float32 else f"the block's dtype ({x2.dtype}) or "
+            raise TypeError(f"attn_bias.dtype={attn_bias.dtype}: pass it in {want}torch.float32")
+        for name, t in (("attn_bias", attn_bias), ("key_padding_mask", key_padding_mask)):
+            if t is not None and t.device != x2.device:
+                raise ValueError(f"{name} is on {t.device} but x is on {x2.device}")
 
     def _plan(self, x2, batch, seq, attn_bias, key_padding_mask):
         """Validate a native call once per signature; returns the attention plan (None: empty batch).
@@ -486,6 +467,7 @@ class EncoderStack(nn.Module):
 
     ``forward(x, attn_bias=None, key_padding_mask=None, *, seq_len=None)`` takes
     what ``EncoderBlock.forward`` takes; the same bias and mask go to every block.
+    Inference only, as EncoderBlock (the stack puts its blocks in eval mode).
     """
 
     def __init__(self, blocks: Iterable[EncoderBlock], final_norm: Optional[nn.LayerNorm] = None) -> None:
@@ -506,6 +488,7 @@ class EncoderStack(nn.Module):
             if tuple(final_norm.normalized_shape) != (first.d_model,):
                 raise ValueError(f"final_norm normalizes {tuple(final_norm.normalized_shape)}, not ({first.d_model},)")
         self.final_norm = final_norm
+        self.train(False)  # inference only: the stack and what it holds in eval mode
 
     @classmethod
     def build(cls, num_layers: int, d_model: int, n_heads: int, d_ff: int, *, final_norm: bool = False, **block_kwargs):
@@ -520,24 +503,10 @@ class EncoderStack(nn.Module):
         return cls(blocks, norm)
 
     @classmethod
-    @torch.no_grad()
     def from_torch(cls, encoder: nn.TransformerEncoder) -> "EncoderStack":
-        """An EncoderStack computing what ``encoder`` computes in eval mode (final norm included)."""
-        if not isinstance(encoder, nn.TransformerEncoder):
-            raise TypeError(f"encoder must be an nn.TransformerEncoder, got {type(encoder).__name__}")
-        norm = None
-        if encoder.norm is not None:
-            if not isinstance(encoder.norm, nn.LayerNorm):
-                raise TypeError(f"encoder.norm must be an nn.LayerNorm, got {type(encoder.norm).__name__}")
-            src = encoder.norm
-            norm = nn.LayerNorm(
-                src.normalized_shape, eps=src.eps, elementwise_affine=src.elementwise_affine,
-                bias=src.bias is not None, dtype=src.weight.dtype if src.weight is not None else None,
-                device=src.weight.device if src.weight is not None else None,
-            )  # fmt: skip
-            norm.load_state_dict(src.state_dict())
-            norm.requires_grad_(False)
-        return cls([EncoderBlock.from_torch(layer) for layer in encoder.layers], norm)
+        """An EncoderStack computing what ``encoder`` computes in eval mode (final norm included;
+        layers in training mode with dropout > 0 are refused: call ``encoder.eval()`` first)."""
+        return stack_from_torch(cls, EncoderBlock, encoder)
 
     @property
     def batch_first(self) -> bool:
@@ -547,6 +516,7 @@ class EncoderStack(nn.Module):
         super().__setstate__(state)
         self._handle = traced.register(self._eager_rows)  # a copy is a module of its own
 
+    @inference_only
     def forward(self, x, attn_bias=None, key_padding_mask=None, *, seq_len=None):
         first = self.blocks[0]
         rows, batch, seq = first._as_rows(x, seq_len)

@@ -24,7 +24,11 @@ from .executors import NativeExecutor
 
 __all__ = ["register"]
 
-_RUNS: dict[int, weakref.WeakMethod] = {}
+#: handle -> (weak reference to the module, its unbound eager forward).  Not a
+#: ``weakref.WeakMethod``: its callback reaches the WeakMethod through a weak reference of its
+#: own, which interpreter shutdown can clear before the module dies, and every module alive at
+#: exit then printed "Exception ignored in ... WeakMethod ... '_alive'" on stderr.
+_RUNS: dict[int, tuple[weakref.ref, Callable[..., torch.Tensor]]] = {}
 _HANDLES = itertools.count(1)
 
 
@@ -32,8 +36,18 @@ def register(run: Callable[..., torch.Tensor]) -> int:
     """A handle for ``run``, a module's bound eager forward ``run(rows, batch, seq,
     attn_bias, key_padding_mask, executor)``; the entry goes when the module does."""
     handle = next(_HANDLES)
-    _RUNS[handle] = weakref.WeakMethod(run, lambda _ref, h=handle: _RUNS.pop(h, None))
+    # The callback holds the dict itself (not the module global), so it still works while
+    # the interpreter tears this module down.
+    owner = weakref.ref(run.__self__, lambda _ref, h=handle, runs=_RUNS: runs.pop(h, None))
+    _RUNS[handle] = (owner, run.__func__)
     return handle
+
+
+def _lookup(handle: int) -> Optional[Callable[..., torch.Tensor]]:
+    """The registered module's bound forward, or None once the module is gone."""
+    entry = _RUNS.get(handle)
+    owner = None if entry is None else entry[0]()
+    return None if owner is None else entry[1].__get__(owner)
 
 
 @torch.library.custom_op("fusedenc::encoder_rows", mutates_args=())
@@ -45,8 +59,7 @@ def encoder_rows(
     attn_bias: Optional[torch.Tensor],
     key_padding_mask: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    ref = _RUNS.get(handle)
-    run = None if ref is None else ref()
+    run = _lookup(handle)
     if run is None:
         raise RuntimeError(
             "fusedenc: this compiled graph calls an EncoderBlock/EncoderStack that no longer exists "

@@ -9,6 +9,9 @@
   is deflated once; full flushes make every copy the same bytes), so that gigabyte bombs cost
   kilobytes and milliseconds to build.  The CRC in the trailer is not computed: every bomb must
   be refused long before its trailer is read (and a wrong CRC would be refused anyway);
+* ``encode_pieces`` + ``gzip_of_pieces``: a well-formed net (CRC right: it is read to its end)
+  whose layers hold hundreds of megabytes of zeros (``Zeros``), built without holding them;
+  ``scaled_net``: the micro net at any ``d_model``, every layer as big as that width makes it;
 * ``run_file``: read, check and (when it loads) run a file as an engine would, in float32 on
   the CPU with the finite check on; returns what happened.
 """
@@ -25,7 +28,8 @@ import time
 import warnings
 import zlib
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from fractions import Fraction
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from lc0_writer import build_net, encode_net, random_planes
@@ -63,6 +67,118 @@ def gzip_of_repeats(prefix: bytes, block: bytes, copies: int, suffix: bytes = b"
     tail = c.compress(suffix) + c.flush(zlib.Z_FINISH)
     size = (len(prefix) + len(block) * copies + len(suffix)) & 0xFFFFFFFF
     return gzip_header() + head + first + again * (copies - 1) + tail + struct.pack("<II", 0, size)
+
+
+class Zeros(NamedTuple):
+    """``n`` zero bytes of a ``bytes`` field (``encode_pieces``), never allocated whole."""
+
+    n: int
+
+
+def _piece_size(piece: Any) -> int:
+    return piece.n if isinstance(piece, Zeros) else len(piece)
+
+
+def encode_pieces(value: dict, message: str = "Net") -> list:
+    """``protobuf.encode(value, message)`` as a list of ``bytes`` and ``Zeros`` pieces: a
+    ``bytes`` field may hold ``Zeros(n)``, which stays a marker (the lengths around it count it)."""
+    pieces: list = []
+    fields = SCHEMA[message]
+    for number in sorted(fields):
+        field = fields[number]
+        if field.name not in value:
+            continue
+        item = value[field.name]
+        if isinstance(item, Zeros):
+            pieces += [key(number, 2) + encode_varint(item.n), item]
+        elif field.kind not in SCHEMA:  # a scalar (or repeated scalars): protobuf's own encoder
+            pieces.append(encode({field.name: item}, message, SCHEMA))
+        else:
+            for sub_value in item if field.repeated else [item]:
+                sub = encode_pieces(sub_value, field.kind)
+                pieces += [key(number, 2) + encode_varint(sum(map(_piece_size, sub)))] + sub
+    return pieces
+
+
+def gzip_of_pieces(pieces: list, block: int = 16 << 20) -> bytes:
+    """One well-formed gzip member (CRC and size right) of the pieces' bytes: ``Zeros`` cost one
+    deflated block of zeros however long they are (after a full flush every copy deflates alike)."""
+    c = zlib.compressobj(6, zlib.DEFLATED, -15)
+    zero_block = bytes(block)
+    deflated: Optional[bytes] = None
+    out, crc, size = [gzip_header()], 0, 0
+    for piece in pieces:
+        if isinstance(piece, Zeros):
+            copies, rest = divmod(piece.n, block)
+            for _ in range(copies):
+                if deflated is None:
+                    deflated = c.compress(zero_block) + c.flush(zlib.Z_FULL_FLUSH)
+                out.append(deflated)
+                crc = zlib.crc32(zero_block, crc)
+            size += copies * block
+            piece = bytes(rest)
+        out.append(c.compress(piece) + c.flush(zlib.Z_FULL_FLUSH))
+        crc = zlib.crc32(piece, crc)
+        size += len(piece)
+    out.append(c.flush(zlib.Z_FINISH))
+    return b"".join(out) + struct.pack("<II", crc, size & 0xFFFFFFFF)
+
+
+def _layer_counts(node: Any, path: str, out: dict) -> None:
+    """Weight path -> value count of every (LINEAR16) layer of a ``build_net`` tree."""
+    if isinstance(node, dict):
+        if "params" in node:
+            out[path] = len(node["params"]) // 2
+            return
+        for k, v in node.items():
+            _layer_counts(v, f"{path}.{k}", out)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _layer_counts(v, f"{path}[{i}]", out)
+
+
+def _zero_layers(node: Any, path: str, counts: dict) -> Any:
+    if isinstance(node, dict):
+        if "params" in node:
+            return {"encoding": 2, "params": Zeros(2 * counts[path])}  # FLOAT16 zeros
+        return {k: _zero_layers(v, f"{path}.{k}", counts) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_zero_layers(v, f"{path}[{i}]", counts) for i, v in enumerate(node)]
+    return node
+
+
+def scaled_net(d_model: int, **overrides: Any) -> dict:
+    """The micro net (``overrides`` applied) at ``d_model``, each layer FLOAT16 ``Zeros`` of the
+    count ``build_net`` gives it at that width: a consistent net of any size, built in
+    milliseconds.  The counts are quadratic in ``d_model`` (the attention weights are
+    ``d_model`` squared), so three small widths fix them; a fourth checks the fit."""
+    widths = (8, 16, 24, 32)
+    counts = []
+    for width in widths:
+        found: dict = {}
+        _layer_counts(micro_net(d_model=width, **overrides)["weights"], "weights", found)
+        counts.append(found)
+
+    def fit(path: str, d: int) -> int:  # Lagrange through the first three widths, exactly
+        total = Fraction(0)
+        for i, (xi, ci) in enumerate(zip(widths[:3], counts[:3])):
+            term = Fraction(ci[path])
+            for j, xj in enumerate(widths[:3]):
+                if j != i:
+                    term *= Fraction(d - xj, xi - xj)
+            total += term
+        assert total.denominator == 1, (path, total)
+        return int(total)
+
+    assert all(fit(p, widths[3]) == n for p, n in counts[3].items()), "layer counts are not quadratic in d_model"
+    net = micro_net(d_model=widths[0], **overrides)
+    net["weights"] = _zero_layers(net["weights"], "weights", {p: fit(p, d_model) for p in counts[0]})
+    return net
+
+
+def pieces_size(pieces: list) -> int:
+    """The bytes ``pieces`` stand for (the decompressed file's size)."""
+    return sum(map(_piece_size, pieces))
 
 
 def key(number: int, wire: int) -> bytes:

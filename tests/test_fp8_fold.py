@@ -15,7 +15,7 @@ import torch
 
 from encoder_helpers import stack_formula
 from fp8_helpers import random_stack, rel_err, require_fp8_gpu, synthetic_lc0
-from fusedenc import fp8, fp8_fold, norm_fold
+from fusedenc import core, fp8, fp8_fold, norm_fold
 from fusedenc.activations import apply_activation
 from fusedenc.testing import layer_norm_folding
 from helpers import randn
@@ -171,6 +171,20 @@ def test_what_turns_the_fold_off(gen):
 # ------------------------------------------------------------ GPU ----
 
 
+def _require_fold_kernels(activation: str = "swish") -> None:
+    """Skip, with the reason, where ``fp8_fold.applies`` is False by build or device: the fold
+    runs on the Hopper FP8 residual GEMM and the epilogue GEMM for ``activation``, compute
+    capability 9.0 and a build with CUTLASS only (as tests/test_sm90_gemm_gpu.py detects its
+    kernels).  Where they are there, the tests below must run them."""
+    require_fp8_gpu()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 LayerNorm fold's kernels run on compute capability 9.0 only")
+    if not core.fp8.sm90_fp8_residual_compiled(torch.float16):
+        pytest.skip("this build has no Hopper FP8 residual GEMM (built without CUTLASS?)")
+    if ("float16", activation) not in core.sm90_gemm_kernels():
+        pytest.skip(f"this build has no sm90 epilogue GEMM for float16 {activation} (built without CUTLASS?)")
+
+
 def _gpu_pending(gen, rows, d):
     cpu = _pending(gen, rows, d)
     p = cpu.rows
@@ -253,7 +267,7 @@ def test_gpu_residual_kernel_matches_the_math(pending, codes_out, rows, gen):
 
 @pytest.mark.gpu
 def test_gpu_folded_stack_runs_the_kernels_and_is_as_accurate_as_the_passes(gen):
-    require_fp8_gpu()
+    _require_fold_kernels()
     s = random_stack(4, 768, 24, 2304, gen, device="cuda")
     sample = randn((256, 64, 768), torch.float16, "cuda", gen=gen)
     x = randn((256, 64, 768), torch.float16, "cuda", gen=gen)
@@ -283,7 +297,7 @@ def test_gpu_folded_stack_runs_the_kernels_and_is_as_accurate_as_the_passes(gen)
 def test_gpu_fold_stays_off_where_a_kernel_would_not_run(gen):
     """Exact GELU is not in the FP8 epilogue, slow accumulation not in the kernels, 64 positions
     too few tiles: each keeps the LayerNorm passes (no GEMM may fall back to torch math)."""
-    require_fp8_gpu()
+    _require_fold_kernels()
     x = randn((256, 64, 768), torch.float16, "cuda", gen=gen)
     sample = randn((64, 64, 768), torch.float16, "cuda", gen=gen)
     swish = random_stack(2, 768, 12, 1536, gen, device="cuda").quantize("fp8", calibration=sample, fast_accum=True)
@@ -322,7 +336,7 @@ def test_an_lc0_net_folds_its_calibrated_fp8_body(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_lc0_net_folds_its_fp8_body_on_the_kernels(tmp_path, monkeypatch):
-    require_fp8_gpu()
+    _require_fold_kernels()  # t82's FFN activation: swish
     net, sample, planes = synthetic_lc0(tmp_path, "t82", seed=1, planes_seed=5, sample=256, positions=256, device="cuda")
     base = net(planes)
     net.quantize("fp8", calibration=sample, fast_accum=True, fold_norms=False)

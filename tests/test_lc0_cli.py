@@ -225,3 +225,50 @@ def test_subprocess_epd_to_stdout(net_path, tmp_path):
     lines = [json.loads(line) for line in io.StringIO(proc.stdout)]
     assert len(lines) == 4 and "summary" in lines[-1] and lines[-1]["summary"]["positions_per_s"] > 0
     assert "positions/s" in proc.stderr
+
+
+@pytest.mark.parametrize("top", [None, 3, 1])
+def test_json_lines_equal_json_dumps_of_each_record(net_path, cpu_net, top):
+    """The CLI writes a batch's lines from its arrays (``evaluate.json_lines``); they must be
+    the very text ``json.dumps`` makes of each evaluation's dict, for every head layout,
+    positions without legal moves, batches split across chunks, and a stand-alone
+    ``Evaluation``."""
+    from fusedenc.lc0.evaluate import Evaluation, json_lines
+
+    mated = "rnb1kbnr/pppp1ppp/8/4p3/6Pq/5P2/PPPPP2P/RNBQKBNR w KQkq - 1 3"
+    positions = ["startpos", mated, ("startpos", ["e2e4", "e7e5", "g1f3"]),
+                 "r3k2r/p1ppqpb1/bn2pnp1/3PN3/1p2P3/2N2Q1p/PPPBBPPP/R3K2R w KQkq - 0 1", "8/P7/8/8/8/8/6k1/K7 w - - 0 1"]
+    evals = cpu_net.evaluate(positions) + cpu_net.evaluate(positions[:2])  # two batches
+    evals.append(Evaluation(["e2e4", "d2d4"], [0.75, 0.25], q=0.125, wdl=[0.5, 0.125, 0.375], moves_left=33.3))
+    ids = [{"index": i, "fen": "x\"y" if i == 1 else f"f{i}", **({"id": "é"} if i == 2 else {})} for i in range(len(evals))]
+    prefixes = [json.dumps(r)[:-1] for r in ids]
+    got = json_lines(evals, prefixes, top)
+    want = [{**r, "best_move": e.best_move, **e.to_dict(top=top)} for r, e in zip(ids, evals, strict=True)]
+    parsed = [json.loads(line) for line in got]
+    assert parsed == want  # the same numbers (round(x, 6) is the number "%.6f" writes)
+    assert [list(p) for p in parsed] == [list(w) for w in want]  # fields in the same order
+    assert parsed[1]["moves"] == [] and parsed[1]["best_move"] is None  # mate
+    # Split inside a batch: the same text.
+    assert json_lines(evals[:2], prefixes[:2], top) + json_lines(evals[2:], prefixes[2:], top) == got
+
+
+def test_json_lines_write_non_finite_heads_as_json_dumps_does(cpu_net):
+    from fusedenc.lc0.evaluate import json_lines
+
+    [ev] = cpu_net.evaluate(["startpos"])
+    ev._heads.q[0] = float("nan")
+    [line] = json_lines([ev], ['{"index": 7'], 2)
+    assert line == json.dumps({"index": 7, "best_move": ev.best_move, **ev.to_dict(top=2)}) and "NaN" in line
+
+
+def test_json_lines_of_a_net_without_wdl_or_moves_left(tmp_path):
+    from fusedenc.lc0.evaluate import json_lines
+
+    path = tmp_path / "value.pb.gz"
+    write_preset(str(path), "tiny", wdl=False, moves_left=False, seed=2)
+    net = Lc0Network(read_net(str(path)), dtype=torch.float32, device="cpu")
+    evals = net.evaluate(["startpos", ("startpos", ["d2d4"])])
+    got = [json.loads(line) for line in json_lines(evals, ['{"index": 0', "{"], 2)]
+    assert got == [{"index": 0, "best_move": evals[0].best_move, **evals[0].to_dict(top=2)},
+                   {"best_move": evals[1].best_move, **evals[1].to_dict(top=2)}]
+    assert "wdl" not in got[0] and "moves_left" not in got[0]

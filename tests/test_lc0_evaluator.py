@@ -202,6 +202,13 @@ def test_arguments(net_file, cpu_net):
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="own device"):
             Evaluator(cpu_net, devices="cuda:0")
+    # dtype: refused in fusedenc's words before anything starts; a given network keeps its own
+    with pytest.raises(TypeError, match=r"dtype='fp16' is a string: pass a torch.dtype \(dtype=torch.float16\)"):
+        Evaluator(net_file, devices="cpu", dtype="fp16")
+    with pytest.raises(TypeError, match="not supported"):
+        Evaluator(net_file, devices="cpu", dtype=torch.int32)
+    with pytest.raises(ValueError, match="the network given is torch.float32"):
+        Evaluator(cpu_net, dtype=torch.float16)
 
 
 @pytest.mark.parametrize("fmt", [InputFormat.CLASSICAL_112_PLANE, InputFormat.WITH_CANONICALIZATION_HECTOPLIES_ARMAGEDDON,

@@ -1,6 +1,7 @@
 """Damaged and hostile Lc0 network files: only ``Lc0FileError`` / ``Lc0FormatError``,
 fast, in bounded memory, before anything reaches a device; non-finite weights warned about or
-refused as ``support`` documents; a forward's heads checked on request.
+refused as ``support`` documents; a forward's heads checked on request.  A net's sizes are
+checked on the layers' counts (from their byte lengths) before any layer is decoded.
 
 The fuzzing test is seeded and bounded: ``FUSEDENC_FILE_FUZZ_CASES`` cases (300 by default,
 about a minute on 2 cores) and ``FUSEDENC_FILE_FUZZ_SEED``; run more on demand.  Each crafted
@@ -10,6 +11,7 @@ limit and a peak-RSS bound.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -22,26 +24,33 @@ import warnings
 import pytest
 import torch
 from lc0_hostile import (
+    Zeros,
+    encode_pieces,
     encoded,
     edit,
     field_mutation,
     gz,
+    gzip_of_pieces,
     gzip_of_repeats,
     key,
     micro_net,
     net_header,
+    pieces_size,
     random_flips,
     run_file,
+    scaled_net,
     structural_offsets,
     time_limit,
 )
-from lc0_writer import random_planes
+from lc0_writer import random_planes, write_preset
 
+import fusedenc.lc0.weights as weights_module
 from fusedenc.lc0 import Lc0FileError, Lc0FormatError, Lc0Network, check_supported, read_net
 from fusedenc.lc0.errors import Lc0NonFiniteError, Lc0ValueWarning
 from fusedenc.lc0.protobuf import MAX_FIELDS, decode, encode_varint
-from fusedenc.lc0.schema import SCHEMA
-from fusedenc.lc0.weights import encode_layer
+from fusedenc.lc0.schema import LAYER, SCHEMA
+from fusedenc.lc0.support import Lc0MisSizedError
+from fusedenc.lc0.weights import decode_layer, encode_layer
 
 #: A refusal must come within this (the issue: within a second; slack for a loaded CI machine).
 REFUSE_SECONDS = 2.0
@@ -292,6 +301,101 @@ def test_an_unused_smolgen_w_is_ignored_as_lc0_ignores_it():
     assert all(torch.equal(plain[k], extra[k]) for k in plain)
 
 
+# -- sizes, before decoding ----------------------------------------------------------------
+
+
+@pytest.fixture
+def no_decoding(monkeypatch):
+    """Any layer decoded fails the test (``read_net`` decodes through ``weights.decode_planned``)."""
+
+    def decode_planned(*args, **kwargs):
+        raise AssertionError("a layer was decoded")
+
+    monkeypatch.setattr(weights_module, "decode_planned", decode_planned)
+
+
+def test_a_mis_sized_layer_is_refused_before_any_layer_is_decoded(micro, no_decoding):
+    def change(net, w):
+        w["encoder"][1]["ffn"]["dense1_w"]["params"] += b"\0\0" * 7
+
+    with pytest.raises(Lc0MisSizedError) as info:
+        read_net(gz(encoded(edit(micro[0], change))))
+    assert isinstance(info.value, Lc0FileError) and isinstance(info.value, Lc0FormatError)  # callers of either catch it
+    message = str(info.value)
+    assert "refused before its layers were decoded" in message
+    assert "weights.encoder[1].ffn.dense1_w: has 519 values, expected shape (32, 16) = 512 values" in message
+    with pytest.raises(AssertionError, match="a layer was decoded"):  # a good net gets that far
+        read_net(gz(micro[1]))
+
+
+def test_float32_tensors_past_max_bytes_are_refused_before_decoding(no_decoding):
+    """``max_bytes`` bounds the decoded tensors as it bounds the file: a consistent net whose
+    file passes the limit while its float32 tensors would not is refused, naming the sizes."""
+    net = scaled_net(64)
+    pieces = encode_pieces(net)
+    data, raw = gzip_of_pieces(pieces), pieces_size(pieces)
+    values = sum(n // 2 for n in _zeros(net))  # FLOAT16: two bytes a value
+    assert raw < 4 * values - 1  # the file itself is well under the limit
+    with pytest.raises(Lc0FileError) as info:
+        read_net(data, max_bytes=4 * values - 1)
+    message = str(info.value)
+    for words in (f"hold {values} values", "(the largest: weights.", f"needs {4 * values} bytes",
+                  f"max_bytes limit ({4 * values - 1} bytes", "FUSEDENC_LC0_MAX_BYTES"):  # fmt: skip
+        assert words in message, message
+    with pytest.raises(AssertionError, match="a layer was decoded"):  # exactly at the limit: decoded
+        read_net(data, max_bytes=4 * values)
+
+
+def _zeros(node):
+    if isinstance(node, Zeros):
+        yield node.n
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _zeros(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _zeros(value)
+
+
+def _layers(node, path):
+    """(path, Layer message) of every layer of a decoded ``Weights`` tree."""
+    for name, value in node.items():
+        field = next((f for f in SCHEMA[path[1]].values() if f.name == name), None)
+        if field is None or field.kind not in SCHEMA:
+            continue
+        for i, item in enumerate(value if field.repeated else [value]):
+            where = f"{path[0]}.{name}" + (f"[{i}]" if field.repeated else "")
+            if field.kind == LAYER:
+                yield where, item
+            else:
+                yield from _layers(item, (where, field.kind))
+
+
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [("tiny", {}), ("tiny", {"encoding": "FLOAT16", "dims": True}), ("tiny", {"encoding": "BFLOAT16"}),
+     ("t82", {"layers": 2})],
+    ids=["tiny", "tiny-float16-dims", "tiny-bfloat16", "t82-2-layers"],
+)  # fmt: skip
+def test_a_valid_net_reads_as_each_of_its_layers_decodes(tmp_path, preset, overrides):
+    """Sizes checked before decoding change nothing for a valid net: every tensor is its layer's
+    ``decode_layer``, with its shape and recorded range, and the net loads."""
+    path = tmp_path / "net.pb.gz"
+    write_preset(path, preset, keep_values=False, **overrides)
+    net = read_net(path)
+    check_supported(net, dtype=torch.float32)
+    message = decode(gzip.decompress(path.read_bytes()), "Net", SCHEMA)
+    layers = dict(_layers(message["weights"], ("weights", "Weights")))
+    assert net.parameter_count() == sum(net.get(p).numel() for p in layers)
+    for where, layer in layers.items():
+        expected, got = decode_layer(layer, where), net.get(where)
+        assert got.dtype == torch.float32 and got.shape == expected.shape and torch.equal(got, expected), where
+        assert net.value_ranges[where] == (expected.min().item(), expected.max().item()), where
+    if preset == "tiny":
+        model = Lc0Network(net, dtype=torch.float32, device="cpu", check_finite=True)
+        model(random_planes(2, torch.Generator().manual_seed(5)))
+
+
 # -- values ---------------------------------------------------------------------------------
 
 
@@ -374,7 +478,7 @@ sys.path[:0] = [{repo!r}, {tests!r}]
 import test_lc0_hostile_files as t
 from fusedenc.lc0 import read_net
 assert read_net.__module__ and t.__file__
-data, kw = t.BOMBS[sys.argv[1]]()
+data, kw = getattr(t, sys.argv[1])[sys.argv[2]]()
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -392,7 +496,8 @@ except Exception as exc:
 with open("/proc/self/status") as f:  # VmHWM: this process image's peak (ru_maxrss keeps the forking parent's)
     peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 import fusedenc
-print(json.dumps({{"fusedenc": fusedenc.__file__, "error": error, "seconds": time.perf_counter() - start, "peak_over_start": peak - base}}))
+print(json.dumps({{"fusedenc": fusedenc.__file__, "error": error, "seconds": time.perf_counter() - start,
+                  "peak_over_start": peak - base, "decompressed_size": int.from_bytes(data[-4:], "little")}}))
 """
 
 BOMBS = {
@@ -406,18 +511,65 @@ BOMBS = {
 }
 
 
-@pytest.mark.parametrize("bomb", list(BOMBS))
-def test_bombs_stay_within_bounded_memory(bomb):
-    """In a child with an address-space limit of 1.5 GiB over what it holds after imports: the
-    refusal comes, and the peak RSS stays within 300 MB over the start (256 MiB cap included)."""
+def in_child(table: str, name: str) -> dict:
+    """``read_net`` of ``table[name]()`` in a child with an address-space limit of 1.5 GiB over
+    what it holds after imports: what it raised, how long it took, its peak RSS over the start
+    and the size the gzip trailer gives (the decompressed file's)."""
     import fusedenc
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(fusedenc.__file__)))
     code = _CHILD.format(repo=repo, tests=os.path.dirname(os.path.abspath(__file__)), headroom=3 * GiB // 2)
-    run = subprocess.run([sys.executable, "-c", code, bomb], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code, table, name], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["fusedenc"] == fusedenc.__file__, result  # the code under test, not another install
+    return result
+
+
+@pytest.mark.parametrize("bomb", list(BOMBS))
+def test_bombs_stay_within_bounded_memory(bomb):
+    """The refusal comes, and the peak RSS stays within 300 MB over the start (256 MiB cap included)."""
+    result = in_child("BOMBS", bomb)
     assert result["error"] and result["error"].startswith("Lc0FileError"), result
     assert result["peak_over_start"] < 300 * MiB + (256 * MiB if bomb == "stops-at-256mib" else 0), result
     assert result["seconds"] < REFUSE_SECONDS * (3 if bomb == "stops-at-256mib" else 1), result
+
+
+def huge_layer() -> bytes:
+    """The micro net with ``weights.ip_emb_w`` a FLOAT16 layer of 256 MiB of zeros (134 M values,
+    512 MiB in float32): well formed, under the byte cap, and not the 16 x 113 values the net's
+    own sizes give it.  ~260 KB on disk."""
+    net = micro_net()
+    net["weights"]["ip_emb_w"] = {"encoding": 2, "params": Zeros(256 * MiB)}
+    return gzip_of_pieces(encode_pieces(net))
+
+
+#: Well-formed files whose layers are huge: name -> (data, read_net's keywords), and the error
+#: and words its refusal must give.
+HUGE = {
+    "mis-sized-256mib-layer": lambda: (huge_layer(), {}),
+    # every layer consistent with d_model 3072 (the attention weights 9.4 M values each): a
+    # ~200 MB file under a 256 MiB max_bytes whose float32 tensors would take ~400 MB
+    "d_model-3072": lambda: (gzip_of_pieces(encode_pieces(scaled_net(3072))), {"max_bytes": 256 * MiB}),
+}
+HUGE_REFUSALS = {
+    "mis-sized-256mib-layer": ("Lc0MisSizedError", ["weights.ip_emb_w: has 134217728 values, expected shape (16, 113)",
+                                                  "refused before its layers were decoded"]),
+    "d_model-3072": ("Lc0FileError", ["of float32 tensors, more than the max_bytes limit (268435456 bytes",
+                                      "(the largest: weights.encoder[0].mha.q_w, 9437184 values)"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HUGE))
+def test_huge_well_formed_layers_are_refused_before_decoding(name):
+    """A file under the byte cap whose layers are huge is refused on their counts, before any is
+    decoded: the peak RSS stays within the decompressed file's size + 300 MB (decoding them would
+    take twice their bytes in float32 on top), and the error names the layer."""
+    result = in_child("HUGE", name)
+    error, words = HUGE_REFUSALS[name]
+    assert result["error"] and result["error"].startswith(error), result
+    for word in words:
+        assert word in result["error"], result
+    assert 200 * MiB < result["decompressed_size"] < 256 * MiB + MiB, result
+    assert result["peak_over_start"] < result["decompressed_size"] + 300 * MiB, result
+    assert result["seconds"] < REFUSE_SECONDS * 3, result  # inflating 200+ MB is most of it

@@ -1,12 +1,18 @@
-"""``python -m fusedenc.lc0 [describe] NET.pb.gz`` and ``python -m fusedenc.lc0 eval NET.pb.gz ...``
+"""``python -m fusedenc.lc0 [describe] NET.pb.gz``, ``python -m fusedenc.lc0 eval NET.pb.gz ...``
+and ``python -m fusedenc.lc0 synth OUT.pb.gz ...``
 
-Describes an lc0 network, or evaluates chess positions with it.
+Describes an lc0 network, evaluates chess positions with it, or writes a random one to try.
 
 ``python -m fusedenc.lc0 NET.pb.gz [--batch-sizes 64,256,1024] [--no-bench]`` (``describe``
 may be written first) prints what the net is (format, layers, width, heads, FFN,
 activations, smolgen, embedding, heads, parameter count, encodings) and whether fusedenc
-runs it; with a GPU, times the whole network (planes in, heads out) in fp16, eager and as
-one CUDA graph, at each batch size.
+runs it, then times the whole network (planes in, heads out) at each batch size: with a
+GPU in fp16 as one CUDA graph; without one on the CPU in float32 (batch 16 by default),
+which times the PyTorch reference ops, not fusedenc's GPU path (the output says so).
+
+``python -m fusedenc.lc0 synth OUT.pb.gz [--preset tiny|t82|bt4] [--seed N] [--layers N]``
+writes a net with random weights in a preset's shape (``fusedenc.lc0.writer``): untrained,
+for trying fusedenc and timing it.
 
 ``python -m fusedenc.lc0 eval NET.pb.gz --fen FEN [--moves e2e4 e7e5 ...]`` prints the
 network's top moves with their probabilities, its WDL (from the side to move's view), Q
@@ -26,6 +32,7 @@ any work on the GPU.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -39,6 +46,7 @@ from ..tune.cli import int_list
 from ..tune.timing import time_graph
 from .errors import Lc0FileError, Lc0FormatError
 from ..device import parse_devices
+from .evaluate import json_lines
 from .netfile import NetFile, read_net
 from .network import Lc0Network
 from .support import check_supported
@@ -55,41 +63,74 @@ class InputError(Exception):
 # ------------------------------------------------------------ describe ----
 
 
-def _bench(net: Lc0Network, batches: list[int]) -> None:
-    device = torch.device("cuda", torch.cuda.current_device())
-    print(f"\nwhole network, fp16 on {torch.cuda.get_device_name(device)}, positions/s (median device time):")
+#: Timed calls per batch size on the CPU, after one warm-up: a t82-sized net takes seconds a
+#: call there, so the GPU's 20 would keep a first try waiting for minutes.
+CPU_REPS = 3
+
+
+def _cpu_ms(net: Lc0Network, planes: torch.Tensor) -> float:
+    net(planes)
+    samples = []
+    for _ in range(CPU_REPS):
+        t0 = time.perf_counter()
+        net(planes)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return sorted(samples)[CPU_REPS // 2]
+
+
+def _bench(net: Lc0Network, batches: list[int], device: torch.device) -> None:
+    if device.type == "cuda":
+        print(f"\nwhole network, fp16 on {torch.cuda.get_device_name(device)}, positions/s (median device time):")
+    else:
+        print(f"\nno GPU: whole network on the CPU in float32, positions/s (median of {CPU_REPS} calls, wall time; "
+              "--no-bench skips it).  CPU numbers time the PyTorch reference ops, not fusedenc's GPU path "
+              "(fused kernels, CUDA graphs):", flush=True)  # fmt: skip
     for b in batches:
-        planes = (torch.rand((b, 112, 8, 8), device=device) < 0.1).to(torch.float16)
+        planes = (torch.rand((b, 112, 8, 8), device=device) < 0.1).to(net.dtype)
         with torch.inference_mode():
-            t = time_graph(lambda _: net(planes), [None], reps=20, device=device)
-        print(f"  batch {b:>5}: {b / (t.ms * 1e-3):>10,.0f}  ({t.ms:.3f} ms, {t.method})")
+            if device.type == "cuda":
+                t = time_graph(lambda _: net(planes), [None], reps=20, device=device)
+                ms, how = t.ms, t.method
+            else:
+                ms, how = _cpu_ms(net, planes), "wall"
+        print(f"  batch {b:>5}: {b / (ms * 1e-3):>10,.0f}  ({ms:.3f} ms, {how})", flush=True)
 
 
 def describe_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog=PROG, description="Describe an lc0 network (and time it on a GPU). "
-                                 f"'{PROG} eval --help' evaluates positions.")  # fmt: skip
+    ap = argparse.ArgumentParser(prog=PROG, description="Describe an lc0 network and time it (on a GPU, or on "
+                                 f"the CPU without one).  '{PROG} eval --help' evaluates positions; '{PROG} synth "
+                                 "--help' writes a random net to try.")  # fmt: skip
     ap.add_argument("net", help="an lc0 network file (.pb.gz)")
-    ap.add_argument("--batch-sizes", type=int_list, default=[64, 256, 1024])
+    ap.add_argument("--batch-sizes", type=int_list, default=None, help="default 64,256,1024 on a GPU, 16 on the CPU")
     ap.add_argument("--no-bench", action="store_true", help="describe only")
     args = ap.parse_args(argv)
     try:
         file = read_net(args.net)
     except (OSError, Lc0FileError) as exc:
-        print(f"fusedenc.lc0: cannot read {args.net}: {exc}", file=sys.stderr)
+        print(f"fusedenc.lc0: cannot read {args.net}: {_why(exc, args.net)}", file=sys.stderr)
         return 2
     print(json.dumps(file.describe(), indent=1, default=str))
     try:
         check_supported(file)
     except Lc0FormatError as exc:
-        print(f"fusedenc.lc0: fusedenc does not run this net: {exc}", file=sys.stderr)
+        print(f"fusedenc.lc0: {args.net}: {_why(exc, file.source)}", file=sys.stderr)
         return 2
     if args.no_bench:
         return 0
-    if not torch.cuda.is_available():
-        print("\nno GPU: not benchmarked (fusedenc.lc0.load_network(path, device='cpu', dtype=torch.float32) runs it on CPU)")
-        return 0
-    _bench(Lc0Network(file, dtype=torch.float16, device="cuda"), args.batch_sizes)
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    batches = args.batch_sizes or ([64, 256, 1024] if gpu else [16])
+    _bench(Lc0Network(file, dtype=torch.float16 if gpu else torch.float32, device=device), batches, device)
     return 0
+
+
+def _why(exc: Exception, path: str) -> str:
+    """An error's text without the file name the caller's message already gives (lc0's file
+    and format errors start with it, and say what fusedenc cannot do; an OSError's strerror
+    has no name)."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return str(exc).removeprefix(f"{path}: ")
 
 
 # ------------------------------------------------------------ eval ----
@@ -138,14 +179,12 @@ def _load(path: str) -> NetFile:
     """The net file, checked: fusedenc runs it and its input format is encoded here."""
     try:
         file = read_net(path)
-    except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except Lc0FileError as exc:
-        raise InputError(f"cannot read {path}: {exc}") from None
+    except (OSError, Lc0FileError) as exc:
+        raise InputError(f"cannot read {path}: {_why(exc, path)}") from None
     try:
         check_supported(file)
     except Lc0FormatError as exc:
-        raise InputError(f"fusedenc does not run {path}: {exc}") from None
+        raise InputError(f"{path}: {_why(exc, file.source)}") from None
     from .encoding import resolve_input_format
 
     try:
@@ -318,6 +357,7 @@ def _eval_file(args, file: NetFile, devices: list[torch.device], dtype: torch.dt
 
     t_start = time.perf_counter()
     positions, ids = _epd_items(args.epd) if args.epd else _pgn_items(args.pgn)
+    prefixes = [json.dumps(rec)[:-1] for rec in ids]  # each line's opening: the position's own fields
     out = _open_out(args.out)
     max_batch = args.max_batch or (1024 if devices[0].type == "cuda" else 256)
     failed = 0
@@ -325,16 +365,42 @@ def _eval_file(args, file: NetFile, devices: list[torch.device], dtype: torch.dt
         t0 = time.perf_counter()
         with Evaluator(file, devices=devices, dtype=dtype, max_batch=max_batch, temperature=args.temperature) as ev:
             t_ready = time.perf_counter()
-            futures = ev.submit_many(positions)
-            progress = _Progress(len(futures), not args.no_progress)
-            for fut, rec in zip(futures, ids, strict=True):
+            # Submitted a few batches ahead of what is read, not all at once: a burst of 100k
+            # submissions would hold the GIL for a second while the GPU waits, and every
+            # future would live until the end.
+            ahead = 8 * max_batch * len(devices)
+            futures: collections.deque = collections.deque(ev.submit_many(positions[:ahead]))
+            submitted = len(futures)
+            progress = _Progress(len(positions), not args.no_progress)
+            # Lines are written a chunk at a time from the batches' arrays (json_lines): per
+            # position json.dumps would cost this process, which also launches the GPU work,
+            # about 50 us a position.
+            top = None if args.top <= 0 else args.top
+            done: list[Any] = []
+
+            def flush(upto: int) -> None:
+                if done:
+                    lines = json_lines(done, prefixes[upto - len(done):upto], top)
+                    out.write("\n".join(lines) + "\n")
+                    progress.update(len(done))
+                    done.clear()
+
+            for i in range(len(positions)):
+                if submitted < len(positions) and submitted - i <= ahead - max_batch:
+                    futures.extend(ev.submit_many(positions[submitted:submitted + max_batch]))
+                    submitted = min(len(positions), submitted + max_batch)
+                fut = futures.popleft()
                 try:
-                    line = _record(fut.result(), args.top, **rec)
+                    done.append(fut.result())
                 except Exception as exc:  # noqa: BLE001 - written as that position's error
+                    flush(i)
                     failed += 1
-                    line = {**rec, "error": str(exc)}
-                out.write(json.dumps(line) + "\n")
-                progress.update()
+                    out.write(json.dumps({**ids[i], "error": str(exc)}) + "\n")
+                    progress.update()
+                    continue
+                if len(done) == 1024:
+                    flush(i + 1)
+            flush(len(positions))
             t_end = time.perf_counter()
             progress.close()
             stats = ev.stats()
@@ -385,6 +451,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "eval":
         return eval_main(argv[1:])
+    if argv and argv[0] == "synth":
+        from .writer import synth_main
+
+        return synth_main(argv[1:], prog=f"{PROG} synth")
     if argv and argv[0] == "describe":
         argv = argv[1:]
     return describe_main(argv)

@@ -19,18 +19,20 @@ of one batch overlaps the GPU work of another:
    (``host_workers``, several batches at once): that numpy work holds the GIL too much for
    threads of one process to share it (three such threads fed a T82 net on an H200 at
    7-13k positions/s where the GPU does 34k);
-2. *launch* (GPU): wait for the batch's host work, copy its encoding to the device, expand
-   it to planes there, replay the network's CUDA graph (``Lc0GraphRunner``), copy the heads
-   back into pinned host buffers and record an event; nothing here waits for the GPU;
+2. *launch* (GPU): wait for the batch's host work, then one copy of its packed encoding to
+   the device, one CUDA graph replay (expansion to planes, the network, the heads packed:
+   ``encoded.EncodedRunner``), one copy of the packed heads back into pinned host memory,
+   and an event; nothing here waits for the GPU;
 3. *finish* (host): wait for that event, softmax the legal moves' logits and set the
    futures.
 
-The stages hand each other *slots* (pinned encoding buffers, their device copies, a device
-planes buffer, pinned head buffers and an event); ``pipeline_depth`` slots per device (by
+The stages hand each other *slots* (a pinned buffer of the packed encoding, one of the
+packed heads, and an event); ``pipeline_depth`` slots per device (by
 default one per host worker and two more) bound the batches in flight.  A slot goes back to the gather stage only after its
 batch is decoded, so no buffer is overwritten while a copy or a decode still reads it.
 torch releases the GIL in copies, graph replays and event waits, which is what lets the
-three Python threads overlap.  On a CPU device (tests, machines without a GPU) the same
+three Python threads overlap; each such call must take the GIL back, so the launch stage
+makes as few as it can (three a batch).  On a CPU device (tests, machines without a GPU) the same
 stages run with a plain forward.
 
 A bad position (a FEN that does not parse, an illegal move in its history) fails its own
@@ -50,12 +52,12 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
-from ..device import DeviceSpec, parse_devices
+from ..device import DeviceSpec, check_dtype, parse_devices
 from . import hostwork
-from .encoding import expand_planes, resolve_input_format
+from .encoded import ROW_BYTES, EncodedRunner, input_views
+from .encoding import resolve_input_format
 from .evaluate import Evaluation, evaluations
 from .netfile import NetFile, read_net
 from .network import Lc0Network
@@ -67,8 +69,6 @@ __all__ = ["DEFAULT_BATCH_SIZES", "Evaluator"]
 #: is added): a batch replays the smallest bucket that holds it, so the steps stay within 2x.
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256, 512, 1024)
 
-_PLANES = 112
-
 class _Request:
     __slots__ = ("position", "future")
 
@@ -78,28 +78,22 @@ class _Request:
 
 class _Slot:
     """One batch's buffers on one device (see the module doc).  The host stage writes lc0's
-    compact encoding (a 64-bit mask and a value per plane: ``encoding.encode_masks``) into
-    pinned buffers; the planes are expanded on the device (``encoding.expand_planes``),
+    compact encoding (a 64-bit mask and a value per plane: ``encoding.encode_masks``) into a
+    pinned buffer, one row of ``ROW_BYTES`` a position; the planes are expanded on the device,
     which moves 1.3 KB a position instead of 14 KB and spares the host the expansion (on a
-    2-core host, 50-80 ms for 1024 positions: more than the GPU needs for the network)."""
+    2-core host, 50-80 ms for 1024 positions: more than the GPU needs for the network).  The
+    heads come back packed, one row of ``width`` values a position."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, rows: int, heads: dict[str, int]) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, rows: int, width: int) -> None:
         cuda = device.type == "cuda"
-        self.masks_host = torch.empty((rows, _PLANES), dtype=torch.int64, pin_memory=cuda)
-        self.values_host = torch.empty((rows, _PLANES), dtype=torch.float32, pin_memory=cuda)
-        self.transforms_host = torch.empty((rows,), dtype=torch.int64, pin_memory=cuda)
-        self.heads_host = {k: torch.empty((rows, n), dtype=dtype, pin_memory=cuda) for k, n in heads.items()}
-        if cuda:
-            self.masks_dev = torch.empty((rows, _PLANES), dtype=torch.int64, device=device)
-            self.values_dev = torch.empty((rows, _PLANES), dtype=torch.float32, device=device)
-            self.transforms_dev = torch.empty((rows,), dtype=torch.int64, device=device)
-        self.planes = torch.empty((rows, _PLANES, 8, 8), dtype=dtype, device=device)
+        self.inputs = torch.empty((rows, ROW_BYTES), dtype=torch.uint8, pin_memory=cuda)
+        self.input_arrays = input_views(self.inputs.numpy())
+        self.outputs = torch.empty((rows, width), dtype=dtype, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
         # Filled per batch:
         self.requests: list[_Request] = []
         self.job: Any = None  # a Future of the batch's hostwork.HostBatch
         self.host: Optional[hostwork.HostBatch] = None
-        self.heads: Optional[dict[str, torch.Tensor]] = None
         self.error: Optional[BaseException] = None
 
 
@@ -137,23 +131,15 @@ class _Replica:
             net = Lc0Network(file, dtype=dtype, device=device)
         self.net = net
         self.stream = None
+        self.run = EncodedRunner(net, owner.batch_sizes, graphs=owner.graphs)
         if device.type == "cuda":
             with torch.cuda.device(device):
                 self.stream = torch.cuda.Stream(device)
                 if owner.graphs:
-                    runner = net.graph_runner(owner.batch_sizes)
-                    runner.capture_all()  # now: the first batches are not slowed by it
-                    self.run = runner
-                else:
-                    self.run = net
-        else:
-            self.run = net
-        heads = {"policy": 1858, ("wdl" if net.wdl else "value"): 3 if net.wdl else 1}
-        if net.has_moves_left:
-            heads["moves_left"] = 1
+                    self.run.capture_all()  # now: the first batches are not slowed by it
         self.free: "queue.Queue[_Slot]" = queue.Queue()
         for _ in range(owner.pipeline_depth):
-            self.free.put(_Slot(device, dtype, owner.max_batch, heads))
+            self.free.put(_Slot(device, dtype, owner.max_batch, self.run.width))
         self.launch_q: "queue.Queue[Optional[_Slot]]" = queue.Queue()
         self.finish_q: "queue.Queue[Optional[_Slot]]" = queue.Queue()
         name = f"fusedenc-eval-{device}"
@@ -193,7 +179,7 @@ class _Replica:
                 if not requests:  # every request taken had been cancelled
                     self.free.put(slot)
                     continue
-                slot.requests, slot.host, slot.heads, slot.error = requests, None, None, None
+                slot.requests, slot.host, slot.error = requests, None, None
                 slot.job = owner._host_job([r.position for r in requests])
                 self.launch_q.put(slot)
         finally:
@@ -211,14 +197,16 @@ class _Replica:
         slot.host = host
         n = len(slot.requests)
         if n:  # numpy copies: torch's would wake its thread pool, which spins on the host's cores
-            slot.masks_host.numpy()[:n] = host.masks.view(np.int64)
-            slot.values_host.numpy()[:n] = host.values
-            slot.transforms_host.numpy()[:n] = host.transforms
+            masks, values, turns = slot.input_arrays
+            masks[:n] = host.masks
+            values[:n] = host.values
+            turns[:n] = host.transforms
 
     # -- stage 2: launch (GPU; nothing here waits for it) --
     def _launch_loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.stream)  # this thread's current stream, once
         while True:
             slot = self.launch_q.get()
             if slot is None:
@@ -238,26 +226,11 @@ class _Replica:
 
     @torch.no_grad()
     def _launch(self, slot: _Slot) -> None:
-        n = len(slot.requests)
-        if self.stream is None:  # CPU: the forward runs here, synchronously
-            planes = expand_planes(slot.masks_host[:n], slot.values_host[:n], slot.transforms_host[:n],
-                                   out=slot.planes[:n])  # fmt: skip
-            slot.heads = {k: v[:n].float() for k, v in self.run(planes).items()}
-            return
-        with torch.cuda.stream(self.stream):
-            masks, values, transforms = slot.masks_dev[:n], slot.values_dev[:n], slot.transforms_dev[:n]
-            masks.copy_(slot.masks_host[:n], non_blocking=True)
-            values.copy_(slot.values_host[:n], non_blocking=True)
-            transforms.copy_(slot.transforms_host[:n], non_blocking=True)
-            planes = expand_planes(masks, values, transforms, out=slot.planes[:n])
-            out = self.run(planes)
-            heads = {}
-            for k, v in out.items():
-                host = slot.heads_host[k][:n]
-                host.copy_(v, non_blocking=True)  # queued before the next replay overwrites v
-                heads[k] = host
+        # On a GPU: a copy in, a replay, a copy out (queued before the next replay overwrites
+        # the graph's output) and the event; on the CPU the forward runs here, synchronously.
+        self.run.launch(slot.inputs, slot.outputs, len(slot.requests))
+        if slot.event is not None:
             slot.event.record(self.stream)
-        slot.heads = heads
 
     # -- stage 3: finish (host): wait, decode, set the futures --
     def _finish_loop(self) -> None:
@@ -268,7 +241,7 @@ class _Replica:
             try:
                 self._finish(slot)
             finally:
-                slot.requests, slot.job, slot.host, slot.heads = [], None, None, None
+                slot.requests, slot.job, slot.host = [], None, None
                 self.free.put(slot)
 
     def _finish(self, slot: _Slot) -> None:
@@ -282,10 +255,12 @@ class _Replica:
                     slot.event.synchronize()
                 t1 = time.perf_counter()
                 self.seconds["gpu_wait"] += t1 - t0
-                host = slot.host
-                logits = slot.heads["policy"].numpy()  # pinned host memory (fp16 on a GPU): no copy
-                policies = decode_arrays(logits, host.moves, host.indices, host.counts, owner.temperature)
-                results = evaluations(slot.heads, policies)
+                host, n = slot.host, len(requests)
+                packed = slot.outputs[:n]  # pinned host memory (fp16 on a GPU): views, no copies
+                heads = {name: packed[:, c:c + w] for name, (c, w) in self.run.layout.items()}
+                policies = decode_arrays(heads["policy"].numpy(), host.moves, host.indices, host.counts,
+                                         owner.temperature)
+                results = evaluations(heads, policies)
             except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
                 slot.error = exc
         if slot.error is not None:
@@ -335,9 +310,10 @@ _SWITCH_INTERVAL = _SwitchInterval()
 class Evaluator:
     """Evaluates positions for many threads at once, batching them on one or more devices.
 
-    ``Evaluator(net, devices=None, dtype=torch.float16, ...)``; ``net`` is an lc0 file path,
-    a ``NetFile`` (one replica is built per device from it), or an ``Lc0Network`` (used as
-    it is, on its own device: one device only).
+    ``Evaluator(net, devices=None, dtype=None, ...)``; ``net`` is an lc0 file path, a
+    ``NetFile`` (one replica is built per device from it, in ``dtype``: torch.float16 by
+    default, torch.bfloat16 or torch.float32), or an ``Lc0Network`` (used as it is, on its own
+    device and in its own dtype: one device only).
 
     * ``submit(position) -> Future[Evaluation]``: a FEN, a ``(start_fen, [uci moves])`` pair,
       a ``Position`` or a python-chess board (whatever ``prepare`` takes); thread-safe;
@@ -355,12 +331,17 @@ class Evaluator:
     most positions one batch takes; ``max_wait_ms``: how long a worker that has some
     requests waits for more before it runs a smaller batch (the latency an engine pays when
     the load is light).  ``temperature``: the policy softmax's.  ``host_workers``: processes
-    for the host work (parsing, encoding, legal moves; default: with a GPU, up to 4 per GPU
-    within the cores; 0 on a CPU, where it runs in this process).  ``pipeline_depth``:
+    for the host work (parsing, encoding, legal moves; default: with a GPU, up to 8 per GPU,
+    leaving two cores and two a GPU to this process; 0 on a CPU, where it runs in this
+    process).  A worker prepares ~10k positions/s with histories on an H100 host's core.  ``pipeline_depth``:
     batches in flight per device (default: its share of the host workers, plus two).
     ``switch_interval``: while an Evaluator with a GPU runs, Python's thread switch interval
-    is at most this (seconds; None leaves it alone; restored by ``close``), so the thread that
-    launches GPU work does not wait up to 5 ms for the GIL at each torch call.
+    is at most this (seconds; restored by ``close``).  None, the default, leaves it alone: the
+    launch stage makes only three calls a batch that wait for the GIL, and a shorter interval
+    makes every thread of the process switch more often (measured on an H100, T82 at 256
+    positions: 0.2 ms kept the GPU 82% busy, Python's 5 ms 100%).  Applications with big
+    Python heaps may also want ``gc.freeze()`` once their long-lived data is built: a full
+    collection stops every thread, the Evaluator's too, for tens of milliseconds.
     """
 
     def __init__(
@@ -368,7 +349,7 @@ class Evaluator:
         net: Union[str, "os.PathLike[str]", NetFile, Lc0Network],
         *,
         devices: DeviceSpec = None,
-        dtype: torch.dtype = torch.float16,
+        dtype: Optional[torch.dtype] = None,
         batch_sizes: Optional[Sequence[int]] = None,
         max_batch: int = 1024,
         max_wait_ms: float = 1.0,
@@ -376,8 +357,10 @@ class Evaluator:
         pipeline_depth: Optional[int] = None,
         graphs: bool = True,
         host_workers: Optional[int] = None,
-        switch_interval: Optional[float] = 0.0002,
+        switch_interval: Optional[float] = None,
     ) -> None:
+        if dtype is not None:
+            dtype = check_dtype(dtype)  # before anything starts: the slots' buffers are made in it
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch <= 0:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if not isinstance(max_wait_ms, (int, float)) or isinstance(max_wait_ms, bool) or not max_wait_ms >= 0:
@@ -410,8 +393,10 @@ class Evaluator:
             if self.devices != [p.device]:
                 raise ValueError(f"an Lc0Network runs on its own device ({p.device}); pass the net file to run on "
                                  f"{', '.join(map(str, self.devices))}")  # fmt: skip
-            if dtype != p.dtype:
-                dtype = p.dtype  # the network's dtype wins: it is what the buffers must hold
+            if dtype is not None and dtype != p.dtype:
+                raise ValueError(f"dtype={dtype}, but the network given is {p.dtype}: leave dtype out, or pass the "
+                                 "net file to build a replica in that dtype")  # fmt: skip
+            dtype = p.dtype
             file = None
             self.input_format = resolve_input_format(net.input_format)
             self.source = net.source
@@ -420,10 +405,11 @@ class Evaluator:
             self.devices = parse_devices(devices)
             self.input_format = resolve_input_format(file.input_format)  # Lc0FormatError if not encoded here
             self.source = file.source
+            dtype = torch.float16 if dtype is None else dtype
         self.dtype = dtype
         if host_workers is None:  # processes only where a GPU must be fed; tests on a CPU stay in-process
             gpus = sum(d.type == "cuda" for d in self.devices)
-            host_workers = min(4 * gpus, max(1, (os.cpu_count() or 2) - 2 * len(self.devices))) if gpus else 0
+            host_workers = min(8 * gpus, max(1, (os.cpu_count() or 2) - 2 - 2 * len(self.devices))) if gpus else 0
         self.host_workers = host_workers
         if pipeline_depth is None:
             pipeline_depth = max(3, -(-host_workers // len(self.devices)) + 2)

@@ -4,7 +4,9 @@ A net file comes from anywhere, so its gzip stream is inflated in pieces up to a
 (``max_bytes``) and the protobuf structure is checked as the bytes arrive
 (``protobuf.StructureScan``): a gzip bomb, a truncated download or random bytes are refused
 after the first piece, naming the size reached and how to read a genuinely larger net.
-An uncompressed net (lc0 reads those too) is refused by its size before it is read.
+An uncompressed net (lc0 reads those too) is refused by its size before it is read.  The
+same limit bounds the float32 tensors the layers decode to (``check_decoded_size``, before
+any is decoded).
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ from .errors import Lc0FileError
 from .protobuf import StructureScan
 from .schema import LC0_MAGIC, SCHEMA
 
-__all__ = ["DEFAULT_MAX_BYTES", "MAX_BYTES_ENV", "Source", "load_bytes", "max_bytes_limit", "not_a_net"]
+__all__ = [
+    "DECODED_VALUE_BYTES",
+    "DEFAULT_MAX_BYTES",
+    "MAX_BYTES_ENV",
+    "Source",
+    "check_decoded_size",
+    "load_bytes",
+    "max_bytes_limit",
+    "not_a_net",
+]
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
@@ -28,10 +39,13 @@ RAW_NET_PREFIX = b"\x0d" + LC0_MAGIC.to_bytes(4, "little")
 
 #: The most bytes ``read_net`` decompresses by default: 2 GiB.  A BT4-sized net is ~370 MB
 #: (LINEAR16 or FLOAT16; ~740 MB stored FLOAT32), and 2 GiB is also the most a protobuf
-#: message may hold in Google's implementations, so no standard tool writes a larger net;
-#: reading one at the limit needs ~2 GiB for the file and twice that for float32 tensors.
-#: Raise it with ``read_net(..., max_bytes=...)`` / ``load_network(..., max_bytes=...)`` or
-#: the ``FUSEDENC_LC0_MAX_BYTES`` environment variable (bytes).
+#: message may hold in Google's implementations, so no standard tool writes a larger net.
+#: The same limit bounds the float32 tensors decoded from the file (``check_decoded_size``:
+#: a BT4-sized net's are ~760 MB), so reading a net costs at most about twice the limit: the
+#: file, then its tensors (a 16-bit file just under the limit would otherwise need twice the
+#: limit again).  Raise it with ``read_net(..., max_bytes=...)`` /
+#: ``load_network(..., max_bytes=...)`` or the ``FUSEDENC_LC0_MAX_BYTES`` environment variable
+#: (bytes).
 DEFAULT_MAX_BYTES = 2 << 30
 MAX_BYTES_ENV = "FUSEDENC_LC0_MAX_BYTES"
 #: Compressed bytes read from a file at a time, and decompressed bytes per inflate step.
@@ -43,11 +57,13 @@ def _size(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-_RAISE_HINT = (
-    "; a BT4-sized net is ~370 MB, so this is a damaged or hostile file unless it is a genuinely larger "
-    "net, which read_net(path, max_bytes=...) / load_network(..., max_bytes=...) or the "
-    f"{MAX_BYTES_ENV} environment variable reads"
+_READ_LARGER = (
+    "unless it is a genuinely larger net, which read_net(path, max_bytes=...) / load_network(..., max_bytes=...) "
+    f"or the {MAX_BYTES_ENV} environment variable reads"
 )
+_RAISE_HINT = f"; a BT4-sized net is ~370 MB, so this is a damaged or hostile file {_READ_LARGER}"
+#: Bytes per value of the tensors ``read_net`` decodes every layer into (float32).
+DECODED_VALUE_BYTES = 4
 
 
 def max_bytes_limit(max_bytes: Optional[int]) -> int:
@@ -124,6 +140,22 @@ def _gunzip(source: _Input, first: Any, name: str, max_bytes: int) -> bytearray:
             pending = bytes(pending) + bytes(source.read())
         if bytes(pending[:2]) != GZIP_MAGIC:
             return out
+
+
+def check_decoded_size(name: str, values: int, largest: tuple[str, int], max_bytes: int) -> None:
+    """Refuse, before any layer is decoded, a net whose float32 tensors (``values`` in all;
+    ``largest``: the path and count of its largest layer) would take more than ``max_bytes``:
+    the limit on the decompressed file bounds the decoded tensors too (``DEFAULT_MAX_BYTES``)."""
+    need = values * DECODED_VALUE_BYTES
+    if need > max_bytes:
+        where, count = largest
+        raise Lc0FileError(
+            f"{name}: its weight layers hold {values} values (the largest: {where}, {count} values): decoding "
+            f"them needs {need} bytes ({_size(need)}) of float32 tensors, more than the max_bytes limit "
+            f"({max_bytes} bytes, {_size(max_bytes)}), which bounds the decoded tensors as it bounds the "
+            f"decompressed file; a BT4-sized net decodes to ~760 MB, so this is a damaged or hostile file "
+            f"{_READ_LARGER}"
+        )
 
 
 def not_a_net(name: str, raw: Any, exc: Lc0FileError) -> Lc0FileError:

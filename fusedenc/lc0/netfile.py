@@ -1,11 +1,13 @@
 """Reading an Lc0 network file: ``read_net`` -> ``NetFile``.
 
 ``read_net`` gunzips, decodes the ``pblczero.Net`` message (``protobuf`` + ``schema``),
-checks the magic and decodes every weight layer once (``weights``).  It then reads the
-net's format the way lc0's loader does, including its upgrades of older files (a
-``NETWORK_SE_WITH_HEADFORMAT`` file with encoder layers is an attention body; 134 is
-read as 7; an attention body with ``policy_heads`` and ``value_heads`` is the
-multi-head format with PE_DENSE embedding; one without an embedding field is PE_MAP).
+checks the magic, plans every weight layer (``weights.plan_layer``: checked and counted from
+its byte length), checks the net's sizes on those counts, and only then decodes every layer
+once (``weights``).  It reads the net's format the way lc0's loader does, including its
+upgrades of older files (a ``NETWORK_SE_WITH_HEADFORMAT`` file with encoder layers is an
+attention body; 134 is read as 7; an attention body with ``policy_heads`` and
+``value_heads`` is the multi-head format with PE_DENSE embedding; one without an embedding
+field is PE_MAP).
 ``NetFile.format_notes`` lists every upgrade applied.
 
 Whether fusedenc can *run* the net is ``support.check_supported``'s question.
@@ -21,23 +23,25 @@ before they cost much: the gzip stream is inflated in pieces up to ``max_bytes``
 refused after its first piece); concatenated gzip members are read as one stream and bytes
 after the last member that are not another member are ignored, as zlib's ``gzread`` (lc0's
 reader) ignores them; the decoder bounds fields, repeated entries and strings
-(``protobuf``); every layer is checked for non-finite values and its range recorded
-(``NetFile.value_ranges``).
+(``protobuf``); before any layer is decoded, a net whose layers contradict its own sizes is
+refused (``support.refuse_mis_sized``: ``check_supported``'s rules on the counts) and so is one
+whose float32 tensors would pass ``max_bytes`` (``netbytes.check_decoded_size``), so a huge
+layer costs no more than its bytes in the file; every decoded layer is checked for non-finite
+values and its range recorded (``NetFile.value_ranges``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-import torch
-
 from ..activations import LC0_ACTIVATIONS
 from .errors import Lc0FileError, Lc0FormatError
-from .netbytes import Source, load_bytes, max_bytes_limit, not_a_net
+from .netbytes import Source, check_decoded_size, load_bytes, max_bytes_limit, not_a_net
 from .protobuf import UNKNOWN_FIELDS, decode
 from .schema import (
     DEFAULT_ACTIVATION_FUNCTION,
@@ -52,8 +56,11 @@ from .schema import (
     OutputFormat,
     PolicyFormat,
     ValueFormat,
+    enum_label,
+    enum_name,
 )
-from .weights import decode_weight_tree
+from .support import refuse_mis_sized
+from .weights import decode_planned_tree, plan_weight_tree, planned_layers, present
 
 __all__ = [
     "NetFile",
@@ -75,22 +82,6 @@ POLICY_HEAD_FIELDS = tuple(f.name for f in SCHEMA["Weights.PolicyHead"].values()
 VALUE_HEAD_FIELDS = tuple(f.name for f in SCHEMA["Weights.ValueHead"].values())
 #: The single-head format's value fields in Weights (no err/cat layers there).
 LEGACY_VALUE_FIELDS = ("value", "ip_val_w", "ip_val_b", "ip1_val_w", "ip1_val_b", "ip2_val_w", "ip2_val_b")
-
-def enum_name(enum_cls: type, value: int) -> str:
-    """``value``'s name in ``enum_cls``, or ``"<value> (not in net.proto)"``."""
-    try:
-        return enum_cls(value).name
-    except ValueError:
-        return f"{value} (not in net.proto)"
-
-
-def enum_label(enum_cls: type, value: int) -> str:
-    """``NAME (value)`` for messages; an unknown value as ``enum_name`` spells it."""
-    try:
-        return f"{enum_cls(value).name} ({int(value)})"
-    except ValueError:
-        return enum_name(enum_cls, value)
-
 
 def _as_enum(enum_cls: type, value: int) -> int:
     """The enum member for a known value, else the plain int (a newer file's value)."""
@@ -118,11 +109,6 @@ def lookup(root: Mapping[str, Any], path: str) -> Any:
                 return None
             node = node[int(index)]
     return node
-
-
-def present(value: Any) -> bool:
-    """A weight layer with values (an empty Layer message is as good as none, as in lc0)."""
-    return isinstance(value, torch.Tensor) and value.numel() > 0
 
 
 @dataclass
@@ -224,7 +210,7 @@ class NetFile:
 
     def parameter_count(self) -> int:
         """Values over every weight layer of the file."""
-        return sum(t.numel() for t in _tensors(self.weights))
+        return sum(t.numel() for t in planned_layers(self.weights))
 
     # -- description ------------------------------------------------------------------
 
@@ -326,17 +312,6 @@ def _resolve(net: NetFile, heads: dict[str, dict[str, str]]) -> dict[str, dict[s
     return out
 
 
-def _tensors(node: Any):
-    if isinstance(node, torch.Tensor):
-        yield node
-    elif isinstance(node, Mapping):
-        for value in node.values():
-            yield from _tensors(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _tensors(value)
-
-
 def _body_sizes(net: NetFile) -> dict[str, Any]:
     """The body's sizes as lc0 derives them: from the lengths of bias vectors."""
     d_model = net.numel("weights.ip_emb_b")
@@ -424,12 +399,16 @@ def read_net(source: Source, *, max_bytes: Optional[int] = None) -> NetFile:
     """Read an Lc0 network: a path to a ``.pb.gz`` (or an uncompressed ``.pb``, which lc0
     also reads), or the file's bytes.  Raises ``Lc0FileError`` for a file that is not a
     well-formed Lc0 net (not gzip, truncated, broken protobuf, wrong magic, an undecodable
-    layer, a non-finite value, more than the limits of ``protobuf``); whether fusedenc can
-    *run* it is ``check_supported``'s question.
+    layer, a non-finite value, more than the limits of ``protobuf``), and, before decoding any
+    layer, ``check_supported``'s error for a net with a layer whose size contradicts the sizes
+    the file gives (``support.refuse_mis_sized``: ``Lc0MisSizedError``, both an ``Lc0FileError``
+    and an ``Lc0FormatError``); whether fusedenc can *run* any other net is
+    ``check_supported``'s question.
 
-    ``max_bytes``: the most bytes the file may decompress to (None: the
-    ``FUSEDENC_LC0_MAX_BYTES`` environment variable, else ``DEFAULT_MAX_BYTES``, 2 GiB); a
-    file that passes it is refused as soon as it does, naming the limit."""
+    ``max_bytes``: the most bytes the file may decompress to, and the most bytes its float32
+    tensors may take (None: the ``FUSEDENC_LC0_MAX_BYTES`` environment variable, else
+    ``DEFAULT_MAX_BYTES``, 2 GiB); a file that passes it is refused as soon as it does, a net
+    whose tensors would pass it before any is decoded, naming the limit."""
     limit = max_bytes_limit(max_bytes)
     name = "<bytes>" if isinstance(source, (bytes, bytearray, memoryview)) else os.fspath(source)
     raw = load_bytes(source, name, limit)
@@ -445,19 +424,16 @@ def read_net(source: Source, *, max_bytes: Optional[int] = None) -> NetFile:
 
     encodings: Counter = Counter()
     unknown: list[str] = []
-    ranges: dict[str, tuple[float, float]] = {}
     _collect_unknown(msg, "", unknown)
+    # Every layer checked and counted from its byte length, none decoded yet (``weights.plan_layer``).
     try:
-        weights = (
-            decode_weight_tree(msg["weights"], encodings=encodings, unknown=unknown, ranges=ranges)
-            if "weights" in msg else {}
-        )  # fmt: skip
+        planned = plan_weight_tree(msg["weights"], encodings=encodings, unknown=unknown) if "weights" in msg else {}
     except Lc0FileError as exc:
         raise Lc0FileError(f"{name}: {exc}") from None
     fmt = msg.get("format", {})
-    effective, notes = _effective_format(fmt, weights)
+    effective, notes = _effective_format(fmt, planned)
     version = msg.get("min_version")
-    return NetFile(
+    net = NetFile(
         source=name,
         network=effective["network"],
         input_format=effective["input"],
@@ -469,7 +445,7 @@ def read_net(source: Source, *, max_bytes: Optional[int] = None) -> NetFile:
         ffn_activation=effective["ffn_activation"],
         smolgen_activation=effective["smolgen_activation"],
         input_embedding=effective["input_embedding"],
-        weights=weights,
+        weights=planned,
         has_weights="weights" in msg,
         has_onnx_model="onnx_model" in msg,
         min_version=(version.get("major", 0), version.get("minor", 0), version.get("patch", 0)) if version else None,
@@ -479,5 +455,17 @@ def read_net(source: Source, *, max_bytes: Optional[int] = None) -> NetFile:
         format_notes=tuple(notes),
         layer_encodings=dict(sorted(encodings.items())),
         unknown_fields=tuple(unknown),
-        value_ranges=ranges,
     )
+    # The sizes, before any float32 memory is spent: layers that contradict the net's own sizes
+    # (check_supported's rules, on the counts), then the total against the limit.
+    refuse_mis_sized(net)
+    layers = list(planned_layers(planned))
+    if layers:
+        largest = max(layers, key=lambda p: p.count)
+        check_decoded_size(name, sum(p.count for p in layers), (largest.where, largest.count), limit)
+    ranges: dict[str, tuple[float, float]] = {}
+    try:
+        weights = decode_planned_tree(planned, ranges=ranges)
+    except Lc0FileError as exc:
+        raise Lc0FileError(f"{name}: {exc}") from None
+    return dataclasses.replace(net, weights=weights, value_ranges=ranges)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from .. import core, fp8_fold, norm_fold
 from ..activations import apply_activation
 from ..checks import align_elems
+from ..device import check_device, check_dtype
 from ..encoder import EncoderBlock
 from ..fp8 import quantize_blocks
 from ..graphs import BucketedGraphs
@@ -185,9 +186,13 @@ class Lc0Network(nn.Module):
         # Everything about the file is checked before anything is built or reaches the device:
         # the format, every size the builder uses, and the values against ``dtype`` (a layer that
         # would be inf in it is refused; one beyond float16's range in a wider dtype is warned about).
+        # ``dtype`` itself first (the range check needs one), ``device`` after the file (what the
+        # file is comes before where it goes), both in fusedenc's words rather than ``.to()``'s.
+        dtype = check_dtype(dtype, optional=False)
         check_supported(net, dtype=dtype)
         if net.get(net.policy_head_paths()["vanilla"]["pol_encoder"]):
             raise Lc0FormatError(f"{net.source}: policy-head encoder layers are not supported yet")
+        device = check_device(device, optional=False)
         net = shaped_as_expected(net)  # every layer in the shape the builder reads (the file's dims set aside, as lc0 does)
         #: Opt-in: a forward whose heads are NaN or infinite raises ``Lc0NonFiniteError`` naming
         #: them (one sync per call; eager calls only: inside a CUDA graph capture, i.e.
@@ -548,10 +553,17 @@ def load_network(
 ) -> Lc0Network:
     """Read an lc0 network file (``.pb.gz``) and build its ``Lc0Network`` in ``dtype`` on ``device``.
 
+    ``dtype``: torch.float16 (default), torch.bfloat16 or torch.float32 (a torch.dtype; strings
+    are refused naming the dtype to pass).  ``device``: "cuda" (default), "cuda:N", "cpu", a GPU
+    index or a torch.device; without a GPU pass ``device="cpu", dtype=torch.float32``.  ``dtype``
+    is checked before the file is read, ``device`` once the file is (a damaged file is named as
+    such wherever it was to go).
+
     Everything about the file is checked before any tensor reaches the device: a file that
     is not an lc0 net, a damaged one, or a net in a format fusedenc does not run raises
     ``Lc0FileError`` / ``Lc0FormatError`` naming what is wrong.  ``max_bytes``: ``read_net``'s
     limit on the decompressed file (None: 2 GiB or ``FUSEDENC_LC0_MAX_BYTES``);
     ``check_finite``: ``Lc0Network``'s opt-in check of each forward's heads.
     """
+    dtype = check_dtype(dtype, optional=False)
     return Lc0Network(read_net(path, max_bytes=max_bytes), dtype=dtype, device=device, check_finite=check_finite)

@@ -18,7 +18,7 @@ where it sees its pieces (see ``tests/data/lc0_positions/README.md``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -130,6 +130,17 @@ class DecodedPolicies:
 
     def __iter__(self):
         return (self[b] for b in range(len(self)))
+
+    def flat_top(self, rows: np.ndarray, top: Optional[int] = None) -> tuple[list[str], list[float], list[int]]:
+        """The ``top`` most probable moves (all if None) of positions ``rows``, flattened by
+        array operations: their UCI texts, their probabilities (Python floats) and the offsets
+        (``len(rows) + 1``) at which each position's moves begin."""
+        starts, counts = self.starts[rows], self.counts[rows]
+        k = counts if top is None else np.minimum(counts, top)
+        offsets = np.zeros(len(k) + 1, np.int64)
+        np.cumsum(k, out=offsets[1:])
+        picked = np.repeat(starts - offsets[:-1], k) + np.arange(offsets[-1])
+        return _UCI_TEXT[self.moves[picked]].tolist(), self.probs[picked].tolist(), offsets.tolist()
 
 
 def decode_arrays(

@@ -39,6 +39,8 @@ __all__ = [
     "OutputFormat",
     "PolicyFormat",
     "ValueFormat",
+    "enum_label",
+    "enum_name",
 ]
 
 #: ``Net.magic``: the first field of every Lc0 network file.
@@ -182,6 +184,22 @@ class OnnxDataType(enum.IntEnum):
     FLOAT = 1
     FLOAT16 = 10
     BFLOAT16 = 16
+
+
+def enum_name(enum_cls: type, value: int) -> str:
+    """``value``'s name in ``enum_cls``, or ``"<value> (not in net.proto)"``."""
+    try:
+        return enum_cls(value).name
+    except ValueError:
+        return f"{value} (not in net.proto)"
+
+
+def enum_label(enum_cls: type, value: int) -> str:
+    """``NAME (value)`` for messages; an unknown value as ``enum_name`` spells it."""
+    try:
+        return f"{enum_cls(value).name} ({int(value)})"
+    except ValueError:
+        return enum_name(enum_cls, value)
 
 
 L = LAYER  # shorthand for the table below

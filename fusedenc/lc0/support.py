@@ -10,6 +10,11 @@ body widths that are not multiples of 8), and with ``dtype=`` the layers whose v
 not fit that dtype.  (A policy head's own encoder layers, which ``reference`` runs, are
 refused by ``Lc0Network`` before it builds anything.)
 
+The rules read only each layer's element count and presence, so they run as well on a net
+whose layers are not decoded yet: ``read_net`` plans every layer (``weights.LayerPlan``, its
+count from its byte length) and calls ``refuse_mis_sized`` before decoding any, so a file
+whose layers contradict its own sizes is refused before it costs float32 memory.
+
 Values: ``read_net`` refuses a layer with NaN or infinite values.  For a dtype,
 ``check_supported(net, dtype=...)`` refuses the layers with values beyond the dtype's range
 (they would be inf on the device: float16's is +-65504) and warns (``Lc0ValueWarning``) about
@@ -29,8 +34,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..activations import LC0_ACTIVATIONS
-from .errors import Lc0FormatError, Lc0NonFiniteError, Lc0ValueWarning
-from .netfile import NetFile, enum_label, enum_name, present
+from .errors import Lc0FileError, Lc0FormatError, Lc0NonFiniteError, Lc0ValueWarning
 from .schema import (
     ATTENTION_BODIES,
     InputEmbeddingFormat,
@@ -39,9 +43,33 @@ from .schema import (
     NetworkStructure,
     PolicyFormat,
     ValueFormat,
+    enum_label,
+    enum_name,
 )
+from .weights import present
 
-__all__ = ["FLOAT16_MAX", "check_finite_heads", "check_supported", "expected_shapes", "shaped_as_expected"]
+__all__ = [
+    "FLOAT16_MAX",
+    "Lc0MisSizedError",
+    "check_finite_heads",
+    "check_supported",
+    "expected_shapes",
+    "refuse_mis_sized",
+    "shaped_as_expected",
+]
+
+#: What the rules read: a ``netfile.NetFile``, its layers decoded (tensors) or, while
+#: ``read_net`` checks it before decoding, planned (``weights.LayerPlan``: counts from the byte
+#: lengths).  Only ``numel``, presence and the format fields are read, so the one set of rules
+#: serves both.  An alias, not an import: ``netfile`` runs these rules, so it sits above this module.
+Net = Any
+
+
+class Lc0MisSizedError(Lc0FormatError, Lc0FileError):
+    """A layer holds another number of values than the sizes its own file gives it: a net
+    fusedenc cannot run (``Lc0FormatError``, as ``check_supported`` says) and a damaged file
+    (``Lc0FileError``, as ``read_net`` refuses it, before decoding any layer), so that callers
+    of either keep catching it."""
 
 #: float16's largest finite value: weights beyond it are refused for a float16 net and warned
 #: about for a wider one (lc0's fp16 backends cannot run them either).
@@ -56,7 +84,7 @@ class _Specs:
     """The weight layers a net must (or, when present, may) hold and their shapes, derived
     from the file's own bias lengths as lc0 derives them; plus problems found on the way."""
 
-    def __init__(self, net: NetFile) -> None:
+    def __init__(self, net: Net) -> None:
         self.net = net
         self.layers: list[tuple[str, Shape, bool]] = []
         self.problems: list[str] = []
@@ -130,7 +158,7 @@ class _Specs:
         self.add(f"{p}.dense2_b", (width,))
 
 
-def _specs(net: NetFile) -> _Specs:
+def _specs(net: Net) -> _Specs:
     """Every layer an attention-body net with PE_DENSE embedding needs (see the module doc)."""
     specs = _Specs(net)
     w = net.weights
@@ -225,7 +253,7 @@ def _specs(net: NetFile) -> _Specs:
     return specs
 
 
-def expected_shapes(net: NetFile) -> dict[str, tuple[int, ...]]:
+def expected_shapes(net: Net) -> dict[str, tuple[int, ...]]:
     """Weight path -> the shape fusedenc reads it as (``[out, in]`` for dense weights), for
     every layer of an attention-body PE_DENSE net that the file's sizes determine: the
     required ones and the optional ones it holds (gates, smolgen, extra heads)."""
@@ -235,13 +263,14 @@ def expected_shapes(net: NetFile) -> dict[str, tuple[int, ...]]:
 MAX_PROBLEMS_SHOWN = 25
 
 
-def _format_problems(net: NetFile, dtype: Optional[torch.dtype] = None) -> list[str]:
+def _format_problems(net: Net, dtype: Optional[torch.dtype] = None) -> tuple[list[str], list[str]]:
     """Why fusedenc cannot run ``net``: the body and format first (when they rule the net out,
     nothing else is checked), then every missing or mis-sized weight, then (for ``dtype``)
-    the layers whose values do not fit it."""
+    the layers whose values do not fit it.  Also, apart: the mis-sized weights (a layer with
+    another number of values than the file's own sizes give it)."""
     if not net.has_weights:
         detail = " (it carries an ONNX model, which fusedenc does not run)" if net.has_onnx_model else ""
-        return [f"no weights{detail}"]
+        return [f"no weights{detail}"], []
     network = net.network
     if network not in ATTENTION_BODIES:
         if network in (NetworkStructure.CLASSICAL, NetworkStructure.SE, NetworkStructure.CLASSICAL_WITH_HEADFORMAT,
@@ -251,7 +280,7 @@ def _format_problems(net: NetFile, dtype: Optional[torch.dtype] = None) -> list[
             why = "an ONNX model, not weights fusedenc can run"
         else:
             why = "not a network format fusedenc knows; it runs attention bodies (6, 7, 134)"
-        return [f"network format {enum_label(NetworkStructure, network)}: {why}"]
+        return [f"network format {enum_label(NetworkStructure, network)}: {why}"], []
 
     problems = []
     w = net.weights
@@ -282,6 +311,7 @@ def _format_problems(net: NetFile, dtype: Optional[torch.dtype] = None) -> list[
         problems.append(f"input format {net.input_format} is not in net.proto")
 
     specs = _specs(net)
+    mis_sized = []
     for path, shape, required in specs.layers:
         value = net.get(path)
         if not present(value):
@@ -289,14 +319,15 @@ def _format_problems(net: NetFile, dtype: Optional[torch.dtype] = None) -> list[
                 problems.append(f"{path}: missing")
             continue
         if shape is not None and value.numel() != math.prod(shape):
-            problems.append(f"{path}: has {value.numel()} values, expected shape {shape} = {math.prod(shape)} values")
+            mis_sized.append(f"{path}: has {value.numel()} values, expected shape {shape} = {math.prod(shape)} values")
+            problems.append(mis_sized[-1])
     problems.extend(specs.problems)
     if dtype is not None:
         problems.extend(_range_problems(net, [path for path, _, _ in specs.layers], dtype))
-    return problems
+    return problems, mis_sized
 
 
-def _ranges(net: NetFile, paths: list[str]) -> dict[str, tuple[float, float]]:
+def _ranges(net: Net, paths: list[str]) -> dict[str, tuple[float, float]]:
     """(smallest, largest) value of each present layer of ``paths``: as ``read_net`` recorded
     them, or measured (a ``NetFile`` made some other way)."""
     out = {}
@@ -311,7 +342,7 @@ def _ranges(net: NetFile, paths: list[str]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _range_problems(net: NetFile, paths: list[str], dtype: torch.dtype) -> list[str]:
+def _range_problems(net: Net, paths: list[str], dtype: torch.dtype) -> list[str]:
     """The layers of ``paths`` whose values are inf in ``dtype`` (refused); warns
     (``Lc0ValueWarning``) about those beyond float16's range when ``dtype`` is wider."""
     if not (dtype.is_floating_point and torch.finfo(dtype).bits >= 16):
@@ -351,22 +382,41 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def check_supported(net: NetFile, *, dtype: Optional[torch.dtype] = None) -> None:
+def check_supported(net: Net, *, dtype: Optional[torch.dtype] = None) -> None:
     """Raise ``Lc0FormatError`` naming every reason fusedenc cannot run ``net``: a body that
     is not an attention body, an unsupported embedding (PE_MAP, NONE), relative position
     encodings, an activation, policy or value format it lacks, each missing or mis-sized
     weight (sizes as lc0 derives them from the file's bias lengths), and each size fusedenc's
     network cannot take (see the module doc).  With ``dtype``: also the layers whose values do
     not fit it, and a ``Lc0ValueWarning`` for layers beyond float16's range in a wider dtype."""
-    problems = _format_problems(net, dtype)
+    problems, mis_sized = _format_problems(net, dtype)
     if problems:
-        shown = problems[:MAX_PROBLEMS_SHOWN]
-        more = len(problems) - len(shown)
-        lines = "\n".join(f"  - {p}" for p in shown) + (f"\n  ... and {more} more" if more else "")
-        raise Lc0FormatError(f"{net.source}: fusedenc cannot run this net:\n{lines}")
+        raise _refusal(net, problems, mis_sized=bool(mis_sized))
 
 
-def shaped_as_expected(net: NetFile) -> NetFile:
+def refuse_mis_sized(net: Net) -> None:
+    """Raise ``check_supported``'s error (``Lc0MisSizedError``, every problem listed) when a
+    layer of ``net`` holds another number of values than the sizes the file itself gives imply.
+
+    ``read_net`` runs this on the net *planned* (every layer a ``weights.LayerPlan``, its count
+    from its byte length) before it decodes any layer, so that a huge mis-sized layer, or a
+    net whose layers contradict its ``d_model``, ``d_ff`` or other sizes, is refused before it
+    costs float32 memory.  A net that is only unsupported (its format, a missing layer, a
+    width fusedenc's builder cannot take) is read, and refused by ``check_supported``."""
+    problems, mis_sized = _format_problems(net)
+    if mis_sized:
+        raise _refusal(net, problems, " (refused before its layers were decoded)", mis_sized=True)
+
+
+def _refusal(net: Net, problems: list[str], when: str = "", *, mis_sized: bool = False) -> Lc0FormatError:
+    shown = problems[:MAX_PROBLEMS_SHOWN]
+    more = len(problems) - len(shown)
+    lines = "\n".join(f"  - {p}" for p in shown) + (f"\n  ... and {more} more" if more else "")
+    error = Lc0MisSizedError if mis_sized else Lc0FormatError
+    return error(f"{net.source}: fusedenc cannot run this net{when}:\n{lines}")
+
+
+def shaped_as_expected(net: Net) -> Net:
     """``net`` with every layer of ``expected_shapes`` viewed in that shape (the file's
     ``dims`` set aside, as lc0 sets them aside: only the count matters), so that a builder can
     rely on the shapes; other layers as they are.  For a net ``check_supported`` passed."""

@@ -8,10 +8,14 @@ FLOAT16/BFLOAT16 widen exactly to float32.  Dense weights are stored ``[out][in]
 Everything is vectorised over whole layers (a BT4-sized net holds ~190 M values).
 Errors name the layer's path, e.g. ``weights.encoder[3].mha.q_w``.
 
-Every decoded layer is checked for values that are not finite in float32 (NaN, inf; a
-LINEAR16 range whose formula overflows) with one ``aminmax`` pass, and its smallest and
-largest value are recorded (``ranges``) so that a network can tell, once it knows its
-dtype, which layers overflow it (``support.check_supported(net, dtype=...)``).
+Decoding is in two steps, so that a net's sizes can be checked before any layer costs
+float32 memory (``read_net`` does): ``plan_layer`` checks everything about a layer that needs
+no value of it (encoding, byte count, dims, LINEAR16 range) and counts its values from the
+byte length (a ``LayerPlan``); ``decode_planned`` then decodes it.  Every decoded layer is
+checked for values that are not finite in float32 (NaN, inf; a LINEAR16 range whose formula
+overflows) with one ``aminmax`` pass, and its smallest and largest value are recorded
+(``ranges``) so that a network can tell, once it knows its dtype, which layers overflow it
+(``support.check_supported(net, dtype=...)``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import Counter
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -29,11 +33,18 @@ from .schema import LAYER, MAX_DIMS, SCHEMA, LayerEncoding
 
 __all__ = [
     "ELEMENT_BYTES",
+    "LayerPlan",
     "decode_layer",
+    "decode_planned",
+    "decode_planned_tree",
     "decode_weight_tree",
     "encode_layer",
     "expect_shape",
     "layer_encoding",
+    "plan_layer",
+    "plan_weight_tree",
+    "planned_layers",
+    "present",
 ]
 
 #: Bytes per stored value of each encoding.
@@ -112,19 +123,30 @@ def _to_le_bytes(t: torch.Tensor) -> bytes:
     return bytes(out)
 
 
-def decode_layer(layer: Mapping[str, Any], where: str, *, ranges: Optional[dict] = None) -> torch.Tensor:
-    """A decoded ``Weights.Layer`` (as ``protobuf.decode`` returns it) as a float32 tensor:
-    shaped by ``dims`` when the layer has them, else 1-D.
+class LayerPlan(NamedTuple):
+    """A ``Weights.Layer`` checked but not decoded: all that its encoded bytes and ``dims`` say
+    (``plan_layer``), so that a net's sizes can be checked before any layer costs float32
+    memory.  ``numel()`` and ``shape`` are the decoded tensor's; ``layer`` is the message
+    (its ``params`` still a view of the file's bytes) that ``decode_planned`` decodes."""
 
-    Raises ``Lc0FileError`` naming ``where`` for an unknown encoding, a byte count that is
-    not a whole number of values, a LINEAR16 layer with values but no ``min_val``/``max_val``
-    (lc0 would silently read 0 for both), ``dims`` that do not hold the values (or more than
-    ``schema.MAX_DIMS`` of them), and values that are not finite in float32.  ``ranges``, when
-    given, gets ``ranges[where] = (smallest, largest)`` for a layer with values.
-    """
+    where: str
+    encoding: LayerEncoding
+    shape: tuple[int, ...]
+    count: int
+    layer: Mapping[str, Any]
+
+    def numel(self) -> int:
+        return self.count
+
+
+def plan_layer(layer: Mapping[str, Any], where: str) -> LayerPlan:
+    """Every check of a ``Weights.Layer`` that needs no value of it, and its element count
+    from the byte length.  Raises ``Lc0FileError`` naming ``where`` for an unknown encoding,
+    a byte count that is not a whole number of values, ``dims`` that do not hold the values
+    (or more than ``schema.MAX_DIMS`` of them), and a LINEAR16 layer with values but no finite
+    ``min_val``/``max_val`` (lc0 would silently read 0 for a missing one)."""
     encoding = layer_encoding(layer, where)
-    params = layer.get("params", b"")
-    nbytes = memoryview(params).nbytes
+    nbytes = memoryview(layer.get("params", b"")).nbytes
     size = ELEMENT_BYTES[encoding]
     if nbytes % size:
         raise Lc0FileError(
@@ -147,19 +169,28 @@ def decode_layer(layer: Mapping[str, Any], where: str, *, ranges: Optional[dict]
             )
         if count == 0 and _dims_product([d or 1 for d in dims]) is None:
             raise Lc0FileError(f"{where}: dims {dims} describe an empty tensor too large to shape")
-    shape = tuple(dims) if dims else (count,)
-    if count == 0:
-        return torch.zeros(shape, dtype=torch.float32)
-
-    # FLOAT32 is copied (its .to(float32) is no copy); 16-bit layers are read in place and widened.
-    raw = _from_le_bytes(params, _STORED_DTYPE[encoding], copy=encoding == LayerEncoding.FLOAT32)
-    if encoding == LayerEncoding.LINEAR16:
+    if encoding == LayerEncoding.LINEAR16 and count:
         missing = [name for name in ("min_val", "max_val") if name not in layer]
         if missing:
             raise Lc0FileError(f"{where}: LINEAR16 layer with {count} values but no {' or '.join(missing)}")
         lo, hi = float(layer["min_val"]), float(layer["max_val"])
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise Lc0FileError(f"{where}: LINEAR16 range [{lo}, {hi}] is not finite")
+    return LayerPlan(where, encoding, tuple(dims) if dims else (count,), count, layer)
+
+
+def decode_planned(plan: LayerPlan, *, ranges: Optional[dict] = None) -> torch.Tensor:
+    """The float32 tensor of a planned layer (``plan_layer``), shaped ``plan.shape``.  Raises
+    ``Lc0FileError`` naming the layer for values that are not finite in float32; ``ranges``,
+    when given, gets ``ranges[where] = (smallest, largest)`` for a layer with values."""
+    where, encoding, shape, count, layer = plan
+    if count == 0:
+        return torch.zeros(shape, dtype=torch.float32)
+
+    # FLOAT32 is copied (its .to(float32) is no copy); 16-bit layers are read in place and widened.
+    raw = _from_le_bytes(layer["params"], _STORED_DTYPE[encoding], copy=encoding == LayerEncoding.FLOAT32)
+    if encoding == LayerEncoding.LINEAR16:
+        lo, hi = float(layer["min_val"]), float(layer["max_val"])
         # lc0's formula, min * (1 - theta) + max * theta with theta = u / 65535, step by step
         # in float32 (in place: a layer can be 25 M values).
         theta = raw.to(torch.float32).div_(65535.0)
@@ -180,6 +211,21 @@ def decode_layer(layer: Mapping[str, Any], where: str, *, ranges: Optional[dict]
     if ranges is not None:
         ranges[where] = (smallest, largest)
     return values.view(shape)
+
+
+def decode_layer(layer: Mapping[str, Any], where: str, *, ranges: Optional[dict] = None) -> torch.Tensor:
+    """A decoded ``Weights.Layer`` (as ``protobuf.decode`` returns it) as a float32 tensor:
+    shaped by ``dims`` when the layer has them, else 1-D: ``plan_layer``'s checks, then
+    ``decode_planned`` (which also refuses values that are not finite in float32).
+    ``ranges``, when given, gets ``ranges[where] = (smallest, largest)`` for a layer with values.
+    """
+    return decode_planned(plan_layer(layer, where), ranges=ranges)
+
+
+def present(value: Any) -> bool:
+    """A weight layer with values, decoded (a tensor) or planned (``LayerPlan``): an empty
+    Layer message is as good as none, as in lc0."""
+    return isinstance(value, (torch.Tensor, LayerPlan)) and value.numel() > 0
 
 
 def encode_layer(
@@ -238,7 +284,7 @@ def expect_shape(tensor: torch.Tensor, shape: Sequence[int], where: str) -> torc
     return tensor.reshape(shape)
 
 
-def decode_weight_tree(
+def plan_weight_tree(
     tree: Mapping[str, Any],
     message: str = "Weights",
     *,
@@ -246,14 +292,12 @@ def decode_weight_tree(
     schema: Schema = SCHEMA,
     encodings: Optional[Counter] = None,
     unknown: Optional[list[str]] = None,
-    ranges: Optional[dict] = None,
 ) -> dict[str, Any]:
-    """A copy of a decoded message tree with every ``Weights.Layer`` replaced by its float32
-    tensor (each decoded once).  Scalars and nested messages keep their shape; the field
-    numbers the schema did not know are dropped from the tree and appended to ``unknown``
-    as ``"path#number"``; ``encodings`` counts the layers per encoding name; ``ranges`` gets
-    each layer's (smallest, largest) value by path (``decode_layer``).
-    """
+    """A copy of a decoded message tree with every ``Weights.Layer`` replaced by its
+    ``LayerPlan`` (``plan_layer``: checked, counted from its byte length, not decoded).
+    Scalars and nested messages keep their shape; the field numbers the schema did not know
+    are dropped from the tree and appended to ``unknown`` as ``"path#number"``;
+    ``encodings`` counts the layers per encoding name."""
     fields = {f.name: f for f in schema[message].values()}
     out: dict[str, Any] = {}
     for key, value in tree.items():
@@ -267,21 +311,58 @@ def decode_weight_tree(
             out[key] = value
             continue
         items = value if field.repeated else [value]
-        decoded = []
+        planned = []
         for i, item in enumerate(items):
             ipath = f"{fpath}[{i}]" if field.repeated else fpath
             if field.kind == LAYER:
                 if unknown is not None and UNKNOWN_FIELDS in item:
                     unknown.extend(f"{ipath}#{number}" for number in item[UNKNOWN_FIELDS])
-                decoded.append(decode_layer(item, ipath, ranges=ranges))
+                plan = plan_layer(item, ipath)
+                planned.append(plan)
                 if encodings is not None:
-                    encodings[layer_encoding(item, ipath).name] += 1
+                    encodings[plan.encoding.name] += 1
             else:
-                decoded.append(
-                    decode_weight_tree(
-                        item, field.kind, path=ipath, schema=schema, encodings=encodings, unknown=unknown,
-                        ranges=ranges,
-                    )
-                )
-        out[key] = decoded if field.repeated else decoded[0]
+                planned.append(plan_weight_tree(item, field.kind, path=ipath, schema=schema, encodings=encodings,
+                                                unknown=unknown))  # fmt: skip
+        out[key] = planned if field.repeated else planned[0]
     return out
+
+
+def planned_layers(tree: Any):
+    """Every ``LayerPlan`` (or tensor) of a planned (or decoded) tree, depth first."""
+    if isinstance(tree, (LayerPlan, torch.Tensor)):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for value in tree.values():
+            yield from planned_layers(value)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from planned_layers(value)
+
+
+def decode_planned_tree(tree: Any, *, ranges: Optional[dict] = None) -> Any:
+    """``plan_weight_tree``'s result with every ``LayerPlan`` decoded (``decode_planned``)."""
+    if isinstance(tree, LayerPlan):
+        return decode_planned(tree, ranges=ranges)
+    if isinstance(tree, Mapping):
+        return {key: decode_planned_tree(value, ranges=ranges) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [decode_planned_tree(value, ranges=ranges) for value in tree]
+    return tree
+
+
+def decode_weight_tree(
+    tree: Mapping[str, Any],
+    message: str = "Weights",
+    *,
+    path: str = "weights",
+    schema: Schema = SCHEMA,
+    encodings: Optional[Counter] = None,
+    unknown: Optional[list[str]] = None,
+    ranges: Optional[dict] = None,
+) -> dict[str, Any]:
+    """``plan_weight_tree`` then ``decode_planned_tree``: every ``Weights.Layer`` replaced by
+    its float32 tensor (each decoded once); ``ranges`` gets each layer's (smallest, largest)
+    value by path (``decode_planned``)."""
+    planned = plan_weight_tree(tree, message, path=path, schema=schema, encodings=encodings, unknown=unknown)
+    return decode_planned_tree(planned, ranges=ranges)
