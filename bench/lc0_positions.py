@@ -16,6 +16,8 @@ Rows, per batch size (``--batch-sizes``, default 256,1024), one process, one net
                      submitted, then the oldest results read); wall time from the first
                      submission to the last result, after a warm-up round (the inputs are built
                      first and frozen with gc.freeze(), as long-lived data)
+  (b2) evaluator, minibatches  the same with ``submit_batch``: one future a chunk, as an engine
+                     that gathers minibatches would submit them
   (d) evaluator-Ngpu with ``--devices`` naming several GPUs: the same on all of them at once
                      (one replica and pipeline each, pulling from one queue)
   (c) cli            ``python -m fusedenc.lc0 eval NET --epd FILE`` on a generated EPD file of
@@ -127,8 +129,10 @@ def _graph_row(file, device, dtype, positions, b: int, reps: int) -> dict[str, A
             "how": f"{'Lc0GraphRunner' if device.type == 'cuda' else 'Lc0Network'}, {t.method}, median of {reps}"}
 
 
-def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, **options: Any) -> dict[str, Any]:
-    """(b)/(d): the Evaluator from positions to moves, ``submit_many`` in chunks of ``b``."""
+def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibatches: bool = False,
+                   **options: Any) -> dict[str, Any]:
+    """(b)/(d): the Evaluator from positions to moves, ``submit_many`` in chunks of ``b`` (or
+    with ``minibatches``, ``submit_batch``: one future a chunk)."""
     with Evaluator(file, devices=devices, dtype=dtype, max_batch=b, batch_sizes=[b], max_wait_ms=1.0, **options) as ev:
         warm = positions[: b * 2 * len(devices)]
         ev.evaluate(warm)  # warm-up: first batches, allocator, threads
@@ -137,19 +141,30 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, **optio
         t0 = time.perf_counter()
         pending: collections.deque = collections.deque()
         window = IN_FLIGHT_BATCHES * b * len(devices)
+        if minibatches:  # one future a chunk: ``window`` counts chunks
+            window //= b
+
+        def answered(future) -> int:  # positions answered by one future
+            result = future.result()
+            return len(result) if minibatches else 1
+
         for _ in range(rounds):
             for i in range(0, len(positions), b):
-                pending.extend(ev.submit_many(positions[i : i + b]))
+                chunk = positions[i : i + b]
+                if minibatches:
+                    pending.append(ev.submit_batch(chunk))
+                else:
+                    pending.extend(ev.submit_many(chunk))
                 while len(pending) > window:
-                    pending.popleft().result()
-                    n += 1
+                    n += answered(pending.popleft())
         while pending:
-            pending.popleft().result()
-            n += 1
+            n += answered(pending.popleft())
         seconds = time.perf_counter() - t0
         stats = ev.stats()
     batches = stats["batches"] - before["batches"]
     name = "evaluator" if len(devices) == 1 else f"evaluator-{len(devices)}gpu"
+    if minibatches:
+        name += ", minibatches"
     if "switch_interval" in options:
         name += f" (switch {'default' if options['switch_interval'] is None else options['switch_interval']})"
     return {"row": name, "batch": b, "positions": n, "seconds": seconds, "nps": n / seconds,
@@ -158,7 +173,8 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, **optio
             "per_device": {k: v["positions"] - before["devices"][k]["positions"] for k, v in stats["devices"].items()},
             "stage_seconds": {k: {s: round(t - before["devices"][k]["seconds"][s], 3) for s, t in v["seconds"].items()}
                               for k, v in stats["devices"].items()},
-            "how": f"submit_many in chunks of the batch size from one thread, {IN_FLIGHT_BATCHES} batches a device in flight"}
+            "how": f"{'submit_batch' if minibatches else 'submit_many'} in chunks of the batch size from one thread, "
+                   f"{IN_FLIGHT_BATCHES} batches a device in flight"}
 
 
 def _cli_row(net_path: str, epd: str, device_arg: str, dtype_name: str, b: int, out_dir: str) -> dict[str, Any]:
@@ -278,6 +294,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows.append(_graph_row(file, device, dtype, positions, b, args.reps))
         print(report(rows)[-1], flush=True)
         rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds))
+        print(report(rows)[-1], flush=True)
+        rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds, minibatches=True))
         print(report(rows)[-1], flush=True)
         if args.compare_switch:
             rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds,

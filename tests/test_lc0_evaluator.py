@@ -156,6 +156,50 @@ def test_bad_position_fails_only_its_future(net_file, cpu_net):
     assert stats["failed"] == len(bad) + 1 and stats["positions"] == len(good) - len(bad) + 1
 
 
+def test_submit_batch(net_file, cpu_net):
+    """A minibatch: one future for the list, in order, batched with single submissions (other
+    groupings, the same evaluations); a bad position fails the minibatch's future with its own
+    error while the rest is still evaluated; an empty one is done at once."""
+    positions = _positions(70, seed=31)
+    ref = cpu_net.evaluate(positions)
+    with Evaluator(net_file, devices="cpu", dtype=torch.float32, max_batch=16, max_wait_ms=0) as ev:
+        singles = ev.submit_many(positions[:5])
+        whole = ev.submit_batch(positions)
+        tail = ev.submit_batch(p for p in positions[60:])  # any iterable
+        empty = ev.submit_batch([])
+        assert empty.done() and empty.result() == []
+        got = whole.result(timeout=120)
+        assert isinstance(got, list) and len(got) == 70
+        for a, b in zip(got, ref, strict=True):
+            _same(a, b)
+        for a, b in zip(tail.result(timeout=120), ref[60:], strict=True):
+            _same(a, b)
+        for f, b in zip(singles, ref[:5], strict=True):
+            _same(f.result(timeout=120), b)
+        bad = ev.submit_batch([positions[0], ("startpos", ["e2e5"]), positions[1]])
+        with pytest.raises(ValueError, match="e2e5"):
+            bad.result(timeout=120)  # as soon as that position is refused
+    stats = ev.stats()  # after close(): the bad minibatch's other two were still evaluated
+    assert stats["positions"] == 5 + 70 + 10 + 2 and stats["failed"] == 1
+
+
+def test_submit_batch_cancelled_or_closed(net_file):
+    """A minibatch cancelled before any of it ran is dropped; one cut short by
+    ``close(cancel_pending=True)`` fails with CancelledError instead of hanging."""
+    ev = Evaluator(net_file, devices="cpu", dtype=torch.float32, max_batch=1, pipeline_depth=1)
+    first = ev.submit_batch(_positions(100, seed=32))
+    second = ev.submit_batch(_positions(20, seed=33))
+    assert second.cancel()  # nothing of it can have run: the first's 100 come before
+    ev.close(cancel_pending=True)
+    assert second.cancelled()
+    assert first.done() and not first.cancelled()
+    with pytest.raises(CancelledError):
+        first.result()  # some of its 100 one-position batches ran, the rest were dropped
+    assert ev.stats()["positions"] < 100
+    with pytest.raises(RuntimeError, match="closed"):
+        ev.submit_batch(["startpos"])
+
+
 def test_close(net_file):
     ev = Evaluator(net_file, devices="cpu", dtype=torch.float32, max_batch=4)
     futures = ev.submit_many(_positions(12, seed=5))

@@ -62,19 +62,13 @@ from .evaluate import Evaluation, evaluations
 from .netfile import NetFile, read_net
 from .network import Lc0Network
 from .policy import decode_arrays
+from .requests import Minibatch, Request
 
 __all__ = ["DEFAULT_BATCH_SIZES", "Evaluator"]
 
 #: The CUDA-graph buckets by default (those above ``max_batch`` are dropped and ``max_batch``
 #: is added): a batch replays the smallest bucket that holds it, so the steps stay within 2x.
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256, 512, 1024)
-
-class _Request:
-    __slots__ = ("position", "future")
-
-    def __init__(self, position: Any, future: Future) -> None:
-        self.position, self.future = position, future
-
 
 class _Slot:
     """One batch's buffers on one device (see the module doc).  The host stage writes lc0's
@@ -91,7 +85,7 @@ class _Slot:
         self.outputs = torch.empty((rows, width), dtype=dtype, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
         # Filled per batch:
-        self.requests: list[_Request] = []
+        self.requests: list[Any] = []  # requests.Request or a Minibatch's members
         self.job: Any = None  # a Future of the batch's hostwork.HostBatch
         self.host: Optional[hostwork.HostBatch] = None
         self.error: Optional[BaseException] = None
@@ -190,7 +184,7 @@ class _Replica:
         owner = self.owner
         host = slot.job.result()
         for i, exc in host.errors:
-            slot.requests[i].future.set_exception(exc)
+            slot.requests[i].fail(exc)
         if host.errors:
             owner._count(self.stats, failed=len(host.errors))
         slot.requests = [slot.requests[i] for i in host.kept.tolist()]
@@ -264,13 +258,13 @@ class _Replica:
             except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
                 slot.error = exc
         if slot.error is not None:
-            pending = [r for r in requests if not r.future.done()]
+            pending = [r for r in requests if r.pending()]
             for r in pending:
-                r.future.set_exception(slot.error)
+                r.fail(slot.error)
             owner._count(self.stats, failed=len(pending))
             return
         for r, ev in zip(requests, results, strict=True):
-            r.future.set_result(ev)
+            r.done(ev)
         self.seconds["decode"] += time.perf_counter() - t1
         owner._count(self.stats, positions=len(requests), batches=1)
 
@@ -318,6 +312,8 @@ class Evaluator:
     * ``submit(position) -> Future[Evaluation]``: a FEN, a ``(start_fen, [uci moves])`` pair,
       a ``Position`` or a python-chess board (whatever ``prepare`` takes); thread-safe;
     * ``submit_many(positions) -> list[Future]``: the same under one lock;
+    * ``submit_batch(positions) -> Future[list[Evaluation]]``: a minibatch, one future for the
+      list (what an engine that gathers minibatches should use: no future per position);
     * ``evaluate(positions) -> list[Evaluation]``: blocking; raises the first failure;
     * ``close()`` (or leaving a ``with`` block): no more submissions (``submit`` then raises
       ``RuntimeError``); what was submitted is finished first (``cancel_pending=True``
@@ -419,7 +415,7 @@ class Evaluator:
             self._pool = hostwork.start_pool(host_workers)
 
         self._lock = threading.Condition()
-        self._queue: "collections.deque[_Request]" = collections.deque()
+        self._queue: "collections.deque[Any]" = collections.deque()  # Requests and Minibatch members
         self._closed = False
         self._stats = EvaluatorStats()
         self._replicas: list[_Replica] = []
@@ -445,13 +441,13 @@ class Evaluator:
         with self._lock:
             if self._closed:
                 raise RuntimeError("this Evaluator is closed")
-            self._queue.append(_Request(position, fut))
+            self._queue.append(Request(position, fut))
             self._lock.notify()
         return fut
 
     def submit_many(self, positions: Iterable[Any]) -> "list[Future[Evaluation]]":
         """Queue several positions at once (one lock, one wake-up); their futures in order."""
-        requests = [_Request(p, Future()) for p in positions]
+        requests = [Request(p, Future()) for p in positions]
         with self._lock:
             if self._closed:
                 raise RuntimeError("this Evaluator is closed")
@@ -459,13 +455,30 @@ class Evaluator:
             self._lock.notify_all()
         return [r.future for r in requests]
 
+    def submit_batch(self, positions: Iterable[Any]) -> "Future[list[Evaluation]]":
+        """Queue a minibatch: one future whose result is the list of the positions'
+        ``Evaluation``s in order (or the first exception one of them raised; the others are
+        still evaluated).  The positions are batched with everyone else's like ``submit``'s,
+        but cost one future instead of one each: for an engine whose search gathers its
+        positions into minibatches, as lc0's does."""
+        positions = list(positions)
+        batch = Minibatch(len(positions))
+        if positions:
+            members = batch.members(positions)
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("this Evaluator is closed")
+                self._queue.extend(members)
+                self._lock.notify_all()
+        return batch.future
+
     def evaluate(self, positions: Iterable[Any]) -> list[Evaluation]:
         """Evaluate positions and wait: the ``Evaluation``s in order; raises the exception of
         the first position that failed (the others are still evaluated)."""
         return [f.result() for f in self.submit_many(positions)]
 
     # -- worker side --
-    def _take(self, n: int) -> Optional[list[_Request]]:
+    def _take(self, n: int) -> Optional[list[Any]]:
         """Up to ``n`` requests for a batch: waits for the first, then up to ``max_wait`` for
         the batch to fill; None once closed and the queue is empty."""
         with self._lock:
@@ -485,7 +498,7 @@ class Evaluator:
             if self._queue:
                 self._lock.notify()  # more work left: another worker may take it
         # Futures cancelled by their caller are dropped here; the others can no longer be.
-        return [r for r in taken if r.future.set_running_or_notify_cancel()] if taken else []
+        return [r for r in taken if r.start()] if taken else []
 
     def _host_job(self, positions: list[Any]) -> "Future[hostwork.HostBatch]":
         """The host work of one batch: in a worker process, or here (no workers)."""
@@ -513,7 +526,7 @@ class Evaluator:
             self._closed = True
             if cancel_pending:
                 while self._queue:
-                    self._queue.popleft().future.cancel()
+                    self._queue.popleft().cancel()
             self._lock.notify_all()
         for r in self._replicas:
             r.join()
