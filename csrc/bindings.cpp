@@ -202,6 +202,23 @@ PYBIND11_MODULE(_C, m) {
   m.attr("VENDOR") = FUSEDENC_VENDOR;
   m.attr("LIBRARY") = FUSEDENC_BLASLT_NAME;
   m.attr("HAS_SWISH_EPILOGUE") = static_cast<bool>(FUSEDENC_HAS_SWISH_EPILOGUE);
+  // Whether the Hopper CUTLASS kernels were compiled in (a build without CUTLASS's headers has none).
+#if defined(FUSEDENC_HAVE_SM90_GEMM)
+  m.attr("HAS_SM90_KERNELS") = true;
+#else
+  m.attr("HAS_SM90_KERNELS") = false;
+#endif
+
+  // The warp widths the reductions are compiled for (kernels/warp.cuh), and the test switch.
+  m.attr("WARP_WIDTHS") = py::tuple(py::cast(compiled_warp_widths()));
+  m.def("set_forced_warp_width", &set_forced_warp_width, py::arg("width"),
+        "Run the LayerNorm and FP8-quantization reductions with `width` lanes per warp (one of "
+        "WARP_WIDTHS, at most the GPU's), 0: each device's own width.  For tests.");
+  m.def("forced_warp_width", [] { return forced_warp_width().load(); });
+  m.def("reduction_warp_width", [](int device) {
+    DeviceGuard guard(device);
+    return reduction_warp_width();
+  }, py::arg("device"), "Lanes per warp of the reductions launched on `device` now.");
 
   m.def("library_version", &blasLtVersion,
         "Version of the GEMM library as major*10000 + minor*100 + patch.");

@@ -2,6 +2,7 @@
 // Vendor-neutral: everything vendor-specific comes from vendor.h.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <stdexcept>
@@ -78,6 +79,7 @@ struct DeviceFacts {
   int sm_count = 0;
   int cc_major = 0, cc_minor = 0;  // compute capability (HIP: as the runtime reports it)
   int fp8_flavour = kGpuFp8None;   // the e4m3 flavour FP8 GEMMs read here (vendor.h)
+  int warp_size = 0;               // lanes per warp: 32, or 64 on AMD's CDNA GPUs
 };
 
 // By value: a reference into the table would dangle once another device grows it.
@@ -91,9 +93,62 @@ inline DeviceFacts device_facts(int device) {
     FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.cc_major, gpuDevAttrComputeCapabilityMajor, device));
     FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.cc_minor, gpuDevAttrComputeCapabilityMinor, device));
     FUSEDENC_CHECK_GPU(gpuDeviceFp8Flavour(device, &f.fp8_flavour, nullptr));
+    FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.warp_size, gpuDevAttrWarpSize, device));
     FUSEDENC_CHECK_GPU(gpuDeviceGetAttribute(&f.sm_count, gpuDevAttrMultiProcessorCount, device));
   }
   return f;
+}
+
+// ---- warp widths of the reductions (kernels/warp.cuh) ----
+// The LayerNorm and FP8-quantization kernels reduce across a warp with shuffles, then across
+// warps through shared memory; the width W is a template parameter.  Any power of two up to
+// the hardware warp is correct (the shuffles stay inside aligned groups of W lanes), so the
+// host picks the device's own width, and a test may force a narrower one that the build holds.
+inline std::vector<int> compiled_warp_widths() {
+  std::vector<int> widths;
+#if defined(FUSEDENC_NARROW_WARP_TESTS)
+  widths.push_back(16);
+#endif
+  widths.push_back(32);
+#if FUSEDENC_HAS_WAVE64
+  widths.push_back(64);
+#endif
+  return widths;
+}
+
+// 0: each device's own width; else a width of compiled_warp_widths() (tests).
+inline std::atomic<int>& forced_warp_width() {
+  static std::atomic<int> width{0};
+  return width;
+}
+
+inline void set_forced_warp_width(int width) {
+  if (width != 0) {
+    bool known = false;
+    for (int w : compiled_warp_widths()) known = known || w == width;
+    if (!known)
+      throw std::invalid_argument("warp width " + std::to_string(width) +
+                                  " is not one this build's reductions are compiled for");
+  }
+  forced_warp_width().store(width, std::memory_order_relaxed);
+}
+
+// The width the reductions use on the current device: a forced one if set (never more than
+// the hardware's: the shuffles would reach lanes that do not exist), else the device's own.
+inline int reduction_warp_width() {
+#if FUSEDENC_HAS_WAVE64
+  int device = 0;
+  FUSEDENC_CHECK_GPU(gpuGetDevice(&device));
+  const int hardware = device_facts(device).warp_size;  // 32 or 64 on AMD GPUs
+#else
+  const int hardware = 32;  // every NVIDIA GPU: no query on the launch path
+#endif
+  const int forced = forced_warp_width().load(std::memory_order_relaxed);
+  if (forced == 0) return hardware;
+  if (forced > hardware)
+    throw std::invalid_argument("forced warp width " + std::to_string(forced) + " exceeds this GPU's " +
+                                std::to_string(hardware) + " lanes");
+  return forced;
 }
 
 // Makes `device` current for the guard's lifetime and restores the caller's

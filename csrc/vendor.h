@@ -43,17 +43,29 @@ using gpuError_t = hipError_t;
 #define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
 #define gpuDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
 #define gpuDevAttrComputeCapabilityMinor hipDeviceAttributeComputeCapabilityMinor
+#define gpuDevAttrWarpSize hipDeviceAttributeWarpSize
+// Lanes per warp (wavefront): 64 on CDNA (gfx9: MI200, MI300, MI350), 32 on RDNA (gfx10-12:
+// Radeon, Strix Halo) in its default wave32 mode.  A host pass cannot know which: clang 19
+// defines __AMDGCN_WAVEFRONT_SIZE as 64 in the host pass whatever the targets (each device
+// pass gets its target's size), newer clang deprecates the macro, and one host binary serves
+// every target.  So the reductions are templates on the width (kernels/warp.cuh), compiled for
+// 32 and 64, and the host picks one per device from its warpSize attribute (DeviceFacts).
+#define FUSEDENC_HAS_WAVE64 1
 
 // The e4m3 flavour the FP8 GEMM reads on `device` (kGpuFp8*), from its architecture name
 // ("gfx942:sramecc+:xnack-"): gfx94x (MI300) has the FNUZ e4m3 MFMA, gfx95x (MI350) the OCP
 // one (hipBLASLt 1.0+); others have no hipBLASLt FP8 GEMM with per-row scales (gfx12's OCP
 // kernels lack the vector scales).  kGpuFp8None sets `why` (when given) to the reason.
+// A failed query returns its status with *flavour none and `prop` never read.
 inline gpuError_t gpuDeviceFp8Flavour(int device, int* flavour, std::string* why) {
-  hipDeviceProp_t prop;
-  const hipError_t err = hipGetDeviceProperties(&prop, device);
-  if (err != hipSuccess) return err;
-  const std::string arch = prop.gcnArchName;
   *flavour = kGpuFp8None;
+  hipDeviceProp_t prop{};
+  const hipError_t err = hipGetDeviceProperties(&prop, device);
+  if (err != hipSuccess) {
+    if (why) *why = std::string("hipGetDeviceProperties failed: ") + hipGetErrorName(err);
+    return err;
+  }
+  const std::string arch(prop.gcnArchName, strnlen(prop.gcnArchName, sizeof(prop.gcnArchName)));
   if (arch.rfind("gfx94", 0) == 0) {
     *flavour = kGpuFp8Fnuz;
   } else if (arch.rfind("gfx95", 0) == 0) {
@@ -73,16 +85,9 @@ inline gpuError_t gpuDeviceFp8Flavour(int device, int* flavour, std::string* why
 using gpu_half = __half;
 using gpu_bf16 = __hip_bfloat16;
 
-// Lanes per warp (wavefront): 64 on CDNA (MI200/MI300), 32 on RDNA.  The
-// compiler defines __AMDGCN_WAVEFRONT_SIZE in device compilation only; host
-// code must not depend on this value.
-#if defined(__AMDGCN_WAVEFRONT_SIZE)
-#define FUSEDENC_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
-#else
-#define FUSEDENC_WARP_SIZE 64
-#endif
-
-// value from the lane whose index is this lane's XOR lane_mask, whole warp.
+// value from the lane whose index is this lane's XOR lane_mask, whole warp.  With lane_mask
+// below a width W (a power of two up to the wavefront) the lanes exchange within aligned
+// groups of W: a W-lane reduction is correct on wave32 and wave64 hardware alike.
 template <typename T>
 __device__ __forceinline__ T gpu_shfl_xor(T value, int lane_mask) {
   return __shfl_xor(value, lane_mask);
@@ -276,6 +281,9 @@ using gpuError_t = cudaError_t;
 #define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
 #define gpuDevAttrComputeCapabilityMajor cudaDevAttrComputeCapabilityMajor
 #define gpuDevAttrComputeCapabilityMinor cudaDevAttrComputeCapabilityMinor
+#define gpuDevAttrWarpSize cudaDevAttrWarpSize
+// Every NVIDIA GPU has 32-lane warps (kernels/warp.cuh).
+#define FUSEDENC_HAS_WAVE64 0
 
 // The e4m3 flavour the FP8 GEMM reads on `device` (kGpuFp8*): OCP from compute capability
 // 9.0 on (cuBLASLt's outer-vector scales), none before (`why`, when given, says so).
@@ -296,11 +304,9 @@ inline gpuError_t gpuDeviceFp8Flavour(int device, int* flavour, std::string* why
 using gpu_half = __half;
 using gpu_bf16 = __nv_bfloat16;
 
-// Lanes per warp.
-#define FUSEDENC_WARP_SIZE 32
-
 // value from the lane whose index is this lane's XOR lane_mask; every lane of
-// the warp must take part (no divergent early exit before a call).
+// the warp must take part (no divergent early exit before a call).  With lane_mask below
+// a width W (a power of two up to 32) the lanes exchange within aligned groups of W.
 template <typename T>
 __device__ __forceinline__ T gpu_shfl_xor(T value, int lane_mask) {
   return __shfl_xor_sync(0xffffffffu, value, lane_mask);

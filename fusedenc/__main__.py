@@ -28,8 +28,12 @@ def report() -> list[str]:
     else:
         lines.append(f"  not active: {b.reason}; every op runs its PyTorch reference")
         if info is None:
-            lines.append("  to build it: install a CUDA build of torch (it brings cuBLASLt) or nvidia-cublas, "
-                         "with nvcc on the PATH (ROCm: its clang and hipBLASLt), then run the set-up again")
+            lines.append("  to build it: install a CUDA build of torch (it brings cuBLASLt) with nvcc on the PATH "
+                         "(ROCm: a ROCm torch, its clang and hipBLASLt), then run the set-up again; "
+                         "FUSEDENC_GPU=cuda builds the CUDA core with any torch (cuBLASLt: pip install nvidia-cublas)")
+    from .report import hopper_lines  # a CUDA core without its Hopper kernels: loud on an sm90 GPU
+
+    lines.extend(hopper_lines())
     return lines
 
 

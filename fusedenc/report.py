@@ -1,4 +1,5 @@
-"""What the installed core can do: ``capabilities()``; the plan-cache and fallback reports live in ``core``."""
+"""What the installed core can do: ``capabilities()``, and ``hopper()``, whether this build holds the
+Hopper kernels an sm90 GPU here would run; the plan-cache and fallback reports live in ``core``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,69 @@ from . import core, dtypes, gemm_routes, norm_fold
 from . import fp8 as fp8_mode
 from .activations import ACTIVATIONS
 
-__all__ = ["capabilities"]
+try:  # written by CMake at build time; absent in a plain source checkout
+    from . import _build_info
+except ImportError:  # pragma: no cover - only without an install
+    _build_info = None
+
+__all__ = ["HOPPER_COST", "capabilities", "hopper", "hopper_lines"]
 
 _DTYPES = tuple(dtypes.name(d) for d in dtypes.SUPPORTED)
+
+#: What a CUDA build without the Hopper kernels gives up on an H100 (the README's t82 body
+#: numbers: the same code with and without the sm90 epilogue GEMMs and LayerNorm folding).
+HOPPER_COST = "about 13% on an H100 (the t82 body at 1.11-1.14x torch.compile instead of 1.29-1.32x)"
+#: What the Hopper kernels are.
+HOPPER_KERNELS = ("the CUTLASS epilogue GEMMs (bias + swish/mish/GELU/... in the GEMM), LayerNorm folding "
+                  "into the GEMMs and the fast-accumulation FP8 kernels")
+
+
+def _sm90_devices() -> list[tuple[int, str]]:
+    """(index, name) of the visible GPUs of compute capability 9.0 (H100, H200, GH200), CUDA only
+    (ROCm's torch reports gfx90a as 9.0 too)."""
+    if not torch.version.cuda or not torch.cuda.is_available():
+        return []
+    return [(i, torch.cuda.get_device_name(i)) for i in range(torch.cuda.device_count())
+            if torch.cuda.get_device_capability(i) == (9, 0)]  # fmt: skip
+
+
+def hopper() -> dict[str, Any]:
+    """The Hopper (sm90) CUTLASS kernels and this installation.
+
+    ``built``: this build holds them; ``why_not``: the build's reason when it does not ("" when
+    it does, or when there is no CUDA core); ``sm90_devices``: ``[(index, name)]`` of the GPUs here
+    that would run them; ``warning``: None, or what ``python -m fusedenc`` says loudly: the CUDA
+    core runs on a Hopper GPU here without them, and what that costs (``HOPPER_COST``).
+    """
+    info = core.library_info()
+    cuda_core = info is not None and info["vendor"] == "cuda"
+    built = cuda_core and bool(core.sm90_gemm_kernels())
+    state = getattr(_build_info, "SM90_GEMM", "") if cuda_core else ""
+    why_not = "" if built or not cuda_core else (state.removeprefix("not built: ") or "not compiled in")
+    devices = _sm90_devices() if cuda_core else []
+    warning = None
+    if cuda_core and not built and devices:
+        fix = ("pip install nvidia-cutlass (headers only; or set FUSEDENC_CUTLASS_INCLUDE), then run the set-up again"
+               if "CUTLASS" in why_not else
+               "build again with 90 among FUSEDENC_CUDA_ARCHITECTURES, CUTLASS's headers (nvidia-cutlass) "
+               "and FUSEDENC_SM90_BUILD not off")
+        gpus = ", ".join(f"GPU {i} ({name})" for i, name in devices)
+        warning = (f"WARNING: this build has NO Hopper kernels, and {gpus} would run them.\n"
+                   f"Missing: {HOPPER_KERNELS} ({why_not}).\n"
+                   f"Cost: {HOPPER_COST}.\n"
+                   f"Fix: {fix}.")
+    return {"built": built, "why_not": why_not, "sm90_devices": devices, "warning": warning}
+
+
+def hopper_lines() -> list[str]:
+    """``python -m fusedenc``'s lines about the Hopper kernels: the warning on a Hopper GPU, a note
+    on a CUDA core built without them elsewhere, nothing otherwise."""
+    h = hopper()
+    if h["warning"]:
+        return ["  " + line for line in h["warning"].splitlines()]
+    if h["why_not"]:
+        return [f"  note: no Hopper (sm90) kernels in this build ({h['why_not']}); that costs {HOPPER_COST}"]
+    return []
 
 
 def capabilities() -> dict[str, Any]:
@@ -48,6 +109,8 @@ def capabilities() -> dict[str, Any]:
         ],
     }
     epilogues = core.native_epilogues()
+    # The Hopper kernels as a whole: built or why not, and whether a GPU here would run them.
+    report["hopper"] = hopper()
     sm90 = set(core.sm90_gemm_kernels())
     report["sm90_epilogue_gemm"] = [f"{d}:{a}" for d, a in sorted(sm90)]
     # Post-LN LayerNorms folded into the GEMMs around them (norm_fold): dtypes whose Hopper

@@ -4,7 +4,10 @@
 #   bash tools/wheel_check.sh build      # -> dist/fusedenc-<version>-<python>-linux_x86_64.whl
 #   bash tools/wheel_check.sh test [pytest args]   # installs dist/*.whl in a fresh venv, runs -m gpu
 # The build is the README's command: FUSEDENC_GPU=cuda python3 -m pip wheel --no-build-isolation
-# --no-deps -w dist . (CUDA core for sm80/89/90, the Triton kernels, the shipped tables).
+# --no-deps -w dist . (CUDA core for sm80/89/90, the Triton kernels, the shipped tables).  A wheel
+# must carry the Hopper kernels: CMake refuses a wheel for sm90 without CUTLASS's headers
+# (pip install nvidia-cutlass; FUSEDENC_SM90_BUILD=off builds one without them on purpose), and
+# `build` checks the wheel's _build_info says they were built.
 # The test venv takes torch, Triton, nvidia-cublas and the test packages from the Python that
 # runs this script (a .pth file: the GPU machine has no internet to install them from); it gets
 # no fusedenc but the wheel's.  Triton still needs a C compiler at run time for its launcher
@@ -20,7 +23,18 @@ case "${1:-}" in
       tail -30 "$OUT/wheel-build.log"; echo "WHEEL BUILD FAILED"; exit 1
     fi
     ls -l dist
-    python3 -m zipfile -l dist/*.whl | grep -E "_C\.|configs/|triton_short|triton_gemm" ;;
+    python3 -m zipfile -l dist/*.whl | grep -E "_C\.|configs/|triton_short|triton_gemm"
+    sm90=$(python3 - dist/*.whl <<'PY'
+import sys, zipfile
+text = zipfile.ZipFile(sys.argv[1]).read("fusedenc/_build_info.py").decode()
+print(next((line.split("=", 1)[1].strip().strip('"') for line in text.splitlines() if line.startswith("SM90_GEMM")), ""))
+PY
+)
+    echo "Hopper kernels: ${sm90:-unknown}"
+    case "$sm90" in
+      built:*) ;;
+      *) if [ "${FUSEDENC_SM90_BUILD:-auto}" != off ]; then echo "WHEEL WITHOUT HOPPER KERNELS"; exit 1; fi ;;
+    esac ;;
   test)
     shift
     wheel=${WHEEL:-$(ls dist/fusedenc-*.whl 2>/dev/null | head -1)}  # WHEEL=path: a wheel built elsewhere

@@ -3,6 +3,7 @@
 // second read of the row hits L1/L2: rows are at most a few KB.
 #include "fp8_quantize.h"
 #include "fp8_rows.cuh"
+#include "warp.cuh"
 
 #include <stdexcept>
 #include <string>
@@ -22,21 +23,23 @@ template <>
 __device__ __forceinline__ float load<gpu_bf16>(const gpu_bf16* p) { return __bfloat162float(*p); }
 
 
-template <typename T>
+// kWarp: lanes per warp (warp.cuh), picked by the host for the device.
+template <typename T, int kWarp>
 __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(Fp8QuantizeArgs args) {
+  static_assert(kThreads % kWarp == 0, "whole warps per block");
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(args.x) + row * args.ldx;
   float m = 0.f;
   for (int64_t i = threadIdx.x; i < args.k; i += kThreads) m = fp8_amax_combine(m, fabsf(load(x + i)));
-  for (int off = FUSEDENC_WARP_SIZE / 2; off > 0; off /= 2) m = fp8_amax_combine(m, gpu_shfl_xor(m, off));
-  __shared__ float warp_max[kThreads / 32];
+  for (int off = kWarp / 2; off > 0; off /= 2) m = fp8_amax_combine(m, gpu_shfl_xor(m, off));
+  __shared__ float warp_max[kThreads / kWarp];
   __shared__ float row_scale;
-  const int warp = threadIdx.x / FUSEDENC_WARP_SIZE, lane = threadIdx.x % FUSEDENC_WARP_SIZE;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   if (lane == 0) warp_max[warp] = m;
   __syncthreads();
   if (threadIdx.x == 0) {
     float r = warp_max[0];
-    for (int w = 1; w < kThreads / FUSEDENC_WARP_SIZE; ++w) r = fp8_amax_combine(r, warp_max[w]);
+    for (int w = 1; w < kThreads / kWarp; ++w) r = fp8_amax_combine(r, warp_max[w]);
     const float s = fp8_row_scale(r, args.format);
     row_scale = s;
     args.scale[row] = s;
@@ -51,11 +54,10 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(Fp8QuantizeArgs 
 // kMaxVec of them per lane), so it is read once and no shared memory or block barrier
 // is needed.  Rows too long for the registers, or not 16-byte aligned, take the kernel above.
 constexpr int kRowsPerBlock = 4;
-// Lanes per warp as the host launches them (vendor.h: 32 on NVIDIA, 64 on HIP, where FP8
-// runs on wave64 CDNA GPUs only: gfx94x / gfx95x); the kernel derives its rows per block
-// from blockDim, so the launch and the kernel cannot disagree on the row a warp owns.
-constexpr int kLaunchWarp = FUSEDENC_WARP_SIZE;
-// The longest row the warp kernel takes: 8 x 32 lanes x 16 bytes (2048 fp16 values).  With
+// Lanes per warp, kWarp, is a template parameter the host picks for the device (warp.cuh:
+// 32 on NVIDIA; on HIP the device's own, 64 on the CDNA GPUs that run FP8, gfx94x / gfx95x),
+// so the launch, the launch bounds and the row a warp owns agree by construction.
+// The longest row the warp kernel takes: 8 x kWarp lanes x 16 bytes (2048 fp16 values at 32).  With
 // 16 slots (4096) the registers cut occupancy and the block kernel measured faster
 // (2304-wide rows: 64 -> 76 us at 16384 rows on the H100).
 constexpr int kMaxVec = 8;
@@ -65,11 +67,11 @@ struct alignas(16) Vec16 {
   T v[16 / sizeof(T)];
 };
 
-template <typename T, int kSlots>
-__global__ void __launch_bounds__(kRowsPerBlock * kLaunchWarp) fp8_quantize_warp_kernel(Fp8QuantizeArgs args) {
+template <typename T, int kSlots, int kWarp>
+__global__ void __launch_bounds__(kRowsPerBlock * kWarp) fp8_quantize_warp_kernel(Fp8QuantizeArgs args) {
   constexpr int V = 16 / sizeof(T);
-  const int lane = threadIdx.x % FUSEDENC_WARP_SIZE;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / FUSEDENC_WARP_SIZE) + threadIdx.x / FUSEDENC_WARP_SIZE;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   if (row >= args.rows) return;  // whole warps leave together: the shuffles below stay full
   const int64_t nvec = args.k / V;
   const Vec16<T>* x = reinterpret_cast<const Vec16<T>*>(static_cast<const T*>(args.x) + row * args.ldx);
@@ -77,14 +79,14 @@ __global__ void __launch_bounds__(kRowsPerBlock * kLaunchWarp) fp8_quantize_warp
   float m = 0.f;
 #pragma unroll
   for (int j = 0; j < kSlots; ++j) {
-    const int64_t i = lane + static_cast<int64_t>(j) * FUSEDENC_WARP_SIZE;
+    const int64_t i = lane + static_cast<int64_t>(j) * kWarp;
     if (i < nvec) {
       vals[j] = x[i];
 #pragma unroll
       for (int e = 0; e < V; ++e) m = fp8_amax_combine(m, fabsf(load(&vals[j].v[e])));
     }
   }
-  for (int off = FUSEDENC_WARP_SIZE / 2; off > 0; off /= 2) m = fp8_amax_combine(m, gpu_shfl_xor(m, off));
+  for (int off = kWarp / 2; off > 0; off /= 2) m = fp8_amax_combine(m, gpu_shfl_xor(m, off));
   const float s = fp8_row_scale(m, args.format);
   if (lane == 0) args.scale[row] = s;
   const Fp8Divisor d = fp8_divisor(s);
@@ -94,7 +96,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * kLaunchWarp) fp8_quantize_warp
   Codes* q = reinterpret_cast<Codes*>(args.q + row * args.ldq);
 #pragma unroll
   for (int j = 0; j < kSlots; ++j) {
-    const int64_t i = lane + static_cast<int64_t>(j) * FUSEDENC_WARP_SIZE;
+    const int64_t i = lane + static_cast<int64_t>(j) * kWarp;
     if (i < nvec) {
       Codes out;
 #pragma unroll
@@ -104,27 +106,32 @@ __global__ void __launch_bounds__(kRowsPerBlock * kLaunchWarp) fp8_quantize_warp
   }
 }
 
-template <typename T>
+template <typename T, int kWarp>
 bool warp_path_fits(const Fp8QuantizeArgs& a) {
   constexpr int V = 16 / sizeof(T);
   return a.k % V == 0 && a.ldx % V == 0 && a.ldq % V == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(a.q) % V == 0 && a.k <= static_cast<int64_t>(V) * kMaxVec * FUSEDENC_WARP_SIZE;
+         reinterpret_cast<uintptr_t>(a.q) % V == 0 && a.k <= static_cast<int64_t>(V) * kMaxVec * kWarp;
+}
+
+template <typename T, int kWarp>
+void launch(const Fp8QuantizeArgs& a, gpuStream_t stream) {
+  if (warp_path_fits<T, kWarp>(a)) {
+    // As few register slots as the row needs: fewer registers, more warps in flight.
+    const unsigned blocks = static_cast<unsigned>((a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
+    const int64_t per_lane = (a.k / (16 / sizeof(T)) + kWarp - 1) / kWarp;
+    if (per_lane <= 4) {
+      fp8_quantize_warp_kernel<T, 4, kWarp><<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(a);
+    } else {
+      fp8_quantize_warp_kernel<T, kMaxVec, kWarp><<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(a);
+    }
+  } else {
+    fp8_quantize_kernel<T, kWarp><<<static_cast<unsigned>(a.rows), kThreads, 0, stream>>>(a);
+  }
 }
 
 template <typename T>
 void launch(const Fp8QuantizeArgs& a, gpuStream_t stream) {
-  if (warp_path_fits<T>(a)) {
-    // As few register slots as the row needs: fewer registers, more warps in flight.
-    const unsigned blocks = static_cast<unsigned>((a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
-    const int64_t per_lane = (a.k / (16 / sizeof(T)) + kLaunchWarp - 1) / kLaunchWarp;
-    if (per_lane <= 4) {
-      fp8_quantize_warp_kernel<T, 4><<<blocks, kRowsPerBlock * kLaunchWarp, 0, stream>>>(a);
-    } else {
-      fp8_quantize_warp_kernel<T, kMaxVec><<<blocks, kRowsPerBlock * kLaunchWarp, 0, stream>>>(a);
-    }
-  } else {
-    fp8_quantize_kernel<T><<<static_cast<unsigned>(a.rows), kThreads, 0, stream>>>(a);
-  }
+  with_warp_width(reduction_warp_width(), [&](auto warp) { launch<T, decltype(warp)::value>(a, stream); });
 }
 
 }  // namespace

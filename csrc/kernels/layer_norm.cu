@@ -16,8 +16,8 @@
 //     memory) x 3 chunks, 4 rows per block.
 // A block is max(G, 128) threads: 128 / G rows for small rows, one row for
 // G >= 128.  Small-row blocks keep each block's work (and the number of
-// blocks) reasonable; 128 is a multiple of both warp sizes (32 and 64), so no
-// warp ever straddles a block edge.
+// blocks) reasonable; 128 is a multiple of every warp width (16 in tests, 32,
+// and 64 on AMD's CDNA), so no warp ever straddles a block edge.
 //
 // Reductions.  Two per row: sum(h) -> mean0, then sum(d) and sum(d^2) with
 // d = h - mean0 from the registers (a two-pass variance, never E[h^2]-E[h]^2).
@@ -27,12 +27,14 @@
 // rounding of its mean.  A reduction is an xor-butterfly of warp shuffles
 // within the group (or within each warp of it) and, when G exceeds the warp,
 // a pass through shared memory over the group's warps.  Both steps give every
-// thread of the group the bit-identical sum.  Correct for warps of 32 and 64
-// lanes: groups smaller than a warp are aligned and the xor offsets stay below
-// G; groups larger than a warp are whole warps.
+// thread of the group the bit-identical sum.  The warp width W is a template
+// parameter the host picks per device (warp.cuh): correct for any W from 16 to
+// 64 lanes: groups smaller than a warp are aligned and the xor offsets stay
+// below G; groups larger than a warp are whole warps.
 #include "layer_norm.h"
 #include "fp8_rows.cuh"
 #include "vectors.cuh"
+#include "warp.cuh"
 
 #include <cmath>
 #include <stdexcept>
@@ -44,8 +46,13 @@ namespace {
 constexpr int kMaxChunks = 4;           // 16-byte vectors held per thread
 constexpr int kSmallRowVecs = 32;       // rows of up to this many vectors: one per thread
 constexpr int kMaxBlockThreads = 1024;  // G for D = 16384 fp32
-constexpr int kMinBlockThreads = 128;   // a multiple of every warp size
-constexpr int kMaxWarpsPerBlock = kMaxBlockThreads / 32;  // bound for any warp size >= 32
+constexpr int kMinBlockThreads = 128;   // a multiple of every warp width
+// Warps of kWarp lanes in the largest block: the shared-memory slots of one reduction.
+template <int kWarp>
+constexpr int max_warps_per_block() {
+  static_assert(kMinBlockThreads % kWarp == 0 && (kWarp & (kWarp - 1)) == 0, "warp width: a power of two dividing 128");
+  return kMaxBlockThreads / kWarp;
+}
 
 // Sizes and scalars of one launch (pointers are separate kernel arguments so
 // that the read-only ones can be __restrict__).
@@ -59,12 +66,12 @@ struct Shape {
   float alpha;
 };
 
-// Sum of N values over the G = 1 << group_shift threads that share a row.
-// Every thread of the block must call it (it may __syncthreads); `scratch`
-// holds N * kMaxWarpsPerBlock floats used by no other call in this kernel.
-template <int N>
+// Sum of N values over the G = 1 << group_shift threads that share a row, in warps of
+// kWarp lanes.  Every thread of the block must call it (it may __syncthreads); `scratch`
+// holds N * max_warps_per_block<kWarp>() floats used by no other call in this kernel.
+template <int kWarp, int N>
 __device__ __forceinline__ void group_sum(float (&v)[N], int group_shift, float* scratch) {
-  constexpr int kWarp = FUSEDENC_WARP_SIZE;
+  constexpr int kMaxWarpsPerBlock = max_warps_per_block<kWarp>();
   const int group = 1 << group_shift;
   const int width = group < kWarp ? group : kWarp;
   for (int offset = width / 2; offset > 0; offset /= 2) {
@@ -90,8 +97,8 @@ __device__ __forceinline__ void group_sum(float (&v)[N], int group_shift, float*
 }
 
 // group_sum's shape for the row's largest magnitude (fp8_amax_combine instead of +).
+template <int kWarp>
 __device__ __forceinline__ void group_amax(float& v, int group_shift, float* scratch) {
-  constexpr int kWarp = FUSEDENC_WARP_SIZE;
   const int group = 1 << group_shift;
   const int width = group < kWarp ? group : kWarp;
   for (int offset = width / 2; offset > 0; offset /= 2) v = fp8_amax_combine(v, gpu_shfl_xor(v, offset));
@@ -136,13 +143,14 @@ constexpr int max_block_threads() {
 }
 static_assert(max_block_threads<float>() == kMaxBlockThreads, "fp32 rows of D = 16384 need 1024 threads");
 
-template <typename T, int kChunks, bool kFp8>
+template <typename T, int kChunks, bool kFp8, int kWarp>
 __global__ void __launch_bounds__(max_block_threads<T>())
 layer_norm_kernel(const T* __restrict__ x, const T* residual, const T* __restrict__ x_bias,
                   const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ out,
                   T* sum_out, uint8_t* __restrict__ q_out, float* __restrict__ q_scale, const Shape s) {
   using V = Vec<T>;
   constexpr int kV = V::size;
+  constexpr int kMaxWarpsPerBlock = max_warps_per_block<kWarp>();
   // [0, W): sum(h); [W, 3W): sum(d), sum(d^2); [3W, 4W): amax of the output (kFp8)
   __shared__ float scratch[(kFp8 ? 4 : 3) * kMaxWarpsPerBlock];
 
@@ -189,7 +197,7 @@ layer_norm_kernel(const T* __restrict__ x, const T* residual, const T* __restric
       for (int j = 0; j < kV; ++j) h[c][j] = 0.f;
     }
   }
-  group_sum(sum, s.group_shift, scratch);
+  group_sum<kWarp>(sum, s.group_shift, scratch);
   const float mean0 = sum[0] / static_cast<float>(s.cols);
 
   // 3. The residual stream, rounded once (stored while the next reduction runs).
@@ -218,7 +226,7 @@ layer_norm_kernel(const T* __restrict__ x, const T* residual, const T* __restric
       }
     }
   }
-  group_sum(dsum, s.group_shift, scratch + kMaxWarpsPerBlock);
+  group_sum<kWarp>(dsum, s.group_shift, scratch + kMaxWarpsPerBlock);
   const float shift = dsum[0] / static_cast<float>(s.cols);  // mean = mean0 + shift
   float var = dsum[1] / static_cast<float>(s.cols) - shift * shift;
   if (var < 0.f) var = 0.f;  // rounding only; a comparison keeps NaN (fmaxf would not)
@@ -248,7 +256,7 @@ layer_norm_kernel(const T* __restrict__ x, const T* residual, const T* __restric
   if (!kFp8) return;
 
   // 6. The FP8 copy: the row's scale from the rounded outputs, then their codes.
-  group_amax(amax, s.group_shift, scratch + 3 * kMaxWarpsPerBlock);
+  group_amax<kWarp>(amax, s.group_shift, scratch + 3 * kMaxWarpsPerBlock);
   if (!live) return;
   const float scale = fp8_row_scale(amax);
   if (lane == 0) q_scale[row] = scale;
@@ -280,12 +288,15 @@ Config choose_config(int vecs) {
 template <typename T, int kChunks>
 void launch_chunks(const LayerNormArgs& a, const Shape& s, int64_t blocks, int threads,
                    gpuStream_t stream) {
-  auto kernel = a.q_out ? layer_norm_kernel<T, kChunks, true> : layer_norm_kernel<T, kChunks, false>;
-  kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      static_cast<const T*>(a.x), static_cast<const T*>(a.residual),
-      static_cast<const T*>(a.x_bias), static_cast<const T*>(a.weight),
-      static_cast<const T*>(a.bias), static_cast<T*>(a.out), static_cast<T*>(a.sum_out), a.q_out,
-      a.q_scale, s);
+  with_warp_width(reduction_warp_width(), [&](auto warp) {
+    constexpr int kWarp = decltype(warp)::value;
+    auto kernel = a.q_out ? layer_norm_kernel<T, kChunks, true, kWarp> : layer_norm_kernel<T, kChunks, false, kWarp>;
+    kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        static_cast<const T*>(a.x), static_cast<const T*>(a.residual),
+        static_cast<const T*>(a.x_bias), static_cast<const T*>(a.weight),
+        static_cast<const T*>(a.bias), static_cast<T*>(a.out), static_cast<T*>(a.sum_out), a.q_out,
+        a.q_scale, s);
+  });
 }
 
 template <typename T>
