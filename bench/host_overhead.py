@@ -13,12 +13,26 @@ call is the host's cost of issuing it.  Reports microseconds per call for:
 
 and for one whole encoder layer (B=1, S=8, D=64, F=128, post-LN):
 
-  EncoderBlock             the eager GPU path (signature checked once, direct core calls)
+  EncoderBlock             the plain call (an automatic CUDA graph replayed) and the eager GPU
+                           path (automatic graphs off: signature checked once, direct core calls)
   EncoderBlock via ops     the same block's seven steps through the public ops (per-op
                            checks), as executors.OpsExecutor runs them
   nn.TransformerEncoderLayer  torch's layer in eval mode (its fused fast path)
 
-Usage: python bench/host_overhead.py [--calls N] [--json PATH]
+and for whole modules at real shapes (``--modules``, default t82 body and net at 256 positions,
+bert-base 32 x 128), the host time of one call: the GPU idle before it (synchronized), the
+clock stopped when the call returns (its kernels queued, not finished), median of
+``--module-calls``.  Rows per module:
+
+  eager                    the plain call with automatic graphs off (the path before them)
+  plain call               the plain call as users make it: automatic CUDA graphs
+                           (``fusedenc.auto_graphs``), replaying after the first two calls
+  graph runner             the explicit runner (``graph_runner``), output views (no clone)
+  torch.compile            torch.compile(module), default mode (the stack: one custom op,
+                           replaying the same automatic graphs)
+
+Usage: python bench/host_overhead.py [--calls N] [--modules t82,t82-net,bert-base]
+                                     [--module-batch 256] [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,14 +41,16 @@ import argparse
 import json
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
 import fusedenc
-from fusedenc import core
+from fusedenc import auto_graphs, core
 from fusedenc.executors import OpsExecutor
+from fusedenc.tune.presets import PRESETS
 
 
 def per_call_us(fn, calls: int, repeats: int = 7) -> float:
@@ -73,9 +89,67 @@ def through_ops(block: fusedenc.EncoderBlock):
     return run
 
 
+def host_us(fn, calls: int) -> float:
+    """Median host time of one ``fn()`` with the GPU idle before it (its kernels only queued)."""
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _stack(name: str, dev: torch.device) -> fusedenc.EncoderStack:
+    p = PRESETS[name]
+    return fusedenc.EncoderStack.build(p.layers, p.d_model, p.heads, p.d_ff, activation=p.activation,
+                                       residual_alpha=p.alpha, layer_norm_eps=p.eps, dtype=torch.float16, device=dev)
+
+
+def module_cases(names: list[str], batch: int, dev: torch.device, tmp: str) -> dict:
+    """Per module: its eager, plain (automatic graphs), graph-runner and torch.compile calls."""
+    cases = {}
+    for name in names:
+        if name.endswith("-net"):
+            from fusedenc.lc0 import load_network
+            from fusedenc.lc0.writer import write_preset
+
+            path = f"{tmp}/{name}.pb.gz"
+            write_preset(path, name.removesuffix("-net"), seed=1)
+            module = load_network(path, dtype=torch.float16, device=dev)
+            x = (torch.rand((batch, 112, 8, 8), device=dev) < 0.1).half()
+            runner = module.graph_runner((batch,))
+            what = f"{name} Lc0Network, {batch} positions"
+        else:
+            module = _stack(name, dev)
+            seq = PRESETS[name].seq_lens[0]
+            b = batch if name != "bert-base" else 32
+            x = torch.randn(b, seq, module.blocks[0].d_model, device=dev, dtype=torch.float16)
+            runner = module.graph_runner(seq, (b,))
+            what = f"{name} EncoderStack, {b} x {seq}"
+        runner.capture_all()
+        compiled = torch.compile(module)
+
+        def eager(module=module, x=x):
+            with auto_graphs.disabled():
+                return module(x)
+
+        cases[f"{what}: eager"] = eager
+        cases[f"{what}: plain call"] = lambda module=module, x=x: module(x)
+        cases[f"{what}: graph runner"] = lambda runner=runner, x=x: runner(x)
+        cases[f"{what}: torch.compile"] = lambda compiled=compiled, x=x: compiled(x)
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--modules", default="t82,t82-net,bert-base",
+                    help="whole modules to time (comma list of t82, bt4, bert-base stacks and t82-net, bt4-net; "
+                         "empty: none)")
+    ap.add_argument("--module-batch", type=int, default=256, help="positions per call (bert-base: 32 sequences)")
+    ap.add_argument("--module-calls", type=int, default=50)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or fusedenc.backend().name == "reference":
@@ -102,12 +176,25 @@ def main() -> None:
     layer = torch.nn.TransformerEncoderLayer(64, 4, 128, 0.0, "gelu", batch_first=True, device=dev,
                                              dtype=torch.float16).eval()  # fmt: skip
     xb = torch.randn(1, 8, 64, device=dev, dtype=torch.float16)
-    cases["EncoderBlock (one layer)"] = lambda: block(xb)
+    cases["EncoderBlock (one layer, plain call: automatic graph)"] = lambda: block(xb)
+
+    def block_eager():
+        with auto_graphs.disabled():
+            return block(xb)
+
+    cases["EncoderBlock (one layer, automatic graphs off)"] = block_eager
     block_via_ops = through_ops(block)
     cases["EncoderBlock via the public ops"] = lambda: block_via_ops(xb)
     cases["nn.TransformerEncoderLayer (eval)"] = lambda: layer(xb)
     with torch.inference_mode():
         results = {name: per_call_us(fn, args.calls) for name, fn in cases.items()}
+        names = [n for n in args.modules.split(",") if n]
+        with tempfile.TemporaryDirectory() as tmp:
+            modules = module_cases(names, args.module_batch, dev, tmp)
+            for name, fn in modules.items():
+                for _ in range(5):  # first calls: plans, the automatic graph's capture, compilation
+                    fn()
+                results[name] = host_us(fn, args.module_calls)
 
     meta = {
         "device": torch.cuda.get_device_name(),
@@ -118,10 +205,12 @@ def main() -> None:
         "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(),
         "calls": args.calls,
+        "module_calls": args.module_calls,
+        "module_batch": args.module_batch,
     }
     print(f"host cost per call, us (median of 7 x {args.calls} calls), {meta['device']}, {meta['library']}")
     for name, us in results.items():
-        print(f"  {name:42s} {us:7.2f}")
+        print(f"  {name:62s} {us:9.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "us_per_call": results}, f, indent=2)

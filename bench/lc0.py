@@ -14,12 +14,16 @@ Implementations (one process, the same file, the same input planes):
                         (the idiomatic implementation, and the tests' oracle)
   torch-compile         torch.compile of it, default mode (``--compile-modes`` adds modes,
                         e.g. reduce-overhead: CUDA graphs)
-  fusedenc              fusedenc.lc0.load_network's Lc0Network, eager
+  fusedenc              fusedenc.lc0.load_network's Lc0Network, called plainly: what a user gets
+                        (automatic CUDA graphs: the first call eager, the second captures)
+  fusedenc-eager        the same with automatic graphs off (every launch from the host)
+  fusedenc-compile      torch.compile of the Lc0Network, default mode
   fusedenc-graph        the same, its whole forward captured as one CUDA graph per batch size
   fusedenc-fp8-static   with ``--fp8``: the same net with its body in FP8
                         (``quantize("fp8", fast_accum=True, calibration=256 other positions)``),
                         one CUDA graph per batch size, the LayerNorms folded into the FP8
-                        GEMMs where the Hopper kernels run; checked by the FP8 rule below
+                        GEMMs where the Hopper kernels run; checked by the FP8 rule below;
+                        ``fusedenc-fp8-static-plain``: the same net called plainly
   fusedenc-fp8-static-ln  the same with ``fold_norms=False`` (the LayerNorm passes)
   lc0:<backend>         with ``--lc0 BINARY``: lc0's own ``backendbench`` on the same file
                         (``--lc0-backend``, default cuda-fp16), run in the same process's
@@ -56,7 +60,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-from fusedenc import dtypes  # noqa: E402
+from fusedenc import auto_graphs, dtypes  # noqa: E402
 from fusedenc.lc0 import Lc0Network, read_net  # noqa: E402
 from fusedenc.lc0.reference import ReferenceNetwork, placed  # noqa: E402
 from fusedenc.tune.timing import MIN_REPS, capture_graph, sync, time_calls  # noqa: E402
@@ -80,6 +84,12 @@ def _planes(batch: int, device: torch.device, dtype: torch.dtype, seed: int) -> 
     planes[:, 108] = torch.rand((batch, 1, 1), generator=g)
     planes[:, 111] = 1.0
     return planes.to(device=device, dtype=dtype)
+
+
+def _eager_call(net: Lc0Network, x: torch.Tensor) -> Any:
+    """The plain call with automatic CUDA graphs off (the path before them)."""
+    with auto_graphs.disabled():
+        return net(x)
 
 
 def _graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
@@ -158,7 +168,7 @@ def lc0_backendbench(binary: str, net: str, batch: int, backend: str, batches: i
 
 
 #: What this benchmark can time; ``run_net``'s ``wanted`` picks among them (bench/nps.py --net).
-IMPLS = ("torch", "torch-compile", "fusedenc", "fusedenc-graph")
+IMPLS = ("torch", "torch-compile", "fusedenc", "fusedenc-eager", "fusedenc-compile", "fusedenc-graph")
 #: On the CPU: compiling there is slow and not what the rows are about, graphs need a GPU.
 CPU_IMPLS = ("torch", "fusedenc")
 #: The line a CPU run's report carries (here and in bench/nps.py --net, which prints ``report``).
@@ -177,6 +187,10 @@ def run_net(
     torch_net = ReferenceNetwork(placed(file, device, dtype))
     fast = Lc0Network(file, dtype=dtype, device=device)
     impls: dict[str, Callable[[torch.Tensor], Any]] = {"torch": torch_net, "fusedenc": fast}
+    if "fusedenc-eager" in wanted:
+        impls["fusedenc-eager"] = lambda x: _eager_call(fast, x)
+    if "fusedenc-compile" in wanted and device.type == "cuda":
+        impls["fusedenc-compile"] = torch.compile(fast)
     if "torch-compile" in wanted:
         for mode in ["default"] + args.compile_modes:
             name = "torch-compile" if mode == "default" else f"torch-compile:{mode}"
@@ -230,6 +244,9 @@ def run_net(
             if ok[name]:
                 ms = _time_graphed(lambda x=x, net=net: net(x), device, args.reps)
                 rec["rows"].append({"batch": b, "impl": name, "ms": ms, "nps": b / (ms * 1e-3)})
+                if name == FP8_IMPL:  # the same net called plainly (automatic CUDA graphs)
+                    ms = time_calls(lambda inp, net=net: net(inp), [x], reps=args.reps, device=device).ms
+                    rec["rows"].append({"batch": b, "impl": FP8_IMPL + "-plain", "ms": ms, "nps": b / (ms * 1e-3)})
         if getattr(args, "parts", False) and device.type == "cuda" and ok["fusedenc"]:
             rec.setdefault("parts", {})[str(b)] = time_parts(fast, x, args.reps, device)
         if getattr(args, "lc0", None):

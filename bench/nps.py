@@ -30,7 +30,9 @@ Implementations (all built from one idiomatic PyTorch model's weights):
   torch-compile    torch.compile(torch model), default mode, one static graph per
                    batch size (``--compile-dynamic`` for one dynamic graph);
                    ``--compile-modes`` adds torch-compile:<mode> rows.
-  fusedenc         fusedenc.encoder.EncoderStack, eager.
+  fusedenc         fusedenc.encoder.EncoderStack, called plainly: automatic CUDA graphs
+                   (fusedenc.auto_graphs; first call eager, the second captures).
+  fusedenc-eager   the same with automatic graphs off (every launch from the host).
   fusedenc-compile torch.compile(EncoderStack, fullgraph=True), default mode (issue 20
                    asks it to be >= 0.95x eager fusedenc at every batch).
   fusedenc-graph   EncoderStack.graph_runner (one CUDA graph per batch size).
@@ -74,7 +76,8 @@ every ratio: torch-fp8 and torch-fp8-compile (the torchao-style row-wise
 ``torch._scaled_mm`` peer on the torch model's weights), fusedenc-fp8 (eager),
 fusedenc-fp8-graph, fusedenc-fp8-fast (fast accumulation), fusedenc-fp8-static (fast, with
 static scales from calibration; the LayerNorms folded into the FP8 GEMMs where the Hopper
-kernels run) and fusedenc-fp8-static-ln (the same with the LayerNorm passes), graph runners.
+kernels run) and fusedenc-fp8-static-ln (the same with the LayerNorm passes), graph runners;
+fusedenc-fp8-static-plain, fusedenc-fp8-static's stack called plainly (automatic graphs).
 They cannot meet the fp16 rule; theirs is measured against what FP8 itself costs on
 this net: the same fp32 reference net with every GEMM in emulated FP8
 (fusedenc.fp8's reference math; the rest fp32) has relative error
@@ -352,7 +355,7 @@ def derive(rec: dict[str, Any], run: Run) -> None:
 
 
 #: The fp16 fusedenc rows, and the FP8 peer rows, the FP8 rows are compared with (the fastest of each).
-FUSEDENC_FP16 = ("fusedenc", "fusedenc-compile", "fusedenc-graph")
+FUSEDENC_FP16 = ("fusedenc", "fusedenc-eager", "fusedenc-compile", "fusedenc-graph")
 
 
 def _derive_fp8(rec: dict[str, Any], key: str, ms_of) -> None:

@@ -5,7 +5,8 @@
 a function turning that model into an ``Impl``: unfused (the plain library path
 the fused GEMMs replace), torch (the model itself), torch-fastpath
 (nn.TransformerEncoder's fused fast path, or a stand-in where it cannot serve the
-preset), torch-compile (one row per mode), fusedenc (EncoderStack, eager) and
+preset), torch-compile (one row per mode), fusedenc (EncoderStack's plain call: automatic
+CUDA graphs), fusedenc-eager (the same with them off), fusedenc-compile and
 fusedenc-graph (EncoderStack.graph_runner).  bench/nps.py's docstring says what
 each one is.  Also here: ``reference_forward``, the fp32/fp64 oracle of the
 correctness check, and ``gemm_floor``, the four GEMMs of every layer alone.
@@ -42,13 +43,15 @@ __all__ = [
     "make_fastpath",
     "make_fusedenc",
     "make_fusedenc_compile",
+    "make_fusedenc_eager",
     "make_fusedenc_graph",
     "make_unfused",
     "reference_forward",
 ]
 
 #: The implementations, in the order they run.
-IMPLS = ("unfused", "torch", "torch-fastpath", "torch-compile", "fusedenc", "fusedenc-compile", "fusedenc-graph")
+IMPLS = ("unfused", "torch", "torch-fastpath", "torch-compile", "fusedenc", "fusedenc-eager", "fusedenc-compile",
+         "fusedenc-graph")  # fmt: skip
 
 
 # ------------------------------------------------------------ the models ----
@@ -375,6 +378,22 @@ def make_fusedenc(model: TorchEncoder, run: Run, device: torch.device, batches: 
     return impl
 
 
+def make_fusedenc_eager(model: TorchEncoder, run: Run, device: torch.device) -> Impl:
+    """The plain call with automatic CUDA graphs off: every launch issued by the host (the
+    plain call before automatic graphs; ``fusedenc`` is the plain call as users make it)."""
+    from fusedenc import auto_graphs
+
+    stack = load_fusedenc_stack(model, run, device)
+
+    def call(x):
+        with auto_graphs.disabled():
+            return stack(x)
+
+    impl = Impl("fusedenc-eager", call)
+    impl.notes.append("EncoderStack plain call inside fusedenc.auto_graphs.disabled()")
+    return impl
+
+
 def make_fusedenc_compile(model: TorchEncoder, run: Run, device: torch.device, dynamic: bool) -> Impl:
     """``torch.compile(stack, fullgraph=True)`` of the fusedenc stack: what a user who compiles
     a model holding one gets (the stack is one fusedenc op in the graph)."""
@@ -418,6 +437,8 @@ def builders(
                 out[key] = lambda m, mode=mode: make_compile(m, mode, compile_dynamic)
         elif name == "fusedenc":
             out[name] = lambda m: make_fusedenc(m, run, device, batches)
+        elif name == "fusedenc-eager":
+            out[name] = lambda m: make_fusedenc_eager(m, run, device)
         elif name == "fusedenc-compile":
             out[name] = lambda m: make_fusedenc_compile(m, run, device, compile_dynamic)
         elif name == "fusedenc-graph":

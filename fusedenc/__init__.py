@@ -24,6 +24,7 @@ from .hf import patch_hf
 from .norm import layer_norm
 from .ops import fused_qkv, linear, pack_qkv, reference_linear
 from .report import capabilities
+from .varlen_graphs import VarlenGraphRunner
 
 __version__ = "0.1.0"
 
@@ -47,4 +48,5 @@ __all__ = [
     "plan_cache_info",
     "reference_linear",
     "set_plan_cache_limit",
+    "VarlenGraphRunner",
 ]

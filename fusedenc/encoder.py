@@ -36,13 +36,14 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from . import activations, core, fp8, fp8_fold, norm_fold, traced
-from .attention import plan_for
+from . import activations, auto_graphs, core, fp8, fp8_fold, norm_fold, traced
+from .attention import VarlenPlan, plan_for
 from .checks import check_block_call, check_block_operands
 from .device import check_device, check_dtype
 from .executors import Fp8Executor, NativeExecutor, ObservingExecutor, OpsExecutor
 from .graphs import GraphRunner
 from .norm import layer_norm
+from .packed_calls import PaddingFreeCalls
 from .torch_modules import block_from_torch, inference_only, stack_from_torch
 
 __all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]  # GraphRunner lives in graphs.py
@@ -63,7 +64,7 @@ def _native_active(device: torch.device) -> bool:
 # ------------------------------------------------------------ the block ----
 
 
-class EncoderBlock(nn.Module):
+class EncoderBlock(PaddingFreeCalls, auto_graphs.GraphedModule):
     """A transformer encoder layer (self-attention + FFN) on fusedenc's fused ops.
 
     Args:
@@ -220,6 +221,7 @@ class EncoderBlock(nn.Module):
         Needs a float16/bfloat16 block, widths multiples of 16, an FP8 GPU (``capabilities()["fp8"]``)."""
         self._fp8_config = fp8.quantize_config(self, mode, keep, fast_accum, calibration, fold_norms)
         self._fp8 = None if self._fp8_config is None else self._fp8_weights()
+        auto_graphs.invalidate()  # graphs captured before ran the other precision
         return self
 
     @property
@@ -242,6 +244,7 @@ class EncoderBlock(nn.Module):
         key_padding_mask: Optional[torch.Tensor] = None,
         *,
         seq_len: Optional[int] = None,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Apply the block.
 
@@ -250,11 +253,18 @@ class EncoderBlock(nn.Module):
         optional additive ``[B or 1, H, S, S]`` (e.g. Lc0's smolgen), in the
         block's dtype or float32.  key_padding_mask: optional bool ``[B, S]``,
         True = that key is padding (``nn.TransformerEncoderLayer``'s
-        ``src_key_padding_mask``).  Returns a tensor of x's shape.
+        ``src_key_padding_mask``).  Returns a new tensor of x's shape, or ``out`` (x's shape,
+        dtype and device) with the result written into it.  On a GPU, repeated calls replay
+        CUDA graphs (``fusedenc.auto_graphs``; ``self.auto_graphs``).
         """
         x_bsd, batch, seq = self._as_rows(x, seq_len)
-        out = self._forward_rows(x_bsd, batch, seq, attn_bias, key_padding_mask)
-        return self._restore(out, x, batch, seq)
+        if torch.compiler.is_compiling():
+            rows = self._forward_rows(x_bsd, batch, seq, attn_bias, key_padding_mask)
+            return auto_graphs.finish(self._restore(rows, x, batch, seq), out)
+        rows = auto_graphs.encoder_call(self, self._eager_rows, x_bsd, batch, seq, attn_bias, key_padding_mask,
+                                        native=_native_active(x_bsd.device),
+                                        out=auto_graphs.out_view(out, x, batch, seq, self.batch_first))
+        return out if out is not None else self._restore(rows, x, batch, seq)
 
     def _as_rows(self, x, seq_len):
         """x as contiguous [T, D] rows, and (B, S)."""
@@ -315,6 +325,8 @@ class EncoderBlock(nn.Module):
     def _prepared(self, x2, batch, seq, attn_bias, key_padding_mask, executor):
         """(executor, attention plan) for ``x2``, validated once per signature; None for an
         empty batch.  ``executor``: a NativeExecutor shared by a stack's blocks, or None."""
+        if isinstance(key_padding_mask, VarlenPlan):  # packed rows (packed_calls.py)
+            return self._prepared_varlen(x2, key_padding_mask, executor)
         if not _native_active(x2.device):
             self._validate(x2, batch, seq, attn_bias, key_padding_mask)
             return None if x2.shape[0] == 0 else (OpsExecutor(), None)
@@ -462,11 +474,12 @@ _MISSING = object()
 # ------------------------------------------------------------ the stack ----
 
 
-class EncoderStack(nn.Module):
+class EncoderStack(PaddingFreeCalls, auto_graphs.GraphedModule):
     """N EncoderBlocks, an optional final LayerNorm, and a CUDA-graph runner.
 
-    ``forward(x, attn_bias=None, key_padding_mask=None, *, seq_len=None)`` takes
-    what ``EncoderBlock.forward`` takes; the same bias and mask go to every block.
+    ``forward(x, attn_bias=None, key_padding_mask=None, *, seq_len=None, out=None)`` takes
+    what ``EncoderBlock.forward`` takes; the same bias and mask go to every block.  On a
+    GPU, repeated calls replay CUDA graphs (``fusedenc.auto_graphs``; ``self.auto_graphs``).
     Inference only, as EncoderBlock (the stack puts its blocks in eval mode).
     """
 
@@ -517,16 +530,18 @@ class EncoderStack(nn.Module):
         self._handle = traced.register(self._eager_rows)  # a copy is a module of its own
 
     @inference_only
-    def forward(self, x, attn_bias=None, key_padding_mask=None, *, seq_len=None):
+    def forward(self, x, attn_bias=None, key_padding_mask=None, *, seq_len=None, out=None):
         first = self.blocks[0]
         rows, batch, seq = first._as_rows(x, seq_len)
-        if torch.compiler.is_compiling():  # the whole stack is one op in the graph (see _encoder_rows_op)
+        if torch.compiler.is_compiling():  # the whole stack is one op in the graph (traced.py)
             for block in self.blocks:
                 block._validate(rows, batch, seq, attn_bias, key_padding_mask)
             rows = torch.ops.fusedenc.encoder_rows(rows, self._handle, batch, seq, attn_bias, key_padding_mask)
-        else:
-            rows = self._eager_rows(rows, batch, seq, attn_bias, key_padding_mask)
-        return first._restore(rows, x, batch, seq)
+            return auto_graphs.finish(first._restore(rows, x, batch, seq), out)
+        rows = auto_graphs.encoder_call(self, self._eager_rows, rows, batch, seq, attn_bias, key_padding_mask,
+                                        native=_native_active(rows.device),
+                                        out=auto_graphs.out_view(out, x, batch, seq, self.batch_first))
+        return out if out is not None else first._restore(rows, x, batch, seq)
 
     def _eager_rows(self, rows, batch, seq, attn_bias, key_padding_mask, executor=None):
         """The stack on contiguous [T, D] rows outside a trace (also the compiled graph's op)."""

@@ -47,7 +47,8 @@ class OpsExecutor:
 
     def attention(self, plan, qkv, batch, seq, heads, attn_bias, key_padding_mask, out_scale=None):
         q, k, v = qkv.view(batch, seq, 3, heads, -1).unbind(2)
-        out = attention(q, k, v, attn_bias, key_padding_mask)
+        # plan: None (the op plans its own call), or the packed rows' VarlenPlan.
+        out = attention(q, k, v, attn_bias, key_padding_mask) if plan is None else plan.run(q, k, v)
         return out if out_scale is None else fp8.e4m3_columns(out.reshape(batch * seq, -1), out_scale)
 
 

@@ -9,13 +9,14 @@ machinery, shared with ``fusedenc.lc0``'s whole-network runner.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.nn as nn
 
-__all__ = ["BucketedGraphs", "GraphRunner", "capture", "own_cublas_workspace"]
+__all__ = ["BucketedGraphs", "GraphRunner", "capture", "eager_calls", "eager_only", "own_cublas_workspace"]
 
 T = TypeVar("T")
 
@@ -43,25 +44,78 @@ def own_cublas_workspace() -> Iterator[None]:
         _clear_cublas_workspaces()
 
 
+class _EagerCalls(threading.local):
+    """A per-thread depth: while above 0, fusedenc modules called on this thread run eagerly
+    (no automatic graphs, ``auto_graphs``): inside a capture, and inside another fusedenc
+    module's call (an Lc0 net's blocks, a stack's warm-up)."""
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+
+
+_EAGER = _EagerCalls()
+
+
+def eager_calls() -> _EagerCalls:
+    """``with eager_calls():`` fusedenc modules called inside run eagerly (this thread)."""
+    return _EAGER
+
+
+def eager_only() -> bool:
+    """Whether this thread is inside ``eager_calls()``."""
+    return _EAGER.depth > 0
+
+
 def capture(
-    fn: Callable[[], T], device: torch.device, pool: Optional[object] = None
+    fn: Callable[[], T], device: torch.device, pool: Optional[object] = None, *, capture_error_mode: str = "global"
 ) -> tuple["torch.cuda.CUDAGraph", T]:
     """Capture ``fn()`` into a CUDA graph (in ``pool``, else a pool of its own) and return the
     graph with what the captured call returned (its static output).  One warm-up call on a
     side stream comes first: GEMM plans, workspaces, cuBLAS handles, the attention decision,
-    folded weights and lazily made constants must exist before capture."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # A capture stream of this device: torch's default one is made once, on whichever device
-    # was current at the process's first capture, and a graph of another GPU captured on it
-    # fails ("operation not permitted when stream is capturing", seen with two H200s).
-    with own_cublas_workspace(), torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device)):
-        out = fn()
+    folded weights and lazily made constants must exist before capture.  fusedenc modules
+    called by ``fn`` run eagerly in both (their own automatic graphs stay out of this one).
+    ``capture_error_mode``: ``torch.cuda.graph``'s ("thread_local" lets other threads work on)."""
+    with eager_calls(), _capture_streams(device) as (side, stream):
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with own_cublas_workspace(), torch.cuda.graph(graph, pool=pool, stream=stream,
+                                                      capture_error_mode=capture_error_mode):
+            out = fn()
     return graph, out
+
+
+_free_streams: dict[torch.device, list[tuple["torch.cuda.Stream", "torch.cuda.Stream"]]] = {}
+_free_streams_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _capture_streams(device: torch.device) -> Iterator[tuple["torch.cuda.Stream", "torch.cuda.Stream"]]:
+    """A (warm-up, capture) pair of streams of ``device``, reused across captures: the GEMM
+    workspace is one buffer per stream (``core.workspace``), so a new warm-up stream a capture
+    would hold 32 MiB more (torch hands out 32 streams round robin: up to 1 GiB; seen as
+    reserved memory growing with every automatic capture).  A pair serves one capture at a
+    time (two threads capturing at once take two pairs).  The capture stream is one of this
+    device: torch's default capture stream is made once, on whichever device was current at
+    the process's first capture, and a graph of another GPU captured on it fails ("operation
+    not permitted when stream is capturing", seen with two H200s)."""
+    with _free_streams_lock:
+        free = _free_streams.setdefault(device, [])
+        pair = free.pop() if free else None
+    if pair is None:
+        pair = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    try:
+        yield pair
+    finally:
+        with _free_streams_lock:
+            _free_streams[device].append(pair)
 
 
 class _Captured:

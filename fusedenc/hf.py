@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from . import dtypes
+from . import dtypes, hf_varlen
 from .activations import HF_ACTIVATIONS
 from .encoder import EncoderBlock
 from .ops import pack_qkv
@@ -216,6 +216,7 @@ class HFEncoderLayer(nn.Module):
         self._returns_tuple = returns_tuple
         self._masks = masks if masks is not None else _MaskCache()  # shared by the layers of one encoder
         self._first = first  # the encoder's first layer converts the mask afresh every call
+        self._padding_free: Optional[hf_varlen.PaddingFree] = None  # shared with the encoder (hf_varlen.install)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, *args, **kwargs):
         if args:
@@ -223,7 +224,14 @@ class HFEncoderLayer(nn.Module):
                 raise TypeError(f"{type(self).__name__}.forward got {2 + len(args)} positional arguments")
             kwargs.update(zip(self._arg_names, args))
         self._refuse(kwargs)
-        bias, key_padding_mask = self._masks(attention_mask, hidden_states, self.num_heads, self._first)
+        shared = self._padding_free
+        packing = shared.packed(hidden_states, attention_mask) if shared is not None else None
+        if packing is not None:  # the encoder packed the real tokens: [1, T_real, D] rows (hf_varlen)
+            with torch.no_grad():
+                out = self.block.forward_packed(hidden_states[0], packing)[None]
+            return (out,) if self._returns_tuple else out
+        refresh = self._first and not (shared is not None and shared.converted)
+        bias, key_padding_mask = self._masks(attention_mask, hidden_states, self.num_heads, refresh)
         with torch.no_grad():
             out = self.block(hidden_states, attn_bias=bias, key_padding_mask=key_padding_mask)
         return (out,) if self._returns_tuple else out
@@ -419,7 +427,7 @@ def _transformers_major() -> int:
     return int(transformers.__version__.split(".")[0])
 
 
-def patch_hf(model: nn.Module, *, inplace: bool = True) -> nn.Module:
+def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = True) -> nn.Module:
     """Replace the encoder layers of a Hugging Face BERT-family model with fusedenc blocks.
 
     Finds every ``*Encoder`` module with a ``layer`` ModuleList (``model.encoder``
@@ -450,6 +458,12 @@ def patch_hf(model: nn.Module, *, inplace: bool = True) -> nn.Module:
     ``model.eval()`` first; raising beats silently dropping dropout).  At call
     time, ``head_mask``, ``output_attentions=True`` and ``is_causal=True``
     raise ``ValueError``.
+
+    Padding-free (``padding_free=True``, the default): when HF passes a mask with
+    padding, each encoder packs the batch's real tokens once, every layer computes only
+    those, and the output is scattered back to HF's padded shape with **zeros at padding
+    positions** (``fusedenc.hf_varlen`` says when the padded path runs instead).
+    ``padding_free=False`` keeps every layer on the padded batch.
 
     A model already patched is left as it is.  ``inplace=False`` patches a
     deep copy and leaves ``model`` alone.  Returns the patched model.
@@ -492,6 +506,10 @@ def patch_hf(model: nn.Module, *, inplace: bool = True) -> nn.Module:
         fused = [_build(plan, returns_tuple) for plan in plans]
     for plan, layer in zip(plans, fused):
         plan.encoder.layer[plan.index] = layer
+    if padding_free:
+        for _, encoder in encoders:
+            if all(isinstance(layer, HFEncoderLayer) for layer in encoder.layer):
+                hf_varlen.install(encoder)
 
     # transformers 5 records output_hidden_states with forward hooks that it installs
     # once per model, lazily, on every module of the layer class.  Hooks installed

@@ -1,9 +1,44 @@
-"""Hooks for tests of code built on fusedenc."""
+"""Hooks for tests of code built on fusedenc.
+
+Each A/B switch here changes which kernels a call runs, so automatic CUDA graphs captured
+on one side of it must not replay on the other: entering and leaving a switch drops them
+(``auto_graphs.invalidate``).  ``layer_norm_folding``'s mode is part of every graph's key.
+"""
 
 from __future__ import annotations
 
-from .core import force_epilogue_fallback, sm90_gemm_disabled
-from .fp8 import producers_disabled as fp8_producers_disabled
+import contextlib
+import functools
+from typing import Callable, Iterator
+
+from . import auto_graphs, core, fp8
 from .norm_fold import mode as layer_norm_folding
 
-__all__ = ["force_epilogue_fallback", "fp8_producers_disabled", "layer_norm_folding", "sm90_gemm_disabled"]
+__all__ = [
+    "auto_graphs_disabled",
+    "force_epilogue_fallback",
+    "fp8_producers_disabled",
+    "layer_norm_folding",
+    "sm90_gemm_disabled",
+]
+
+
+def _dropping_graphs(switch: Callable[..., contextlib.AbstractContextManager]) -> Callable[..., contextlib.AbstractContextManager]:
+    @functools.wraps(switch)
+    @contextlib.contextmanager
+    def wrapped(*args, **kwargs) -> Iterator[None]:
+        auto_graphs.invalidate()
+        try:
+            with switch(*args, **kwargs):
+                yield
+        finally:
+            auto_graphs.invalidate()
+
+    return wrapped
+
+
+force_epilogue_fallback = _dropping_graphs(core.force_epilogue_fallback)
+sm90_gemm_disabled = _dropping_graphs(core.sm90_gemm_disabled)
+fp8_producers_disabled = _dropping_graphs(fp8.producers_disabled)
+#: Plain calls inside run eagerly (no automatic CUDA graphs), process-wide.
+auto_graphs_disabled = auto_graphs.disabled

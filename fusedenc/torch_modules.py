@@ -22,7 +22,7 @@ import torch.nn as nn
 from . import activations, dtypes
 from .device import DTYPES_ACCEPTED
 
-__all__ = ["block_from_torch", "inference_only", "stack_from_torch"]
+__all__ = ["block_from_torch", "inference_only", "runs_eagerly_when_compiled", "stack_from_torch"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -136,3 +136,11 @@ def stack_from_torch(cls: type, block_cls: type, encoder: nn.TransformerEncoder)
         norm.requires_grad_(False)
     blocks = [block_from_torch(block_cls, layer, f"encoder.layers[{i}]") for i, layer in enumerate(encoder.layers)]
     return cls(blocks, norm)
+
+
+def runs_eagerly_when_compiled(fn: F) -> F:
+    """``torch.compiler.disable(fn)``, with torch's dynamo imported at the first call rather
+    than at fusedenc's import: importing it pulls in Inductor and Triton (seconds, and
+    ``import fusedenc`` must stay light).  torch's own lazy form where this torch has it."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import core
+from . import auto_graphs, core
 from .executors import NativeExecutor
 
 __all__ = ["register"]
@@ -65,6 +65,11 @@ def encoder_rows(
             "fusedenc: this compiled graph calls an EncoderBlock/EncoderStack that no longer exists "
             "(compile the module again)"
         )
+    if _replays_here(rows):
+        # torch.compile's default mode runs this op eagerly at run time: the module's
+        # automatic CUDA graphs replay here, so a compiled module is as fast as its plain call.
+        out = auto_graphs.encoder_call(run.__self__, run, rows, batch, seq, attn_bias, key_padding_mask, native=True)
+        return out.clone() if out is rows else out
     # Scratch for this call only: under torch.compile's CUDA graphs (reduce-overhead) every
     # allocation made while warming up or recording comes from the graph's pool and must be
     # freed or returned, so the per-stream workspace the eager path caches cannot be made here.
@@ -74,6 +79,16 @@ def encoder_rows(
         ex = NativeExecutor(rows.device, rows.dtype, workspace=scratch)
     out = run(rows, batch, seq, attn_bias, key_padding_mask, ex)
     return out.clone() if out is rows else out  # a custom op's output may not be its input
+
+
+def _replays_here(rows: torch.Tensor) -> bool:
+    """Whether the op may use automatic graphs: the native core runs on the rows' GPU and the
+    op runs on the device's default stream.  torch.compile's own CUDA graphs (reduce-overhead)
+    warm up on a stream of their own with every allocation sent to their pool, where a capture
+    of ours does not belong; inside their capture ``auto_graphs`` runs eagerly anyway."""
+    if not (rows.is_cuda and core.active_on(rows.device)):
+        return False
+    return torch.cuda.current_stream(rows.device) == torch.cuda.default_stream(rows.device)
 
 
 @encoder_rows.register_fake

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fusedenc.graphs import BucketedGraphs
+from fusedenc import graphs
 
 
 class _FakeGraph:
@@ -37,7 +38,7 @@ class _FakeStream:
 
 
 @contextlib.contextmanager
-def _fake_capture(graph, pool=None, stream=None):
+def _fake_capture(graph, pool=None, stream=None, capture_error_mode="global"):
     _FakeGraph.capturing = graph
     try:
         yield
@@ -53,6 +54,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(graphs, "_free_streams", {})  # no fake stream outlives the test
 
 
 def _math(x, shift):

@@ -806,6 +806,11 @@ def train(args: argparse.Namespace) -> None:
             print(json.dumps(rec), flush=True)
             history.append(rec)
             run_sums, run_count, t_log, seen_log = {}, 0, time.time(), 0
+        if val is not None and args.val_every and step % args.val_every == 0 and step < args.steps:
+            rec = {"step": step, "val": evaluate_set(model, val, args)}  # the curve: where overfitting starts
+            print(json.dumps(rec), flush=True)
+            history.append(rec)
+            model.train()
         if args.ckpt and time.time() - t_last_save > args.save_minutes * 60.0:
             save_checkpoint(args.ckpt, model, opt, step, args, history)
             t_last_save = time.time()
@@ -1005,6 +1010,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     a("--minutes", type=float, default=8.5, help="wall-clock budget of this call")
     a("--reserve", type=float, default=0.5, help="minutes kept for the final save, export and check")
     a("--save-minutes", type=float, default=2.0)
+    a("--val-every", type=int, default=500, help="validation loss every N steps (0: only at the end)")
     a("--log-every", type=int, default=100)
     a("--ckpt", default="", help="checkpoint to resume from and save to")
     a("--export", default="", help="write the net here (.pb.gz, LINEAR16) at the end")

@@ -73,7 +73,8 @@ not parse, is ignored with one ``AttentionTableWarning`` per file and process.
 Where things live: ``call`` (validation, the table key), ``backends``,
 ``tables`` (shipped and user tables), ``plans`` (the choice and the cached
 plan of a call signature), ``op`` (the public functions and the custom op),
-``triton_short`` (the Triton kernel).
+``triton_short`` (the Triton kernel), ``varlen`` (attention over packed variable-length
+sequences, ``cu_seqlens`` offsets: the padding-free path's).
 
 Inference only: no autograd.
 """
@@ -94,6 +95,7 @@ from .call import (
 from .op import attention, explain
 from .plans import BACKEND_ENV, Candidate, Explanation, cache_info, clear_cache, plan_for
 from .tables import METADATA_KEYS, TABLE_SCHEMA, AttentionTableWarning, parse_table, user_table_path
+from .varlen import VARLEN_BACKENDS, VarlenPlan, reference_varlen_attention, varlen_attention
 
 __all__ = [
     "BACKENDS",
@@ -105,9 +107,11 @@ __all__ = [
     "METADATA_KEYS",
     "SEQ_BUCKETS",
     "TABLE_SCHEMA",
+    "VARLEN_BACKENDS",
     "AttentionBackend",
     "AttentionCall",
     "AttentionTableWarning",
+    "VarlenPlan",
     "Candidate",
     "Explanation",
     "attention",
@@ -120,7 +124,9 @@ __all__ = [
     "explain",
     "parse_table",
     "plan_for",
+    "reference_varlen_attention",
     "seq_bucket",
     "table_key",
     "user_table_path",
+    "varlen_attention",
 ]

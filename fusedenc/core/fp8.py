@@ -25,10 +25,11 @@ def fp8_status(device: torch.device) -> tuple[bool, str]:
     module = native_module()
     if module is None or not active_on(device):
         return False, f"the native core is not active on {device} ({backend().reason})"
-    status = _status_by_index.get(device.index)
+    index = torch.cuda.current_device() if device.index is None else device.index  # "cuda": the current GPU
+    status = _status_by_index.get(index)
     if status is None:  # a property of the device and the build: asked once (every FP8 call asks)
-        ok, why = module.fp8_gemm_status(device.index)
-        status = _status_by_index[device.index] = (bool(ok), str(why))
+        ok, why = module.fp8_gemm_status(index)
+        status = _status_by_index[index] = (bool(ok), str(why))
     return status
 
 

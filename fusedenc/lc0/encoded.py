@@ -63,10 +63,9 @@ class EncodedRunner(Lc0GraphRunner):
 
     ``launch(host_in, host_out, n)`` copies the first ``n`` rows of ``host_in`` (pinned
     uint8 ``[rows, ROW_BYTES]``) into the bucket's static input, replays its graph and queues
-    the copy of its packed heads into ``host_out`` (pinned ``[rows, width]`` in the net's
-    dtype; ``layout`` says which columns hold which head), all on the current stream and
-    without waiting for the GPU.  With ``graphs=False`` the same runs eagerly (on a GPU or
-    the CPU, where ``host_out`` is written before ``launch`` returns)."""
+    the copy of its packed heads into ``host_out`` (pinned float32 ``[rows, width]``;
+    ``layout`` says which columns hold which head), all on the current stream and without
+    waiting for the GPU.  With ``graphs=False`` the same runs eagerly (on a GPU or the CPU, where ``host_out`` is written before ``launch`` returns)."""
 
     def __init__(self, net: Lc0Network, batch_sizes: Sequence[int], *, graphs: bool = True):
         p = net.preproc.weight

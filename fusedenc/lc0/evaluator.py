@@ -78,11 +78,11 @@ class _Slot:
     2-core host, 50-80 ms for 1024 positions: more than the GPU needs for the network).  The
     heads come back packed, one row of ``width`` values a position."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, rows: int, width: int) -> None:
+    def __init__(self, device: torch.device, rows: int, width: int) -> None:
         cuda = device.type == "cuda"
         self.inputs = torch.empty((rows, ROW_BYTES), dtype=torch.uint8, pin_memory=cuda)
         self.input_arrays = input_views(self.inputs.numpy())
-        self.outputs = torch.empty((rows, width), dtype=dtype, pin_memory=cuda)
+        self.outputs = torch.empty((rows, width), dtype=torch.float32, pin_memory=cuda)  # heads are float32
         self.event = torch.cuda.Event() if cuda else None
         # Filled per batch:
         self.requests: list[Any] = []  # requests.Request or a Minibatch's members
@@ -133,7 +133,7 @@ class _Replica:
                     self.run.capture_all()  # now: the first batches are not slowed by it
         self.free: "queue.Queue[_Slot]" = queue.Queue()
         for _ in range(owner.pipeline_depth):
-            self.free.put(_Slot(device, dtype, owner.max_batch, self.run.width))
+            self.free.put(_Slot(device, owner.max_batch, self.run.width))
         self.launch_q: "queue.Queue[Optional[_Slot]]" = queue.Queue()
         self.finish_q: "queue.Queue[Optional[_Slot]]" = queue.Queue()
         name = f"fusedenc-eval-{device}"

@@ -3,7 +3,9 @@
 Written from the semantics of lc0's ONNX converter (``src/neural/onnx/converter.cc``)
 in plain tensor operations, apart from fusedenc's fast path: it is the CPU oracle
 the fast network is tested against, and it computes in whatever dtype it is given
-(float32 or float64 for references).
+(float32 or float64 for references), but for the heads' last products (the policy's
+query-key logits, the value and moves-left outputs), which run in float32 at least from
+16-bit activations, as ``Lc0Network``'s do.
 
 The network, as lc0 builds it (``T = B * 64`` rows, one per square):
 
@@ -59,6 +61,12 @@ def _dense(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch
     weight = w.view(out, -1) if out is not None else w
     y = x @ weight.to(x).t()
     return y if b is None else y + b.to(x)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 at least: the heads' last products run in float32 from 16-bit
+    activations, as ``Lc0Network``'s do (float64 references stay float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _ln(x: torch.Tensor, gammas: torch.Tensor, betas: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,13 +141,13 @@ def _policy(
     p = apply_activation(_dense(x, head["ip_pol_w"], head["ip_pol_b"]), act)
     for layer in head.get("pol_encoder", []):
         p = _encoder_layer(p, layer, head["pol_headcount"], act, ffn_act, smolgen_act, smolgen_w, 1.0, eps)
-    q = _dense(p, head["ip2_pol_w"], head["ip2_pol_b"])  # [B, 64, pd]
-    k = _dense(p, head["ip3_pol_w"], head["ip3_pol_b"])
+    q = _wide(_dense(p, head["ip2_pol_w"], head["ip2_pol_b"]))  # [B, 64, pd]
+    k = _wide(_dense(p, head["ip3_pol_w"], head["ip3_pol_b"]))
     pd = q.shape[-1]
     logits = (q @ k.transpose(-1, -2)) / math.sqrt(pd)  # [B, 64 from, 64 to]
     # Promotions: the last rank's keys give 4 logits per file (q, r, b, n); the queen's is
     # added to the other three, which are then added to the from-rank-7 move logits.
-    prom = k[:, 56:64, :] @ head["ip4_pol_w"].view(4, pd).to(x).t()  # [B, 8, 4]
+    prom = k[:, 56:64, :] @ head["ip4_pol_w"].view(4, pd).to(k).t()  # [B, 8, 4]
     prom = (prom[:, :, :3] + prom[:, :, 3:4]).reshape(b, 1, 24)  # [B, 1, 8 files x 3 pieces]
     sl = logits[:, 48:56, 56:64].reshape(b, 64, 1).expand(b, 64, 3).reshape(b, 8, 24)
     prom = (sl + prom).reshape(b, 3, 64)
@@ -151,7 +159,7 @@ def _value(x: torch.Tensor, head: Mapping[str, Any], act: str, wdl: bool) -> tor
     b = x.shape[0]
     v = apply_activation(_dense(x, head["ip_val_w"], head["ip_val_b"]), act).reshape(b, -1)
     v = apply_activation(_dense(v, head["ip1_val_w"], head["ip1_val_b"]), act)
-    v = _dense(v, head["ip2_val_w"], head["ip2_val_b"])
+    v = _dense(_wide(v), head["ip2_val_w"], head["ip2_val_b"])
     return torch.softmax(v, dim=-1) if wdl else torch.tanh(v)
 
 
@@ -159,7 +167,7 @@ def _moves_left(x: torch.Tensor, w: Mapping[str, Any], act: str) -> torch.Tensor
     b = x.shape[0]
     m = apply_activation(_dense(x, w["ip_mov_w"], w["ip_mov_b"]), act).reshape(b, -1)
     m = apply_activation(_dense(m, w["ip1_mov_w"], w["ip1_mov_b"]), act)
-    return F.relu(_dense(m, w["ip2_mov_w"], w["ip2_mov_b"]))
+    return F.relu(_dense(_wide(m), w["ip2_mov_w"], w["ip2_mov_b"]))
 
 
 class ReferenceNetwork(nn.Module):

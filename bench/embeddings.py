@@ -1,0 +1,380 @@
+"""Sentence-embedding throughput on real text: tokenized sentences in, pooled embeddings out.
+
+    python3 bench/embeddings.py                       # GPU: bert-base and all-MiniLM-L6-v2, every peer
+    python3 bench/embeddings.py --model tiny          # CPU smoke run (the default without a GPU)
+    python3 bench/embeddings.py --model minilm --batch-sizes 128 --impl hf-sdpa,fusedenc,fusedenc-graph
+
+The sentences are ``tests/data/real_sentences`` (English prose of the Python 3.11
+documentation, in a seeded random order), taken in file order and batched as a service
+would: each batch padded to its longest sentence (``pad_to_multiple_of=8`` for every
+implementation alike, which also bounds the shapes ``torch.compile`` sees).  Tokenization
+happens once, before timing; a timed pass runs every batch through an implementation and
+mean-pools the last hidden state over the attention mask (sentence-transformers' pooling
+for all-MiniLM-L6-v2; the same pooling for bert-base).  The table reports sentences/s and
+tokens/s (real tokens), the median of ``--reps`` passes, with the ratio to the best peer.
+
+Implementations (``--impl``):
+
+  hf-eager, hf-sdpa     the Hugging Face model, attn_implementation "eager" / "sdpa"
+  compile, compile-ro   torch.compile of the HF sdpa model, default and "reduce-overhead"
+                        modes (warmed up over every batch shape of the run: the timed pass
+                        sees no new shape, which favours them)
+  fusedenc-padded       patch_hf(model, padding_free=False): every layer on the padded batch
+  fusedenc              patch_hf(model): the padding-free path (one gather, every layer on
+                        the real tokens, one scatter)
+  fusedenc-graph        HF's embeddings, then the patched layers as a
+                        ``VarlenGraphRunner`` (CUDA graphs keyed by token count) on the
+                        packed rows, pooled straight from them (``fusedenc.varlen.mean_pool``)
+
+Before timing, every implementation's embeddings are compared with the fp32 HF model's on
+the same batches: the smallest cosine over all sentences is reported (the target for fp16
+is >= 0.9999) and a failure is marked in the table.  bert-base has random weights (HF's
+initialisation, no download) and the MiniLM tokenizer (the same uncased WordPiece vocabulary);
+all-MiniLM-L6-v2 is the trained model of the ``real-models`` extra.  Without that package
+(the CPU smoke run in CI) the ``tiny`` model uses a word-level stand-in tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import re
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+import fusedenc  # noqa: E402
+from fusedenc import real_models, varlen, varlen_graphs  # noqa: E402
+from fusedenc.attention import varlen as varlen_attention  # noqa: E402
+
+SENTENCES = Path(__file__).resolve().parent.parent / "tests" / "data" / "real_sentences" / "sentences.txt.gz"
+IMPLS = ("hf-eager", "hf-sdpa", "compile", "compile-ro", "fusedenc-padded", "fusedenc", "fusedenc-graph")
+CPU_IMPLS = ("hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc")
+MODELS = ("minilm", "bert-base", "tiny")
+FP16_COSINE = 0.9999
+BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+LENGTH_BINS = (8, 16, 32, 64, 128, 256, 512)
+
+
+# ------------------------------------------------------------ inputs ----
+
+
+def read_sentences(n: int) -> list[str]:
+    with gzip.open(SENTENCES, "rt", encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    return lines[:n]
+
+
+class WordTokenizer:
+    """A stand-in for the WordPiece tokenizer where the real-models extra is missing (CPU
+    smoke runs): lower-cased words and punctuation hashed into the vocabulary, [CLS] ... [SEP]."""
+
+    def __init__(self, vocab_size: int = 30522):
+        self.vocab_size = vocab_size
+
+    def ids(self, sentence: str) -> list[int]:
+        words = re.findall(r"\w+|[^\w\s]", sentence.lower())
+        return [101] + [1000 + zlib.crc32(w.encode()) % (self.vocab_size - 1000) for w in words] + [102]
+
+    def __call__(self, sentences, max_length: int = 512, pad_to_multiple_of: int = 8) -> dict[str, torch.Tensor]:
+        rows = [self.ids(s)[:max_length] for s in sentences]
+        longest = max(len(r) for r in rows)
+        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        mask = torch.zeros(len(rows), longest, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+
+
+def tokenizer_for(model: str):
+    try:
+        return real_models.load_minilm_tokenizer(), "all-MiniLM-L6-v2 WordPiece (uncased)"
+    except real_models.RealModelMissing:
+        if model != "tiny":
+            raise
+        return None, "word-level stand-in (real-models extra not installed)"
+
+
+def make_batches(sentences, tokenizer, batch: int, max_length: int, device) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for start in range(0, len(sentences) - batch + 1, batch):  # whole batches only
+        chunk = sentences[start:start + batch]
+        if isinstance(tokenizer, WordTokenizer):
+            enc = tokenizer(chunk, max_length=max_length)
+        else:
+            enc = dict(tokenizer(chunk, padding=True, truncation=True, max_length=max_length, pad_to_multiple_of=8,
+                                 return_tensors="pt"))  # fmt: skip
+        out.append({k: v.to(device) for k, v in enc.items()})
+    return out
+
+
+def length_histogram(batches) -> dict[str, Any]:
+    lengths = torch.cat([b["attention_mask"].sum(1).cpu() for b in batches])
+    bins, lo = {}, 0
+    for hi in LENGTH_BINS:
+        bins[f"{lo + 1}-{hi}"] = int(((lengths > lo) & (lengths <= hi)).sum())
+        lo = hi
+    real = int(lengths.sum())
+    padded = sum(b["attention_mask"].numel() for b in batches)
+    q = torch.quantile(lengths.float(), torch.tensor([0.1, 0.5, 0.9, 0.99])).tolist()
+    return {"sentences": len(lengths), "min": int(lengths.min()), "p10": q[0], "median": q[1], "p90": q[2],
+            "p99": q[3], "max": int(lengths.max()), "mean": float(lengths.float().mean()), "bins": bins,
+            "real_tokens": real, "padded_tokens": padded, "padding_fraction": 1 - real / padded}  # fmt: skip
+
+
+# ------------------------------------------------------------ models ----
+
+
+def load_model(name: str, device, dtype, impl: str, seed: int):
+    """The HF model (eval, on device, in dtype) with attn_implementation ``impl``."""
+    import transformers
+
+    if name == "minilm":
+        model, _ = real_models.load_minilm(device, dtype, attn_implementation=impl)
+        return model
+    shape = BERT_BASE if name == "bert-base" else TINY
+    config = transformers.BertConfig(vocab_size=30522, max_position_embeddings=512, hidden_act="gelu",
+                                     layer_norm_eps=1e-12, attn_implementation=impl, **shape)  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.BertModel(config, add_pooling_layer=False)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sentence-transformers' mean pooling (fp32) and L2 normalization."""
+    keep = mask.unsqueeze(-1).float()
+    return F.normalize((hidden.float() * keep).sum(1) / keep.sum(1).clamp(min=1e-9), dim=1)
+
+
+def hf_runner(model) -> Callable[[dict], torch.Tensor]:
+    def run(batch):
+        out = model(**batch)
+        return pooled(out.last_hidden_state, batch["attention_mask"])
+
+    return run
+
+
+def graph_runner(model, batches, max_sequences: int) -> tuple[Callable[[dict], torch.Tensor], Any]:
+    """HF embeddings -> pack -> VarlenGraphRunner over the patched layers -> pooled from packed rows."""
+    encoder = model.encoder
+    stack = fusedenc.EncoderStack([layer.block for layer in encoder.layer])
+    max_seqlen = max(b["input_ids"].shape[1] for b in batches)
+    most = max(int(b["attention_mask"].sum()) for b in batches)
+    buckets = varlen_graphs.default_token_buckets(most)
+    runner = stack.varlen_graph_runner(buckets, max_sequences=max_sequences, max_seqlen=max_seqlen)
+
+    def run(batch):
+        x = model.embeddings(input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids"))
+        packing = varlen.packing_from_mask(batch["attention_mask"] == 0)
+        rows = runner(varlen.pack(x, packing), varlen_offsets(packing))
+        return F.normalize(varlen.mean_pool(rows, packing), dim=1)
+
+    return run, runner
+
+
+def varlen_offsets(packing) -> list[int]:
+    out = [0]
+    for n in packing.lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int):
+    """(runner, one-time seconds, note) for one implementation."""
+    start = time.perf_counter()
+    note = ""
+    hf_impl = "eager" if impl == "hf-eager" else "sdpa"
+    model = load_model(name, device, dtype, hf_impl, seed)
+    if impl in ("hf-eager", "hf-sdpa"):
+        run = hf_runner(model)
+    elif impl in ("compile", "compile-ro"):
+        mode = "reduce-overhead" if impl == "compile-ro" else None
+        run = hf_runner(torch.compile(model, mode=mode))
+    elif impl == "fusedenc-padded":
+        run = hf_runner(fusedenc.patch_hf(model, padding_free=False))
+    elif impl == "fusedenc":
+        run = hf_runner(fusedenc.patch_hf(model))
+    elif impl == "fusedenc-graph":
+        run, runner = graph_runner(fusedenc.patch_hf(model), batches, batch)
+        note = f"{len(runner.token_buckets)} token buckets"
+    else:
+        raise ValueError(impl)
+    with torch.inference_mode():
+        for b in batches:  # warm-up over every shape: compilation, captures, plans
+            run(b)
+    common_sync(device)
+    return run, time.perf_counter() - start, note
+
+
+def common_sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def embed_all(run, batches) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.cat([run(b).float().cpu() for b in batches])
+
+
+def time_passes(run, batches, device, reps: int) -> list[float]:
+    """Seconds per pass over every batch (device events on a GPU, wall clock on CPU)."""
+    out = []
+    with torch.inference_mode():
+        for _ in range(reps):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for b in batches:
+                    run(b)
+                end.record()
+                end.synchronize()
+                out.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                for b in batches:
+                    run(b)
+                out.append(time.perf_counter() - t0)
+    return out
+
+
+# ------------------------------------------------------------ main ----
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help=f"comma list of {', '.join(MODELS)} "
+                    "(default minilm,bert-base on a GPU, tiny on CPU)")  # fmt: skip
+    ap.add_argument("--batch-sizes", default=None, help="comma list (default 32,128,512 on a GPU; 8,32 on CPU)")
+    ap.add_argument("--impl", default=None, help=f"comma list of {', '.join(IMPLS)} (default all on a GPU; "
+                    f"{', '.join(CPU_IMPLS)} on CPU)")  # fmt: skip
+    ap.add_argument("--sentences", type=int, default=None, help="sentences per pass (default 4096 on a GPU, 64 on CPU)")
+    ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
+                    help="default float16 on a GPU, float32 on CPU")  # fmt: skip
+    ap.add_argument("--max-length", type=int, default=256, help="truncation (sentence-transformers' 256)")
+    ap.add_argument("--reps", type=int, default=None, help=f"timed passes, median taken (default {common.MIN_REPS})")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out-dir", default=os.environ.get(common.RESULTS_DIR_ENV) or common.DEFAULT_RESULTS_DIR)
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+
+    device = common.resolve_device(args.device)
+    gpu = device.type == "cuda"
+    if gpu:
+        torch.cuda.set_device(device)
+    models = common.comma_list(args.model or ("minilm,bert-base" if gpu else "tiny"))
+    impls = common.comma_list(args.impl or ",".join(IMPLS if gpu else CPU_IMPLS))
+    sizes = [int(b) for b in common.comma_list(args.batch_sizes or ("32,128,512" if gpu else "8,32"))]
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"--model {m!r} is not one of {MODELS}")
+    for i in impls:
+        if i not in IMPLS:
+            ap.error(f"--impl {i!r} is not one of {IMPLS}")
+    if not gpu and "fusedenc-graph" in impls:
+        ap.error("fusedenc-graph needs a GPU (CUDA graphs)")
+    reps = args.reps or common.MIN_REPS
+    dtype = getattr(torch, args.dtype or ("float16" if gpu else "float32"))
+    n = args.sentences or (4096 if gpu else 64)
+    sentences = read_sentences(n)
+    env = common.environment(device)
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        print("bench/embeddings.py needs transformers", file=sys.stderr)
+        return 2
+    env["varlen_attention"] = varlen_attention.choose(dtype, 64, device)
+
+    records, lines = [], [common.describe_environment(env), ""]
+    for name in models:
+        tokenizer, tok_note = tokenizer_for(name)
+        tokenizer = tokenizer or WordTokenizer()
+        ref_model = load_model(name, device, torch.float32, "sdpa", args.seed)
+        for batch in sizes:
+            batches = make_batches(sentences, tokenizer, batch, args.max_length, device)
+            if not batches:
+                print(f"skip {name} batch {batch}: fewer than {batch} sentences", file=sys.stderr)
+                continue
+            hist = length_histogram(batches)
+            ref = embed_all(hf_runner(ref_model), batches)
+            rows = []
+            for impl in impls:
+                print(f"[{name} b{batch}] {impl} ...", file=sys.stderr, flush=True)
+                try:
+                    run, setup_s, note = build(impl, name, device, dtype, args.seed, batches, batch)
+                except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others
+                    rows.append({"impl": impl, "error": f"{type(e).__name__}: {e}"})
+                    continue
+                emb = embed_all(run, batches)
+                cos = F.cosine_similarity(emb.double(), ref.double(), dim=1)
+                passes = time_passes(run, batches, device, reps)
+                sec = statistics.median(passes)
+                rows.append({
+                    "impl": impl, "seconds_per_pass": sec, "sentences_per_s": hist["sentences"] / sec,
+                    "real_tokens_per_s": hist["real_tokens"] / sec, "min_cosine": float(cos.min()),
+                    "mean_cosine": float(cos.mean()), "cosine_ok": bool(cos.min() >= FP16_COSINE) or dtype != torch.float16,
+                    "setup_seconds": setup_s, "note": note, "passes_s": passes,
+                })  # fmt: skip
+                del run
+                if gpu:
+                    torch.cuda.empty_cache()
+            record = {"model": name, "batch": batch, "dtype": str(dtype).replace("torch.", ""), "tokenizer": tok_note,
+                      "lengths": hist, "results": rows}  # fmt: skip
+            records.append(record)
+            lines += table(record)
+            print("\n".join(table(record)), flush=True)
+
+    tag = args.tag or "_".join(("-".join(models), str(dtype).replace("torch.", ""), common.slug(env["device_name"])))
+    os.makedirs(args.out_dir, exist_ok=True)
+    base = os.path.join(args.out_dir, f"embeddings_{tag}")
+    common.write_json(base + ".json", {"environment": env, "args": vars(args), "records": records})
+    with open(base + ".txt", "w", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print(f"wrote {base}.json and {base}.txt")
+    failed = [(r["model"], r["batch"], x["impl"]) for r in records for x in r["results"] if not x.get("cosine_ok", True)]
+    if failed:
+        print(f"embeddings below cosine {FP16_COSINE} against fp32: {failed}", file=sys.stderr)
+    return 0
+
+
+def table(record: dict) -> list[str]:
+    h = record["lengths"]
+    out = [f"{record['model']}, batch {record['batch']}, {record['dtype']}: {h['sentences']} sentences, "
+           f"tokens per sentence min {h['min']} / p10 {h['p10']:.0f} / median {h['median']:.0f} / mean {h['mean']:.1f} / "
+           f"p90 {h['p90']:.0f} / p99 {h['p99']:.0f} / max {h['max']}; {100 * h['padding_fraction']:.0f}% of the "
+           f"padded batches' tokens are padding",
+           "  length histogram: " + ", ".join(f"{k}: {v}" for k, v in h["bins"].items() if v),
+           f"  {'implementation':<16} {'sentences/s':>12} {'tokens/s':>12} {'x best peer':>11} {'min cosine':>11}  setup"]  # fmt: skip
+    ok = [r for r in record["results"] if "error" not in r]
+    peers = [r["sentences_per_s"] for r in ok if not r["impl"].startswith("fusedenc")]
+    best = max(peers) if peers else None
+    for r in record["results"]:
+        if "error" in r:
+            out.append(f"  {r['impl']:<16} failed: {r['error'][:150]}")
+            continue
+        ratio = f"{r['sentences_per_s'] / best:.2f}x" if best else "-"
+        flag = "" if r["cosine_ok"] else "  BELOW 0.9999"
+        out.append(f"  {r['impl']:<16} {r['sentences_per_s']:>12.0f} {r['real_tokens_per_s']:>12.0f} {ratio:>11} "
+                   f"{r['min_cosine']:>11.6f}  {r['setup_seconds']:.1f}s {r['note']}{flag}")  # fmt: skip
+    return out + [""]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""The padding-free path on CPU: packing, varlen attention, blocks and stacks on packed rows,
+patch_hf's packed encoder, bad input, and the embeddings benchmark's smoke run.
+
+The oracle is the padded computation in fp32 (``forward`` with a key padding mask, or the
+unpatched HF model): on real tokens the packed path must give the same numbers; padding
+positions come out zero.  Masks are drawn fresh per test, never only prefix masks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from bench_helpers import run_bench
+
+import fusedenc
+from fusedenc import varlen
+from fusedenc.attention import VarlenPlan, reference_varlen_attention, varlen_attention
+from fusedenc.attention import varlen as attention_varlen
+from fusedenc.varlen_graphs import VarlenGraphRunner, default_token_buckets
+
+#: fp32 on the CPU: the packed and padded paths differ only in summation order.
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _mask(gen, batch, seq, kind):
+    """bool [B, S], True = padding: right padding with varied lengths (one full, one of a
+    single token), left padding, or holes (position 0 kept real)."""
+    lengths = torch.randint(1, seq + 1, (batch,), generator=gen)
+    lengths[0], lengths[-1] = seq, 1
+    pad = torch.arange(seq)[None, :] >= lengths[:, None]
+    if kind == "left":
+        pad = pad.flip(1)
+    elif kind == "holes":
+        pad = torch.rand(batch, seq, generator=gen) < 0.4
+        pad[:, 0] = False
+    return pad
+
+
+# ------------------------------------------------------------ packing ----
+
+
+@pytest.mark.parametrize("kind", ["right", "left", "holes"])
+def test_pack_unpack_round_trip(kind, gen):
+    b, s, d = 5, 13, 8
+    x = torch.randn(b, s, d, generator=gen)
+    pad = _mask(gen, b, s, kind)
+    pad[2] = True  # an all-padding sequence: no rows
+    p = varlen.packing_from_mask(pad)
+    assert p.total == int((~pad).sum()) and p.lengths[2] == 0
+    if kind != "holes":  # random holes may happen to form a prefix mask
+        assert p.prefix == (kind == "right")
+    assert p.cu_seqlens.dtype == torch.int32 and p.cu_seqlens.tolist()[-1] == p.total
+    rows = varlen.pack(x, p)
+    assert rows.shape == (p.total, d) and rows.is_contiguous()
+    torch.testing.assert_close(rows, x[~pad])  # sequence by sequence, in position order
+    back = varlen.unpack(rows, p)
+    torch.testing.assert_close(back, x.masked_fill(pad[..., None], 0.0), rtol=0, atol=0)
+    out = torch.full_like(x, float("nan"))  # poisoned: padding must be overwritten with zeros
+    varlen.unpack(rows, p, out=out)
+    torch.testing.assert_close(out, back, rtol=0, atol=0)
+    keep = (~pad)[..., None].float()
+    want = (x * keep).sum(1) / keep.sum(1).clamp(min=1e-9)
+    torch.testing.assert_close(varlen.mean_pool(rows, p), want)
+
+
+def test_packing_flags_and_lengths(gen):
+    pad = torch.tensor([[False, False, True], [True, False, False], [False, True, False]])
+    p = varlen.packing_from_mask(pad)
+    assert not p.prefix and not p.first_real and p.lengths == (2, 2, 2) and p.max_seqlen == 2
+    q = varlen.packing_from_lengths([3, 0, 1], 3)
+    assert q.prefix and not q.first_real and q.indices.tolist() == [0, 1, 2, 6]
+    assert q.cu_seqlens.tolist() == [0, 3, 3, 4]
+    r = varlen.packing_from_lengths(torch.tensor([2, 1]), 2)
+    assert r.first_real and r.has_padding
+
+
+@pytest.mark.parametrize(
+    "call, err, match",
+    [
+        (lambda: varlen.packing_from_mask(torch.zeros(2, 3)), TypeError, "bool"),
+        (lambda: varlen.packing_from_mask(torch.zeros(2, 3, 1, dtype=torch.bool)), ValueError, r"\[B, S\]"),
+        (lambda: varlen.packing_from_mask([[True]]), TypeError, "torch.Tensor"),
+        (lambda: varlen.packing_from_lengths([2, 5], 4), ValueError, r"lengths\[1\]=5 is outside \[0, seq_len=4\]"),
+        (lambda: varlen.packing_from_lengths([-1], 4), ValueError, r"lengths\[0\]=-1"),
+        (lambda: varlen.packing_from_lengths([1.5], 4), TypeError, r"lengths\[0\]"),
+        (lambda: varlen.packing_from_lengths(torch.tensor([1.0]), 4), ValueError, "integer"),
+        (lambda: varlen.pack(torch.zeros(2, 4, 3), varlen.packing_from_lengths([1, 1], 3)), ValueError, r"\[2, 3, D\]"),
+        (lambda: varlen.unpack(torch.zeros(5, 3), varlen.packing_from_lengths([1, 1], 3)), ValueError, "T = 2"),
+    ],
+)
+def test_packing_bad_input(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
+
+
+# ------------------------------------------------------------ attention ----
+
+
+def _qkv(gen, t, h, d, dtype=torch.float32):
+    qkv = torch.randn(t, 3 * h * d, generator=gen).to(dtype)
+    return qkv, qkv.view(t, 3, h, d).unbind(1)  # strided views of one buffer, as the block passes them
+
+
+def test_varlen_attention_matches_reference(gen):
+    lengths = [5, 0, 1, 9, 3]  # an empty sequence among them
+    cu = varlen.cu_seqlens_from_lengths(lengths)
+    t = sum(lengths)
+    _, (q, k, v) = _qkv(gen, t + 4, 3, 8)  # 4 rows past the last sequence: a graph bucket's slack
+    out = varlen_attention(q, k, v, cu, max(lengths))
+    ref = reference_varlen_attention(q, k, v, cu)
+    assert out.shape == (t + 4, 24)
+    torch.testing.assert_close(out[:t], ref[:t], **TOL)
+    # Against fusedenc's padded attention on the same sequences.
+    qp = torch.zeros(len(lengths), 9, 3, 8)
+    kp, vp = qp.clone(), qp.clone()
+    for i, (a, n) in enumerate(zip(cu.tolist(), lengths)):
+        qp[i, :n], kp[i, :n], vp[i, :n] = q[a:a + n], k[a:a + n], v[a:a + n]
+    mask = torch.arange(9)[None] >= torch.tensor(lengths)[:, None]
+    padded = fusedenc.attention.attention(qp, kp, vp, None, mask).view(len(lengths), 9, 24)
+    for i, (a, n) in enumerate(zip(cu.tolist(), lengths)):
+        torch.testing.assert_close(out[a:a + n], padded[i, :n], **TOL)
+
+
+def test_varlen_attention_bad_input(gen):
+    _, (q, k, v) = _qkv(gen, 6, 2, 8)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        varlen_attention(q, k, v, cu.long(), 4)
+    with pytest.raises(ValueError, match="more than max_seqlen=3"):
+        varlen_attention(q, k, v, cu, 3)
+    with pytest.raises(ValueError, match="must not decrease"):
+        varlen_attention(q, k, v, torch.tensor([0, 4, 2], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\] must be 0"):
+        varlen_attention(q, k, v, torch.tensor([1, 4], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="exceeds the 6 rows"):
+        varlen_attention(q, k, v, torch.tensor([0, 7], dtype=torch.int32), 8)
+    with pytest.raises(ValueError, match=r"\[T, H, Dh\]"):
+        varlen_attention(q[None], k[None], v[None], cu, 4)
+    with pytest.raises(ValueError, match="flash_varlen.*cannot serve"):
+        varlen_attention(q, k, v, cu, 4, backend="flash_varlen")  # CPU
+    with pytest.raises(ValueError, match="not one of"):
+        varlen_attention(q, k, v, cu, 4, backend="nested")
+    assert attention_varlen.choose(torch.float32, 8, torch.device("cpu")) == "padded"
+
+
+def test_backend_env_forces(monkeypatch):
+    monkeypatch.setenv(attention_varlen.BACKEND_ENV, "flash_varlen")
+    with pytest.raises(ValueError, match="cannot serve"):
+        attention_varlen.choose(torch.float32, 8, torch.device("cpu"))
+
+
+# ------------------------------------------------------------ blocks and stacks ----
+
+
+def _stack(norm_first=False, final_norm=False, batch_first=True):
+    torch.manual_seed(0)
+    stack = fusedenc.EncoderStack.build(2, 32, 4, 64, activation="gelu", norm_first=norm_first, final_norm=final_norm,
+                                        batch_first=batch_first, dtype=torch.float32, device="cpu")  # fmt: skip
+    with torch.no_grad():  # visible biases and LayerNorm affine terms
+        for name, p in stack.named_parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    return stack
+
+
+@pytest.mark.parametrize("kind", ["right", "left", "holes"])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_stack_unpadded_equals_padded_on_real_tokens(kind, norm_first, gen):
+    stack = _stack(norm_first=norm_first, final_norm=True)
+    b, s = 6, 11
+    x = torch.randn(b, s, 32, generator=gen)
+    pad = _mask(gen, b, s, kind)
+    want = stack(x, key_padding_mask=pad)
+    got = stack.forward_unpadded(x, pad)
+    assert torch.equal(got[pad], torch.zeros_like(got[pad])), "padding positions must be zero"
+    torch.testing.assert_close(got[~pad], want[~pad], **TOL, msg=lambda m: f"seed={gen.seed_value}: {m}")
+    # The block alone, and packed rows in, packed rows out.
+    p = varlen.packing_from_mask(pad)
+    rows = varlen.pack(x, p)
+    block = stack.blocks[0]
+    torch.testing.assert_close(block.forward_packed(rows, p), block(x, key_padding_mask=pad)[~pad], **TOL)
+    torch.testing.assert_close(block.forward_packed(rows, p.cu_seqlens), block.forward_packed(rows, p), rtol=0, atol=0)
+    torch.testing.assert_close(stack.forward_packed(rows, p.cu_seqlens), got[~pad], rtol=0, atol=0)
+
+
+def test_stack_lengths_sequence_first_and_empty(gen):
+    stack = _stack(batch_first=False)
+    s, b = 7, 4
+    x = torch.randn(s, b, 32, generator=gen)
+    lengths = [7, 2, 0, 5]
+    pad = torch.arange(s)[None] >= torch.tensor(lengths)[:, None]
+    got = stack.forward_unpadded(x, lengths=lengths)
+    assert got.shape == x.shape
+    want = stack(x, key_padding_mask=pad)
+    real = (~pad).t()
+    torch.testing.assert_close(got[real], want[real], **TOL)
+    assert torch.equal(got[:, 2], torch.zeros_like(got[:, 2])), "an empty sequence gives zeros"
+    nothing = stack.forward_unpadded(x, lengths=[0, 0, 0, 0])  # no real token at all
+    assert torch.equal(nothing, torch.zeros_like(x))
+
+
+def test_stack_varlen_bad_input(gen):
+    stack = _stack()
+    x = torch.randn(2, 5, 32, generator=gen)
+    with pytest.raises(ValueError, match="exactly one"):
+        stack.forward_unpadded(x)
+    with pytest.raises(ValueError, match="exactly one"):
+        stack.forward_unpadded(x, torch.zeros(2, 5, dtype=torch.bool), lengths=[1, 1])
+    with pytest.raises(ValueError, match=r"lengths\[0\]=6 is outside"):  # beyond the padded length
+        stack.forward_unpadded(x, lengths=[6, 1])
+    with pytest.raises(ValueError, match=r"bool \[B, S\]"):
+        stack.forward_unpadded(x, torch.zeros(2, 4, dtype=torch.bool))
+    rows = torch.randn(6, 32, generator=gen)
+    with pytest.raises(ValueError, match="must equal the number of rows"):
+        stack.forward_packed(rows, torch.tensor([0, 2, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="more than max_seqlen"):
+        stack.forward_packed(rows, torch.tensor([0, 2, 6], dtype=torch.int32), 3)
+    with pytest.raises(ValueError, match=r"\[T, 32\]"):
+        stack.forward_packed(torch.randn(6, 16), torch.tensor([0, 6], dtype=torch.int32))
+    with pytest.raises(TypeError, match="float64"):
+        stack.forward_packed(rows.double(), torch.tensor([0, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match="packing 3 tokens"):
+        stack.forward_packed(rows, varlen.packing_from_lengths([2, 1], 5))
+    with pytest.raises(ValueError, match="not supported on packed rows"):
+        VarlenPlan(torch.tensor([0, 6], dtype=torch.int32), 6).run(rows, rows, rows, attn_bias=rows)
+    stack.train()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        stack.forward_unpadded(x, lengths=[1, 1])
+
+
+def test_graph_runner_refuses_cpu_and_buckets():
+    with pytest.raises(ValueError, match="GPU"):
+        VarlenGraphRunner(_stack(), max_sequences=4, max_seqlen=8)
+    b = default_token_buckets(5000)
+    assert b[0] == 64 and b[-1] >= 5000 and all(x % 64 == 0 for x in b) and list(b) == sorted(set(b))
+    assert all(b2 / b1 <= 1.5 for b1, b2 in zip(b[3:], b[4:]))
+
+
+# ------------------------------------------------------------ patch_hf ----
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+             max_position_embeddings=40, type_vocab_size=2, pad_token_id=1)  # fmt: skip
+
+
+def _hf(gen, impl="sdpa", model_type="bert", padding_free=True):
+    import copy
+
+    config = transformers.AutoConfig.for_model(model_type, attn_implementation=impl, **SMALL)
+    with torch.random.fork_rng():
+        torch.manual_seed(gen.seed_value)
+        model = transformers.AutoModel.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape) if name.endswith("LayerNorm.weight") else 0.2 * torch.randn(p.shape))
+    ref = copy.deepcopy(model)
+    return fusedenc.patch_hf(model, padding_free=padding_free), ref
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_patched_model_packs(impl, model_type, gen):
+    model, ref = _hf(gen, impl, model_type)
+    b, s = 5, 12
+    ids = torch.randint(2, SMALL["vocab_size"], (b, s), generator=gen)
+    mask = (~_mask(gen, b, s, "holes")).long()  # holes: not a prefix mask
+    calls = []
+    hook = model.encoder.layer[0].register_forward_pre_hook(lambda m, a: calls.append(tuple(a[0].shape)))
+    with torch.no_grad():
+        got, want = model(ids, attention_mask=mask), ref(ids, attention_mask=mask)
+    hook.remove()
+    real = mask.bool()
+    assert calls == [(1, int(real.sum()), SMALL["hidden_size"])], "the layers must see the packed rows"
+    torch.testing.assert_close(got.last_hidden_state[real], want.last_hidden_state[real], **TOL)
+    assert torch.equal(got.last_hidden_state[~real], torch.zeros_like(got.last_hidden_state[~real]))
+    torch.testing.assert_close(got.pooler_output, want.pooler_output, **TOL)
+
+
+@pytest.mark.parametrize("case", ["left-padding", "no-padding", "hidden-states", "padding_free=False", "all-padding"])
+def test_patched_model_keeps_hf_padding_outputs(case, gen):
+    """Where the packed path would not give HF's outputs, the padded path runs: HF's values
+    at every position, padding included."""
+    model, ref = _hf(gen, "eager", padding_free=case != "padding_free=False")
+    b, s = 4, 9
+    ids = torch.randint(2, SMALL["vocab_size"], (b, s), generator=gen)
+    mask = (~_mask(gen, b, s, "left" if case == "left-padding" else "right")).long()
+    if case == "no-padding":
+        mask[:] = 1
+    if case == "all-padding":
+        mask[1] = 0
+    kw = {"output_hidden_states": True} if case == "hidden-states" else {}
+    with torch.no_grad():
+        got, want = model(ids, attention_mask=mask, **kw), ref(ids, attention_mask=mask, **kw)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, **TOL)
+    torch.testing.assert_close(got.pooler_output, want.pooler_output, **TOL)
+    if kw:
+        assert [h.shape for h in got.hidden_states] == [h.shape for h in want.hidden_states]
+        for g, w in zip(got.hidden_states, want.hidden_states):
+            torch.testing.assert_close(g, w, **TOL)
+
+
+def test_patched_model_lengths_beyond_positions(gen):
+    """Longer than the position embeddings: refused by HF's embeddings, as unpatched."""
+    model, ref = _hf(gen)
+    ids = torch.randint(2, SMALL["vocab_size"], (2, SMALL["max_position_embeddings"] + 1), generator=gen)
+    for m in (ref, model):
+        with pytest.raises((IndexError, RuntimeError, ValueError)):
+            m(ids, attention_mask=torch.ones_like(ids))
+
+
+def test_patched_model_deepcopy_and_repatch(gen):
+    import copy
+
+    model, ref = _hf(gen)
+    again = fusedenc.patch_hf(model)
+    assert again is model
+    clone = copy.deepcopy(model)
+    ids = torch.randint(2, SMALL["vocab_size"], (3, 8), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).last_hidden_state[real]
+        for m in (model, clone):
+            torch.testing.assert_close(m(ids, attention_mask=mask).last_hidden_state[real], want, **TOL)
+
+
+# ------------------------------------------------------------ benchmark ----
+
+
+def test_embeddings_bench_smoke(tmp_path):
+    run_bench("embeddings.py", ["--device", "cpu", "--model", "tiny", "--batch-sizes", "8", "--sentences", "16",
+                                "--reps", "2", "--out-dir", str(tmp_path), "--tag", "smoke"], timeout=300)  # fmt: skip
+    result = json.loads((tmp_path / "embeddings_smoke.json").read_text())
+    assert result["environment"]["torch"] and "transformers" in result["environment"]
+    [record] = result["records"]
+    assert record["lengths"]["sentences"] == 16 and 0 < record["lengths"]["padding_fraction"] < 1
+    impls = {r["impl"]: r for r in record["results"]}
+    assert set(impls) == {"hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc"}
+    for name, r in impls.items():
+        assert "error" not in r, f"{name}: {r.get('error')}"
+        assert r["min_cosine"] > 0.99999 and r["sentences_per_s"] > 0, name
+    assert (tmp_path / "embeddings_smoke.txt").read_text().strip()
