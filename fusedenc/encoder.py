@@ -207,6 +207,7 @@ class EncoderBlock(PaddingFreeCalls, auto_graphs.GraphedModule):
 
     def quantize(
         self, mode: Optional[str] = "fp8", *, keep: Iterable[str] = (), fast_accum=False, calibration=None, fold_norms=True,
+        input_headroom: float = fp8.INPUT_HEADROOM,
     ) -> "EncoderBlock":  # fmt: skip
         """Run the block's GEMMs in FP8 (``mode="fp8"``) or back in its own dtype (``None``).
 
@@ -218,8 +219,12 @@ class EncoderBlock(PaddingFreeCalls, auto_graphs.GraphedModule):
         ``fp8.Calibration``; FFN1 and attention then write FFN2's and the out-projection's
         inputs in e4m3 with static per-column scales, and a stack folds its LayerNorms into the FP8
         GEMMs (``fusedenc.fp8_fold``; no GEMM kept) unless ``fold_norms`` is False.
+        ``input_headroom``: how far above the calibration sample's the scales that follow the
+        block's input (its attention output, its first LayerNorm's input) reach: a wide
+        default, since callers feed larger inputs than their sample (``fp8.INPUT_HEADROOM``);
+        a stack gives its later blocks, fed by a LayerNorm, ``fp8.CALIBRATION_HEADROOM``.
         Needs a float16/bfloat16 block, widths multiples of 16, an FP8 GPU (``capabilities()["fp8"]``)."""
-        self._fp8_config = fp8.quantize_config(self, mode, keep, fast_accum, calibration, fold_norms)
+        self._fp8_config = fp8.quantize_config(self, mode, keep, fast_accum, calibration, fold_norms, input_headroom)
         self._fp8 = None if self._fp8_config is None else self._fp8_weights()
         auto_graphs.invalidate()  # graphs captured before ran the other precision
         return self

@@ -22,7 +22,7 @@ _DTYPES = tuple(dtypes.name(d) for d in dtypes.SUPPORTED)
 
 #: What a CUDA build without the Hopper kernels gives up on an H100 (the README's t82 body
 #: numbers: the same code with and without the sm90 epilogue GEMMs and LayerNorm folding).
-HOPPER_COST = "about 13% on an H100 (the t82 body at 1.11-1.14x torch.compile instead of 1.29-1.32x)"
+HOPPER_COST = "about 13% on an H100 (the t82 body at 1.11-1.14x torch.compile without them, 1.29-1.32x with them, in one A/B run)"
 #: What the Hopper kernels are.
 HOPPER_KERNELS = ("the CUTLASS epilogue GEMMs (bias + swish/mish/GELU/... in the GEMM), LayerNorm folding "
                   "into the GEMMs and the fast-accumulation FP8 kernels")

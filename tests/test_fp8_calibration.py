@@ -73,11 +73,12 @@ def test_a_calibrated_block_is_its_data_path_with_static_input_scales(gen):
         finally:
             executors.OpsExecutor.linear, executors.OpsExecutor.attention = orig, orig_attention
 
-        def static_scales(t):
+        def static_scales(t, headroom):
             amax = t.float().abs().amax(0)
-            return torch.where(amax > 0, amax * (fp8.CALIBRATION_HEADROOM / fp8.E4M3_MAX), torch.ones_like(amax))
+            return torch.where(amax > 0, amax * (headroom / fp8.E4M3_MAX), torch.ones_like(amax))
 
-        c, c_a = static_scales(f16[0]), static_scales(a16[0])
+        # The attention output follows the block's input: a block quantized alone gives it the wide headroom.
+        c, c_a = static_scales(f16[0], fp8.CALIBRATION_HEADROOM), static_scales(a16[0], fp8.INPUT_HEADROOM)
         b.quantize("fp8", calibration=sample)
 
         def lin(t, w, bias, act="none"):
@@ -258,3 +259,42 @@ def test_gpu_attention_writes_static_e4m3_codes(gen):
     assert ((got - ref).abs() <= step).all(), ((got - ref).abs() - step).max()
     assert (got != ref).float().mean().item() < 0.05
     assert got[:, 0].abs().max().item() == 448.0
+
+
+@pytest.mark.parametrize("factor", [0.3, 3.0, 10.0])
+def test_inputs_beyond_the_calibration_sample_keep_row_wise_accuracy(factor, gen):
+    """Callers feed inputs larger than their calibration sample.  In a post-LN stack only the
+    first block's static scales follow the input's scale (its attention output and first
+    LayerNorm's input; a LayerNorm sits before every later block), and those get
+    ``fp8.INPUT_HEADROOM``: the calibrated stack's error against fp32 stays within 1.25x the
+    row-wise FP8 mode's (no static scale), where the standard headroom saturates (reference
+    math; the kernels write the same codes)."""
+    s16 = _stack(4, gen, device="cpu")
+    s32 = copy.deepcopy(s16).float()
+    sample = randn((2, 64, D), torch.float16, gen=gen, device="cpu")
+    x = randn((2, 64, D), torch.float32, gen=gen, device="cpu") * factor
+    with torch.no_grad():
+        ref = s32(x)
+        s16.quantize("fp8")
+        row_wise = rel_err(s16(x.half()), ref)
+        s16.quantize("fp8", calibration=sample)
+        calibrated = rel_err(s16(x.half()), ref)
+        s16.blocks[0].quantize("fp8", calibration=fp8.calibrate(s16.blocks, s16, sample),
+                               input_headroom=fp8.CALIBRATION_HEADROOM)  # fmt: skip
+        narrow = rel_err(s16(x.half()), ref)
+    assert calibrated <= 1.25 * row_wise, (calibrated, row_wise)
+    if factor > 1:  # the standard headroom on the first block: what this guards against
+        assert narrow > 1.5 * row_wise, (narrow, row_wise)
+
+
+def test_only_the_first_block_of_a_stack_gets_the_input_headroom(gen):
+    s16 = _stack(3, gen, device="cpu")
+    sample = randn((2, 64, D), torch.float16, gen=gen, device="cpu")
+    cal = fp8.calibrate(s16.blocks, s16, sample)
+    s16.quantize("fp8", calibration=sample)
+    for i, b in enumerate(s16.blocks):
+        headroom = fp8.INPUT_HEADROOM if i == 0 else fp8.CALIBRATION_HEADROOM
+        want = fp8.static_scales(cal._amax[(id(b), "attention")][1], headroom=headroom)
+        assert torch.allclose(b._fp8.attention_out_scale(torch.device("cpu")), (1.0 / want).float()), i
+    with pytest.raises(ValueError, match="input_headroom"):
+        s16.blocks[0].quantize("fp8", calibration=cal, input_headroom=0.0)
