@@ -340,6 +340,11 @@ class Calibration:
         seen = self._amax.get((id(block), what))
         self._amax[(id(block), what)] = (block, amax if seen is None else torch.maximum(seen[1], amax))
 
+    def amax(self, block: Any, what: str = "ffn1") -> Optional[torch.Tensor]:
+        """The largest magnitude of each column of ``block``'s ``what`` seen, or None."""
+        seen = self._amax.get((id(block), what))
+        return None if seen is None or seen[0] is not block else seen[1]
+
     def column_scales(self, block: Any, what: str = "ffn1", power_of_two: bool = False,
                       headroom: float = CALIBRATION_HEADROOM) -> Optional[torch.Tensor]:  # fmt: skip
         """``block``'s per-column scales of ``what`` (the value a code stands for is
@@ -431,6 +436,8 @@ class QuantizedWeights:
         self._in_scale: dict[int, torch.Tensor] = {}
         self._attention_out_scale: Optional[torch.Tensor] = None
         self._norm_scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: ``{producer: scales}`` of the calibrated tensors (a code stands for ``code * scale``).
+        self.static_scales: dict[str, torch.Tensor] = {producer: scales.float() for producer, _, scales in static}
         for producer, consumer, scales in static:
             if producer in NORM_INPUTS:
                 self._norm_scales[producer] = (scales.float(), (1.0 / scales).float())

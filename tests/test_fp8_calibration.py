@@ -14,7 +14,7 @@ import torch
 
 from encoder_helpers import randomize, stack_formula
 from fp8_helpers import count_quantize_passes, random_stack, rel_err, require_fp8_gpu, synthetic_lc0
-from fusedenc import EncoderBlock, executors, fp8
+from fusedenc import EncoderBlock, executors, fp8, fp8_range
 from fusedenc.activations import apply_activation
 from helpers import randn
 
@@ -294,7 +294,30 @@ def test_only_the_first_block_of_a_stack_gets_the_input_headroom(gen):
     s16.quantize("fp8", calibration=sample)
     for i, b in enumerate(s16.blocks):
         headroom = fp8.INPUT_HEADROOM if i == 0 else fp8.CALIBRATION_HEADROOM
-        want = fp8.static_scales(cal._amax[(id(b), "attention")][1], headroom=headroom)
+        want = fp8.static_scales(cal.amax(b, "attention"), headroom=headroom)
         assert torch.allclose(b._fp8.attention_out_scale(torch.device("cpu")), (1.0 / want).float()), i
     with pytest.raises(ValueError, match="input_headroom"):
         s16.blocks[0].quantize("fp8", calibration=cal, input_headroom=0.0)
+
+
+def test_check_range_names_the_tensors_inputs_drive_past_their_codes(gen):
+    """``fp8.check_range`` runs inputs through the calibrated model and reports which static
+    scales they would saturate, by how much: nothing on inputs calibration saw, the first
+    block's input-dependent tensors first on far larger inputs.  (Fresh inputs of the sample's distribution can exceed a small sample's column maxima in a
+    few columns: calibrate on enough data.)"""
+    s16 = _stack(3, gen, device="cpu")
+    sample = randn((2, 64, D), torch.float16, gen=gen, device="cpu")
+    s16.quantize("fp8", calibration=sample)
+    assert fp8_range.check_range(s16.blocks, s16, sample[:1]) == []  # within what calibration saw: room to spare
+    with pytest.warns(RuntimeWarning, match="block 0"):
+        excess = fp8_range.check_range(s16.blocks, s16, sample * 1000)
+    # The first block's input-dependent tensors go furthest (beyond even their wide room); the
+    # later blocks' see only how the LayerNorm outputs' shape changed.
+    assert excess[0].block == 0 and excess[0].what in ("attention", "norm1") and excess[0].factor > 10, excess
+    assert excess[0].columns > 0 and all(e.factor > 1 for e in excess)
+    assert excess == sorted(excess, key=lambda e: -e.factor)
+    # The limits are the codes' range: scale * max per column, for every static tensor.
+    limits = fp8_range.static_limits(s16.blocks[1])
+    assert set(limits) == {"ffn1", "attention", "norm1", "norm2"} and all((v > 0).all() for v in limits.values())
+    s16.quantize("fp8")  # row-wise: nothing static to saturate
+    assert fp8_range.check_range(s16.blocks, s16, sample * 1000) == [] and fp8_range.static_limits(s16.blocks[0]) == {}
