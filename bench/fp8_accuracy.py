@@ -367,8 +367,8 @@ def run_lc0_trained(path: str, positions: int, device: torch.device, speed_batch
 
     from fusedenc.lc0 import encode_planes, load_network
 
-    held = lc0_trained.held_back(positions)
-    cal_held = lc0_trained.held_back(positions + 256)[positions:]  # calibration: 256 positions not judged
+    held = lc0_trained.held_back(positions + 256)
+    held, cal_held = held[:positions], held[positions:]  # calibration: 256 positions not judged
     histories = [h.history for h in held]
     nets = {dt: load_network(path, dtype=dt, device=device) for dt in (torch.float32, torch.bfloat16, torch.float16)}
     evals = {dt: net.evaluate(histories) for dt, net in nets.items()}

@@ -45,8 +45,7 @@ def held_back(limit: Optional[int] = None, path: str = GAMES) -> list[HeldBack]:
     for game in games:
         if "header" in game:
             continue
-        start = "startpos" if game["start"] == "startpos" else game["start"]
-        histories = [(start, game["moves"][:ply]) for ply in range(len(game["moves"]))]
+        histories = [(game["start"], game["moves"][:ply]) for ply in range(len(game["moves"]))]
         fens = board_fens(prepare(histories).current)
         for ply, fen in enumerate(fens):
             key = " ".join(fen.split()[:4])
@@ -74,9 +73,10 @@ def agreement(evals: Sequence, base: Sequence) -> dict:
     kl = []
     for a, b in zip(evals, base):
         pa, pb = _probs_by_index(a), _probs_by_index(b)
-        q = np.array([pb[i] for i in pb]), np.array([max(pa.get(i, 0.0), 1e-30) for i in pb])
-        keep = q[0] > 0
-        kl.append(float(np.sum(q[0][keep] * (np.log(q[0][keep]) - np.log(q[1][keep])))))
+        p_base = np.array(list(pb.values()))
+        p_eval = np.array([max(pa.get(i, 0.0), 1e-30) for i in pb])
+        keep = p_base > 0
+        kl.append(float(np.sum(p_base[keep] * (np.log(p_base[keep]) - np.log(p_eval[keep])))))
     wdl = np.abs(np.array([a.wdl for a in evals], np.float64) - np.array([b.wdl for b in base], np.float64))
     return {"positions": len(evals), "top1_agreement": float(top), "kl": float(np.mean(kl)),
             "wdl_max_abs": float(wdl.max()), "wdl_mean_abs": float(wdl.mean())}

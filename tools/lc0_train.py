@@ -810,7 +810,6 @@ def train(args: argparse.Namespace) -> None:
             rec = {"step": step, "val": evaluate_set(model, val, args)}  # the curve: where overfitting starts
             print(json.dumps(rec), flush=True)
             history.append(rec)
-            model.train()
         if args.ckpt and time.time() - t_last_save > args.save_minutes * 60.0:
             save_checkpoint(args.ckpt, model, opt, step, args, history)
             t_last_save = time.time()
