@@ -3,7 +3,8 @@
 Inference engines with fixed batch sizes spend most of their time at small
 batches on kernel launches; a graph replays all of a stack's launches in one
 call.  ``EncoderStack.graph_runner(...)`` makes one; ``BucketedGraphs`` is the
-machinery, shared with ``fusedenc.lc0``'s whole-network runner.
+machinery, shared with ``fusedenc.lc0``'s whole-network runner and the token-bucketed
+``VarlenGraphRunner``.
 """
 
 from __future__ import annotations
@@ -153,13 +154,16 @@ class BucketedGraphs:
     of the static output (a tensor or a dict of tensors): views valid until the next
     call.  A batch larger than every bucket runs in chunks of the largest and returns
     new tensors.  Subclasses say what the static inputs are (``_static_inputs``) and
-    check each call before ``_dispatch``.  Not thread-safe: one runner per thread.
+    check each call before ``_dispatch`` (or replay ``_graph(rows)`` themselves, where
+    their inputs are not all batch-first: ``VarlenGraphRunner``).  ``name``: what the
+    buckets are called in the error for bad ones.  Not thread-safe: one runner per thread.
     """
 
-    def __init__(self, run: Callable[..., Output], batch_sizes: Sequence[int], device: torch.device):
+    def __init__(self, run: Callable[..., Output], batch_sizes: Sequence[int], device: torch.device, *,
+                 name: str = "batch_sizes"):  # fmt: skip
         sizes = sorted(set(batch_sizes))
         if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
-            raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
+            raise ValueError(f"{name} must be positive ints, got {batch_sizes!r}")
         self._run = run
         self.batch_sizes = tuple(sizes)
         self.device = device
@@ -195,6 +199,11 @@ class BucketedGraphs:
         self.capture_seconds += time.perf_counter() - start
         return captured
 
+    def _graph(self, rows: int) -> _Captured:
+        """The graph of the smallest bucket ``>= rows`` (``rows`` <= the largest), captured now if new."""
+        bucket = next(s for s in self.batch_sizes if s >= rows)
+        return self._graphs.get(bucket) or self._capture(bucket)
+
     def _dispatch(self, inputs: tuple[Optional[torch.Tensor], ...]) -> Output:
         """``inputs`` (checked): the first batch-first; the others None, batch-first, or
         with a leading 1 (the same for every row)."""
@@ -213,8 +222,7 @@ class BucketedGraphs:
 
     def _replay(self, inputs: tuple[Optional[torch.Tensor], ...]) -> Output:
         b = inputs[0].shape[0]
-        bucket = next(s for s in self.batch_sizes if s >= b)
-        g = self._graphs.get(bucket) or self._capture(bucket)
+        g = self._graph(b)
         for static, given in zip(g.inputs, inputs):
             if given is not None:
                 static[:b].copy_(given)

@@ -13,14 +13,13 @@ so they never touch the real rows.
 from __future__ import annotations
 
 import math
-import time
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
 from .attention.varlen import VarlenPlan, check_offsets
-from .graphs import capture
+from .graphs import BucketedGraphs
 
 __all__ = ["VarlenGraphRunner", "default_token_buckets"]
 
@@ -43,14 +42,7 @@ def default_token_buckets(max_tokens: int, smallest: int = 64, step: float = 2 *
     return tuple(sorted(set(out)))
 
 
-class _Bucket:
-    __slots__ = ("graph", "rows", "cu", "out")
-
-    def __init__(self, graph, rows, cu, out):
-        self.graph, self.rows, self.cu, self.out = graph, rows, cu, out
-
-
-class VarlenGraphRunner:
+class VarlenGraphRunner(BucketedGraphs):
     """Replays one CUDA graph of ``stack.forward_packed`` per token-count bucket.
 
     ``runner(rows, cu_seqlens)``: ``rows`` ``[T, D]`` in the stack's dtype on its GPU,
@@ -61,6 +53,10 @@ class VarlenGraphRunner:
     ``max_sequences`` run eagerly (a new tensor).  Graphs are captured on first use of a
     bucket (``capture_all()`` does it up front) and share one memory pool.  Not
     thread-safe: one runner per thread.
+
+    The machinery is ``BucketedGraphs``' with token counts for batch sizes (its
+    ``batch_sizes`` are ``token_buckets``); a bucket's static inputs are ``(rows,
+    cu_seqlens)``, the latter of ``max_sequences + 1`` entries whatever the bucket.
     """
 
     def __init__(self, stack: nn.Module, token_buckets: Optional[Sequence[int]] = None, *, max_sequences: int,
@@ -75,38 +71,25 @@ class VarlenGraphRunner:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         buckets = default_token_buckets(max_sequences * max_seqlen) if token_buckets is None else token_buckets
-        sizes = sorted(set(buckets))
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
-            raise ValueError(f"token_buckets must be positive ints, got {token_buckets!r}")
+
+        def run(rows: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+            # _eager_rows, not forward_packed: the offsets are data here, never read on the host.
+            return stack._eager_rows(rows, 1, rows.shape[0], None, VarlenPlan(cu, max_seqlen))
+
+        super().__init__(run, buckets, p.device, name="token_buckets")
         self.stack = stack
-        self.token_buckets = tuple(sizes)
         self.max_sequences, self.max_seqlen = max_sequences, max_seqlen
-        self.device, self.dtype, self._d = p.device, p.dtype, blocks[0].d_model
-        self._graphs: dict[int, _Bucket] = {}
-        self._pool = None
-        self.capture_seconds = 0.0
+        self.dtype, self._d = p.dtype, blocks[0].d_model
 
-    def capture_all(self) -> float:
-        """Capture every bucket's graph now (largest first); returns the seconds spent."""
-        start = time.perf_counter()
-        for b in reversed(self.token_buckets):
-            if b not in self._graphs:
-                self._capture(b)
-        return time.perf_counter() - start
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """The buckets' token counts, ascending."""
+        return self.batch_sizes
 
-    def _capture(self, bucket: int) -> _Bucket:
-        start = time.perf_counter()
+    def _static_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.zeros((bucket, self._d), dtype=self.dtype, device=self.device)
         cu = torch.zeros(self.max_sequences + 1, dtype=torch.int32, device=self.device)
-        plan = VarlenPlan(cu, self.max_seqlen)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        # _eager_rows, not forward_packed: the offsets are data here, never read on the host.
-        graph, out = capture(lambda: self.stack._eager_rows(rows, 1, bucket, None, plan), self.device, self._pool)
-        found = _Bucket(graph, rows, cu, out)
-        self._graphs[bucket] = found
-        self.capture_seconds += time.perf_counter() - start
-        return found
+        return rows, cu
 
     def _offsets(self, rows: torch.Tensor, cu_seqlens: Union[Sequence[int], torch.Tensor]) -> list[int]:
         if not isinstance(rows, torch.Tensor):
@@ -137,10 +120,11 @@ class VarlenGraphRunner:
         if t > self.token_buckets[-1] or len(cu) - 1 > self.max_sequences:
             device_cu = torch.tensor(cu, dtype=torch.int32).to(self.device)
             return self.stack.forward_packed(rows, device_cu, self.max_seqlen)
-        bucket = next(b for b in self.token_buckets if b >= t)
-        g = self._graphs.get(bucket) or self._capture(bucket)
+        # Not BucketedGraphs._dispatch: cu_seqlens is no batch-first input (one size for every bucket).
+        g = self._graph(t)
+        static_rows, static_cu = g.inputs
         full = cu + [t] * (self.max_sequences + 1 - len(cu))  # unused entries: empty sequences
-        g.cu.copy_(torch.tensor(full, dtype=torch.int32), non_blocking=False)
-        g.rows[:t].copy_(rows)
+        static_cu.copy_(torch.tensor(full, dtype=torch.int32), non_blocking=False)
+        static_rows[:t].copy_(rows)
         g.graph.replay()
         return g.out[:t]

@@ -64,13 +64,16 @@ def _inputs(gen, batch: int, seq: int, padded: bool):
     return ids.to(DEV), mask.to(DEV)
 
 
-@pytest.mark.parametrize("padded", [True, False], ids=["padded", "nopad"])
+@pytest.mark.parametrize("padded, padding_free", [(True, True), (True, False), (False, True)],
+                         ids=["padded", "padded-kept", "nopad"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", HALF)
-def test_bert_last_hidden_state(dtype, impl, padded, gen):
+def test_bert_last_hidden_state(dtype, impl, padded, padding_free, gen):
+    """Real tokens within the tolerance rule; padding positions are zeros on the padding-free
+    path (documented in patch_hf) and HF's own values with ``padding_free=False``."""
     ref_model = _fp32_bert(impl, gen)
     same_model = copy.deepcopy(ref_model).to(dtype)
-    fused_model = patch_hf(copy.deepcopy(ref_model).to(dtype))
+    fused_model = patch_hf(copy.deepcopy(ref_model).to(dtype), padding_free=padding_free)
     assert all(isinstance(layer, HFEncoderLayer) for layer in fused_model.encoder.layer)
     assert fused_model.encoder.layer[0].block.qkv_weight.dtype == dtype
 
@@ -82,5 +85,10 @@ def test_bert_last_hidden_state(dtype, impl, padded, gen):
         same = same_model(ids, attention_mask=mask).last_hidden_state
     assert out.dtype == dtype and out.shape == ref.shape
     assert torch.isfinite(out).all(), f"non-finite output, seed={gen.seed_value}"
-    what = f"BERT {impl} {dtype} padded={padded} seed={gen.seed_value}"
+    what = f"BERT {impl} {dtype} padded={padded} padding_free={padding_free} seed={gen.seed_value}"
+    if padded and padding_free:
+        real = mask.bool()
+        assert (~real).any(), "the inputs must contain padding"
+        assert torch.equal(out[~real], torch.zeros_like(out[~real])), f"{what}: padding positions not zero"
+        out, ref, same = out[real], ref[real], same[real]
     assert_close_rule(out, ref, same, dtype, what=what)

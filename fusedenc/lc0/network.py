@@ -344,7 +344,8 @@ class Lc0Network(auto_graphs.GraphedModule):
             self._for_graph = False
 
     def _forward_heads(self, planes: torch.Tensor) -> dict[str, torch.Tensor]:
-        self._check(planes)
+        """``forward``'s work on planes it has checked (``_check``, once a call); ``EncodedRunner``
+        passes planes it made itself."""
         b = planes.shape[0]
         if b == 0:  # an empty batch: empty heads, nothing launched
             empty = {"policy": 1858, "wdl" if self.wdl else "value": 3 if self.wdl else 1}
