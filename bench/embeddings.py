@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fusedenc  # noqa: E402
-from fusedenc import real_models, varlen, varlen_graphs  # noqa: E402
+from fusedenc import hf_varlen, real_models, varlen, varlen_graphs  # noqa: E402
 from fusedenc.attention import varlen as varlen_attention  # noqa: E402
 
 SENTENCES = Path(__file__).resolve().parent.parent / "tests" / "data" / "real_sentences" / "sentences.txt.gz"
@@ -208,7 +208,9 @@ def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int):
     elif impl == "fusedenc-padded":
         run = hf_runner(fusedenc.patch_hf(model, padding_free=False))
     elif impl == "fusedenc":
-        run = hf_runner(fusedenc.patch_hf(model))
+        patched = fusedenc.patch_hf(model)
+        run = hf_runner(patched)
+        run.graph_stats = lambda: hf_varlen.stack_of(patched.encoder).auto_graphs.stats()
     elif impl == "fusedenc-graph":
         run, runner = graph_runner(fusedenc.patch_hf(model), batches, batch)
         note = f"{len(runner.token_buckets)} token buckets"
@@ -326,6 +328,17 @@ def main(argv=None) -> int:
                 cos = F.cosine_similarity(emb.double(), ref.double(), dim=1)
                 passes = time_passes(run, batches, device, reps)
                 sec = statistics.median(passes)
+                stats = getattr(run, "graph_stats", None)
+                if stats is not None:
+                    try:
+                        st = stats()
+                        c = st["counts"]
+                        note = (note + "; " if note else "") + (
+                            f"automatic graphs: {st['graphs']} held, {c.get('captures', 0)} captures, "
+                            f"{c.get('replays', 0)} replays, {c.get('evictions', 0)} evictions, "
+                            f"{sum(v for k, v in c.items() if k.startswith('eager'))} eager calls")
+                    except AttributeError:  # no stack made (the CPU smoke run without graphs)
+                        pass
                 rows.append({
                     "impl": impl, "seconds_per_pass": sec, "sentences_per_s": hist["sentences"] / sec,
                     "real_tokens_per_s": hist["real_tokens"] / sec, "min_cosine": float(cos.min()),

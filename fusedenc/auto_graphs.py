@@ -9,9 +9,11 @@ semantics: every module keeps an ``AutoGraphs`` cache, and a call whose inputs i
 * runs eagerly the first time at a key (bucket, dtype, device, input layouts, module
   settings), so a one-off shape pays no capture; the second call captures one graph
   (``graphs.capture``: warm-up on a side stream, then capture), later calls replay it;
-* copies its inputs into the graph's static inputs (rows past the batch are padding: rows
-  of a batch are independent), and hands back a clone of the first rows of the static
-  output (or writes them into the caller's ``out=``): the caller owns what it gets;
+* copies its inputs into the graph's static inputs, as the call's *feed* says
+  (``graph_feeds``: batch-first inputs padded to a batch bucket, rows past the batch being
+  padding; or packed rows and their ``cu_seqlens`` padded to token, sequence and length
+  buckets), and hands back a clone of the first rows of the static output (or writes them
+  into the caller's ``out=``): the caller owns what it gets;
 * is bounded: at most ``max_graphs`` graphs a module (least recently used evicted; a key
   evicted again and again is captured less and less often), every graph of a device in
   one shared memory pool, ``memory()`` / ``AutoGraphs.stats()`` say what is held.
@@ -20,8 +22,9 @@ Eager (no graph) where a graph would be wrong or not pay: off (``FUSEDENC_AUTO_G
 ``set_enabled(False)``, ``module.auto_graphs.enabled = False``), no native core on the
 device, inside a caller's own capture, inside another fusedenc call (``graphs.eager_calls``),
 an empty batch, a batch past ``BUCKETS[-1]`` or ``MAX_ROWS`` rows (host time is amortized
-there), inputs it cannot copy (another device, a per-row input of another batch size: the
-eager path raises the right error), FP8 calibration running.
+there; packed rows likewise past the largest token or sequence bucket), inputs it cannot
+copy (another device, a per-row input of another batch size: the eager path raises the
+right error), FP8 calibration running.
 
 A graph stays valid while what it read does: it is keyed on ``invalidate()``'s counter
 (``quantize``, the A/B switches of ``fusedenc.testing``) and ``norm_fold``'s mode, and each
@@ -40,7 +43,6 @@ eager work goes on meanwhile.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import operator
 import os
@@ -52,6 +54,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence, Union
 import torch
 
 from . import norm_fold
+from .graph_feeds import BUCKETS, MAX_ROWS, BatchFeed, bucket_for
 from .graphs import capture, eager_calls, eager_only
 
 __all__ = [
@@ -61,14 +64,8 @@ __all__ = [
 ]  # fmt: skip
 
 ENV = "FUSEDENC_AUTO_GRAPHS"
-#: Batch-size buckets: powers of two and 1.5x powers of two up to 1024, so a batch pads by
-#: at most 50% (33% above 3; ~20% on average over uniformly drawn sizes) for two graphs per
-#: doubling, and the batch sizes engines use (powers of two) pad not at all.  Above 1024
-#: positions an eager call is within a few percent of a graph (host time is amortized).
-BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-#: Rows (batch x tokens per item) above which a call runs eagerly: 1024 Lc0 positions, 512
-#: sequences of 128 tokens.  Bounds the memory one graph holds.
-MAX_ROWS = 1 << 16
+# BUCKETS (batch sizes), MAX_ROWS and bucket_for live in graph_feeds (with the packed rows'
+# token buckets) and stay importable from here.
 #: Graphs one module keeps (least recently used evicted).
 MAX_GRAPHS = 8
 #: Calls at a key before it is captured (the first runs eagerly).
@@ -149,14 +146,6 @@ def _pool_bytes(pool) -> int:
         return 0
 
 
-def bucket_for(batch: int, rows_per_item: int = 1) -> Optional[int]:
-    """The bucket a batch of ``batch`` items runs in (None: eagerly)."""
-    if batch <= 0 or batch > BUCKETS[-1]:
-        return None
-    b = BUCKETS[bisect.bisect_left(BUCKETS, batch)]
-    return b if b * rows_per_item <= MAX_ROWS else None
-
-
 # ------------------------------------------------------------ registration hooks ----
 
 
@@ -230,32 +219,7 @@ def cuda_capture(run: Callable[[], Output], device: torch.device, pool) -> tuple
     return capture(run, device, pool, capture_error_mode="thread_local")
 
 
-# ------------------------------------------------------------ inputs ----
-
-
-def _layout(t: Optional[torch.Tensor], i: int, batch: int, device: torch.device):
-    """(key, static shape, view shape) of input ``i``; None: not copyable (run eagerly).
-    Input 0 holds the batch; another is per item (leading ``batch``) or shared (leading 1 or
-    stride 0); dimensions broadcast by stride 0 stay broadcast (an HF mask expanded over
-    heads is copied as ``[B, 1, S, S]``, not materialized)."""
-    if t is None:
-        return (None, None, None)
-    if not isinstance(t, torch.Tensor) or t.device != device or t.dim() == 0:
-        return None
-    shared = i > 0 and (t.shape[0] == 1 or t.stride(0) == 0)
-    if not shared and t.shape[0] != batch:
-        return None
-    compact = tuple(1 if (d > 0 and t.stride(d) == 0) or (d == 0 and shared) else n for d, n in enumerate(t.shape))
-    full = tuple(t.shape[1:])
-    return ((shared, compact[1:], full, t.dtype), compact, full)
-
-
-def _compact(t: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """``t`` without its broadcast dimensions (``shape``'s 1s where ``t`` has more)."""
-    for d in range(t.dim()):
-        if shape[d] == 1 and t.shape[d] != 1:
-            t = t.narrow(d, 0, 1)
-    return t
+# ------------------------------------------------------------ outputs ----
 
 
 def _rows(out: Output, n: int) -> Output:
@@ -378,7 +342,8 @@ class AutoGraphs:
         entries = self.entries()
         return {
             "enabled": self.enabled and _enabled, "max_graphs": self.max_graphs, "graphs": len(entries),
-            "buckets": sorted(e.bucket for e in entries), "static_bytes": sum(e.static_bytes for e in entries),
+            "buckets": sorted((e.bucket for e in entries), key=_bucket_order),
+            "static_bytes": sum(e.static_bytes for e in entries),
             "capture_seconds": self.capture_seconds, "counts": dict(self.counts),
         }  # fmt: skip
 
@@ -397,25 +362,17 @@ class AutoGraphs:
             self._tensors_epoch = epoch
         return tuple(map(torch.Tensor.data_ptr, self._tensors)), tuple(map(_VERSION, self._versioned))
 
-    def run(self, module, fn, inputs, batch, key, rows_per_item, out, around_capture) -> Optional[Output]:
-        """``fn(*inputs)`` through a graph; None: run it eagerly (``counts`` says why)."""
-        x = inputs[0]
-        device = x.device
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            self.counts["eager: caller capturing"] += 1
+    def run(self, module, fn, inputs, feed, key, out, around_capture) -> Optional[Output]:
+        """``fn(*inputs)`` through a graph whose static inputs ``feed`` fills (a
+        ``graph_feeds`` feed); None: run it eagerly (``feed`` is then why, or ``counts`` says)."""
+        if isinstance(feed, str):
+            self.counts[feed] += 1
             return None
-        bucket = bucket_for(batch, rows_per_item)
-        if bucket is None:
-            self.counts["eager: batch size"] += 1
-            return None
-        layouts = [_layout(t, i, batch, device) for i, t in enumerate(inputs)]
-        if any(lay is None for lay in layouts):
-            self.counts["eager: inputs"] += 1
-            return None
+        device = inputs[0].device
         if self._epoch != _config_epoch:
             self.clear()
             self._epoch = _config_epoch
-        full_key = (key, bucket, device, tuple(lay[0] for lay in layouts), norm_fold.current_mode())
+        full_key = (key, feed.key, device, norm_fold.current_mode())
         stamp = self._stamp(module)
         lane = _lane(device)
         with lane.lock:
@@ -431,17 +388,14 @@ class AutoGraphs:
                 if not self._due(full_key):
                     self.counts["eager: first calls"] += 1
                     return None
-                entry = self._capture(module, fn, inputs, layouts, full_key, bucket, stamp, lane, around_capture)
+                entry = self._capture(module, fn, inputs, feed, full_key, stamp, lane, around_capture)
             else:
                 self._graphs.move_to_end(full_key)
             lane.order(device)
-            for static, given, lay in zip(entry.inputs, inputs, layouts):
-                if static is not None:
-                    src = _compact(given, lay[1])
-                    static[: src.shape[0]].copy_(src)
+            feed.fill(entry.inputs, inputs)
             entry.graph.replay()
             self.counts["replays"] += 1
-            return _deliver(_rows(entry.out, batch), out)
+            return _deliver(_rows(entry.out, feed.rows), out)
 
     def _due(self, key) -> bool:
         seen = self._seen.get(key)
@@ -454,24 +408,13 @@ class AutoGraphs:
         seen.calls += 1
         return seen.calls >= seen.due
 
-    def _capture(self, module, fn, inputs, layouts, key, bucket, stamp, lane, around_capture) -> _Entry:
+    def _capture(self, module, fn, inputs, feed, key, stamp, lane, around_capture) -> _Entry:
         start = time.perf_counter()
         device = inputs[0].device
-        statics, views = [], []
         # Static inputs are normal tensors even under inference_mode: later calls outside it copy into them.
         with torch.inference_mode(False):
-            for t, lay in zip(inputs, layouts):
-                if t is None:
-                    statics.append(None)
-                    views.append(None)
-                    continue
-                _, compact, full = lay
-                shape = (1 if lay[0][0] else bucket,) + tuple(compact[1:])
-                static = torch.zeros(shape, dtype=t.dtype, device=device)
-                src = _compact(t, compact)
-                static[: src.shape[0]].copy_(src)
-                statics.append(static)
-                views.append(static.expand((shape[0],) + full))
+            statics, views = feed.statics(inputs)
+            feed.fill(statics, inputs)  # warm-up and capture run on this call's data
         while len(self._graphs) >= max(self.max_graphs, 1):
             old_key, old = self._graphs.popitem(last=False)
             self.counts["evictions"] += 1
@@ -494,11 +437,16 @@ class AutoGraphs:
         lane.graphs += 1
         # The captured weights stay referenced: their memory cannot be reused under this graph.
         weights = [t.detach() for t in self._tensors]
-        entry = _Entry(graph, statics, views, static_out, stamp, weights, device, bucket, lane)
+        entry = _Entry(graph, statics, views, static_out, stamp, weights, device, feed.bucket, lane)
         self._graphs[key] = entry
         self.counts["captures"] += 1
         self.capture_seconds += time.perf_counter() - start
         return entry
+
+
+def _bucket_order(bucket) -> tuple:
+    # A module may hold batch buckets (ints) and packed ones (tuples): sort each kind apart.
+    return (isinstance(bucket, tuple), bucket)
 
 
 def cache_of(module: torch.nn.Module) -> AutoGraphs:
@@ -519,15 +467,19 @@ def call(
     native: bool,
     out: Optional[Output] = None,
     around_capture: Optional[Callable[[], Any]] = None,
+    feed: Optional[Callable[[tuple], Any]] = None,
 ) -> Output:
     """``fn(*inputs)`` for ``module``'s plain call, through its automatic graphs where they
     apply, else eagerly; the result is the caller's (a new tensor or dict, or ``out``).
 
-    ``inputs``: tensors (or None) whose first holds the batch (batch-first); ``fn`` returns
-    batch-first tensors (or a dict of them) and computes each item from its own rows.
+    ``inputs``: by default tensors (or None) whose first holds the batch (batch-first); ``fn``
+    returns batch-first tensors (or a dict of them) and computes each item from its own rows.
     ``key``: what else the result depends on (hashable).  ``rows_per_item``: rows one item
     makes (tokens per sequence), for ``MAX_ROWS``.  ``native``: whether the native core runs
-    on the device.  ``around_capture``: a context manager entered around warm-up and capture."""
+    on the device.  ``around_capture``: a context manager entered around warm-up and capture.
+    ``feed``: for other inputs, ``inputs -> feed or why not`` (``graph_feeds.PackedFeed.of``:
+    packed rows); default ``BatchFeed.of(inputs, rows_per_item)``.  ``inputs[0]`` is a tensor
+    whose first ``feed.rows`` rows of the result are the call's."""
     if eager_only():  # inside another fusedenc call (or a graph capture of one): plain eager
         return finish(fn(*inputs), out)
     with eager_calls():
@@ -538,8 +490,12 @@ def call(
             cache.counts["eager: switched off"] += 1
         elif not (native and isinstance(x, torch.Tensor) and x.dim() > 0):
             cache.counts["eager: no native core"] += 1
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
+            cache.counts["eager: caller capturing"] += 1
         else:
-            result = cache.run(module, fn, tuple(inputs), x.shape[0], key, rows_per_item, out, around_capture)
+            inputs = tuple(inputs)
+            how = BatchFeed.of(inputs, rows_per_item) if feed is None else feed(inputs)
+            result = cache.run(module, fn, inputs, how, key, out, around_capture)
         return finish(fn(*inputs), out) if result is None else result
 
 

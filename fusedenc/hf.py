@@ -227,6 +227,8 @@ class HFEncoderLayer(nn.Module):
         shared = self._padding_free
         packing = shared.packed(hidden_states, attention_mask) if shared is not None else None
         if packing is not None:  # the encoder packed the real tokens: [1, T_real, D] rows (hf_varlen)
+            if shared.result is not None:  # ... and ran every layer's block as one stack: hand its rows on
+                return (shared.result,) if self._returns_tuple else shared.result
             with torch.no_grad():
                 out = self.block.forward_packed(hidden_states[0], packing)[None]
             return (out,) if self._returns_tuple else out

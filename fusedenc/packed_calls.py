@@ -5,22 +5,37 @@
 (padding positions zero).  Both hand the module's own data path (``_eager_rows``) a
 ``VarlenPlan`` where a padded call passes its key padding mask: every path of a block and a
 stack (plain, LayerNorm-folded, FP8) then runs on the packed rows unchanged, and only the
-attention differs (``fusedenc.attention.varlen``).  ``varlen_graph_runner`` replays that as
-CUDA graphs keyed by token count (``fusedenc.varlen_graphs``).
+attention differs (``fusedenc.attention.varlen``).
+
+Both are plain calls with automatic CUDA graphs on a GPU (``fusedenc.auto_graphs``, the
+module's own cache, ``module.auto_graphs``): a packed call is keyed by the buckets of its
+token count, sequence count and ``max_seqlen`` (``graph_feeds.PackedFeed``), whose static
+``cu_seqlens`` ends in empty sequences.  Neither varlen attention backend reads the offsets
+on the host (``flash_varlen`` sizes its grid by ``max_seqlen``, ``padded`` its layout), so
+both replay.  ``varlen_graph_runner`` is the explicit runner (views of static buffers, no
+copy out; ``fusedenc.varlen_graphs``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
 
-from . import varlen
+from . import auto_graphs, core, varlen
 from .attention import VarlenPlan
+from .attention.varlen import BACKEND_ENV
+from .graph_feeds import PackedFeed
 from .torch_modules import inference_only, runs_eagerly_when_compiled
 from .varlen_graphs import VarlenGraphRunner
 
 __all__ = ["PaddingFreeCalls"]
+
+
+def _native_active(device: torch.device) -> bool:
+    """Whether the native core runs on ``device``: where automatic graphs apply (a test seam)."""
+    return core.active_on(device)
 
 
 def _first_block(module):
@@ -60,15 +75,27 @@ class PaddingFreeCalls:
         """The module on packed rows, no padding: ``rows`` ``[T, D]`` with sequence i at rows
         ``cu_seqlens[i]:cu_seqlens[i + 1]`` (int32 ``[N + 1]`` on the rows' device, ending at T;
         checked on the host, one sync) or a ``fusedenc.varlen.Packing`` (checked when made);
-        ``max_seqlen``: the longest sequence (found when None).  Returns ``[T, D]``."""
+        ``max_seqlen``: the longest sequence, or a bound on it (found when None).  Returns a
+        new ``[T, D]`` tensor.  On a GPU, repeated calls replay CUDA graphs (module docstring)."""
         rows = self._packed_input(rows)
         if isinstance(cu_seqlens, varlen.Packing):
             if rows.shape[0] != cu_seqlens.total:
                 raise ValueError(f"rows has {rows.shape[0]} rows but the packing {cu_seqlens.total} tokens")
-            plan = cu_seqlens.attention()
-        else:
-            plan = VarlenPlan(cu_seqlens, varlen.check_packed_rows(rows, cu_seqlens, max_seqlen))
-        return self._eager_rows(rows, 1, rows.shape[0], None, plan)
+            return self._packed_call(rows, cu_seqlens.cu_seqlens, cu_seqlens.max_seqlen)
+        return self._packed_call(rows, cu_seqlens, varlen.check_packed_rows(rows, cu_seqlens, max_seqlen))
+
+    def _packed_call(self, rows: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        """Checked packed rows through the module's automatic graphs, else eagerly."""
+        # The forced varlen backend is read when a graph is captured: a graph per setting.
+        key = ("packed", os.environ.get(BACKEND_ENV))
+        native = _native_active(rows.device) and not auto_graphs.observing(self)  # FP8 calibration: eager
+        return auto_graphs.call(self, self._packed_rows, (rows, cu_seqlens, max_seqlen), key=key, native=native,
+                                feed=PackedFeed.of)  # fmt: skip
+
+    def _packed_rows(self, rows: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        """The module's data path on packed rows: eagerly on the call's own, or captured on a
+        bucket's static rows and offsets with the bucket's ``max_seqlen`` (a bound)."""
+        return self._eager_rows(rows, 1, rows.shape[0], None, VarlenPlan(cu_seqlens, max_seqlen))
 
     @runs_eagerly_when_compiled
     @inference_only
@@ -92,7 +119,7 @@ class PaddingFreeCalls:
         else:
             packing = varlen.packing_from_lengths(lengths, seq, device=x.device)
         rows = self._packed_input(varlen.pack(xb, packing))
-        out = varlen.unpack(self._eager_rows(rows, 1, rows.shape[0], None, packing.attention()), packing)
+        out = varlen.unpack(self._packed_call(rows, packing.cu_seqlens, packing.max_seqlen), packing)
         return out if self.batch_first else out.transpose(0, 1)
 
     def varlen_graph_runner(

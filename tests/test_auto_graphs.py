@@ -1,7 +1,8 @@
 """``fusedenc.auto_graphs``, the CUDA graphs behind a plain call, on the CPU.
 
 The cache logic (keys, buckets, capture on the second call, LRU eviction and its back-off,
-fallbacks, switches, invalidation when weights change, ``out=``, copies, threads) runs here
+fallbacks, switches, invalidation when weights change, ``out=``, copies, threads; the packed
+rows' feed of ``forward_packed``) runs here
 with a fake capture: a "graph" recomputes its run from the static inputs into the static
 output when replayed, which is what a real graph does to its buffers.  The GPU tests
 (``test_auto_graphs_gpu.py``) check real graphs against the eager path.
@@ -18,8 +19,12 @@ import torch
 import torch.nn as nn
 
 import fusedenc
-from fusedenc import auto_graphs
+from fusedenc import auto_graphs, graph_feeds, packed_calls, varlen
 from fusedenc.graphs import eager_calls
+
+#: fp32 on the CPU: a graph's bucket pads the attention's layout (more masked keys), which
+#: changes only the summation order.
+TOL_FP32 = dict(rtol=2e-5, atol=2e-5)
 
 
 class _FakeGraph:
@@ -290,3 +295,168 @@ def test_fusedenc_modules_run_eagerly_on_the_cpu(gen):
     assert stack.auto_graphs.stats()["counts"] == {"eager: no native core": 2}
     with pytest.raises(ValueError, match="out"):
         stack(x, out=torch.empty(3, 4, 15))
+
+
+# ------------------------------------------------------------ packed rows ----
+
+
+@pytest.mark.parametrize("tokens, sequences, max_seqlen, want", [
+    (1, 1, 1, (64, 1, 64)),  # the smallest buckets
+    (64, 2, 64, (64, 2, 64)),  # exact fits pad nothing
+    (65, 3, 65, (128, 3, 128)),
+    (300, 5, 300, (320, 6, 320)),  # max_seqlen's power of two capped by the token bucket
+    (1000, 32, 100, (1024, 32, 128)),
+    (800, 33, 9, (896, 48, 64)),
+    (auto_graphs.MAX_ROWS, 1024, 128, (auto_graphs.MAX_ROWS, 1024, 128)),
+])  # fmt: skip
+def test_packed_calls_pad_up_to_token_sequence_and_length_buckets(tokens, sequences, max_seqlen, want):
+    bucket = graph_feeds.packed_bucket(tokens, sequences, max_seqlen)
+    assert bucket == want and bucket.tokens in graph_feeds.TOKEN_BUCKETS
+
+
+def test_packed_calls_past_the_buckets_run_eagerly():
+    assert graph_feeds.packed_bucket(0, 1, 0) == "eager: tokens"
+    assert graph_feeds.packed_bucket(auto_graphs.MAX_ROWS + 1, 4, 64) == "eager: tokens"
+    assert graph_feeds.packed_bucket(2000, auto_graphs.BUCKETS[-1] + 1, 8) == "eager: sequences"
+    b = graph_feeds.TOKEN_BUCKETS
+    assert b[-1] == auto_graphs.MAX_ROWS and list(b) == sorted(set(b)) and all(t % 64 == 0 for t in b)
+
+
+def test_a_packed_feed_fills_offsets_with_empty_sequences(gen):
+    rows = torch.randn(70, 8, generator=gen)
+    cu = torch.tensor([0, 30, 30, 70], dtype=torch.int32)  # an empty sequence inside
+    feed = graph_feeds.PackedFeed.of((rows, cu, 40))
+    assert feed.bucket == (128, 3, 64) and feed.rows == 70
+    statics, views = feed.statics((rows, cu, 40))
+    assert [tuple(s.shape) for s in statics] == [(128, 8), (4,)] and views[2] == 64
+    assert graph_feeds.PackedFeed.of((rows, cu[:2], 30)).bucket.sequences == 1
+    cu5 = torch.tensor([0, 10, 20, 30, 40, 70], dtype=torch.int32)  # 5 sequences: bucket 6, one unused offset
+    feed = graph_feeds.PackedFeed.of((rows, cu5, 30))
+    statics, _ = feed.statics((rows, cu5, 30))
+    statics[0].fill_(float("nan"))
+    statics[1].fill_(-7)
+    feed.fill(statics, (rows, cu5, 30))
+    assert statics[1].tolist() == [0, 10, 20, 30, 40, 70, 70], "unused offsets: empty sequences ending at T"
+    assert torch.equal(statics[0][:70], rows) and torch.isnan(statics[0][70:]).all()
+    assert graph_feeds.PackedFeed.of((rows, cu.tolist(), 40)) == "eager: inputs"
+
+
+class _RowNet(auto_graphs.GraphedModule):
+    """Row-wise work on packed rows that also reads the offsets on the device (each row plus
+    its sequence's length), as the varlen attention does."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+        self.auto_graphs.capture = _fake_capture
+
+    def rows(self, rows, cu, max_seqlen):
+        seq = torch.searchsorted(cu[1:].long(), torch.arange(rows.shape[0]), right=True).clamp(max=cu.numel() - 2)
+        return rows @ self.weight + (cu[1:] - cu[:-1]).float()[seq, None]
+
+    def forward(self, rows, cu, max_seqlen):
+        return auto_graphs.call(self, self.rows, (rows, cu, max_seqlen), key="packed", native=True,
+                                feed=graph_feeds.PackedFeed.of)  # fmt: skip
+
+
+def test_packed_calls_share_bucketed_graphs_and_slack_stays_out(gen):
+    net = _RowNet()
+    for t, cu in ((70, [0, 30, 50, 70]), (100, [0, 50, 60, 100]), (70, [0, 10, 10, 70])):  # one bucket
+        rows = torch.randn(t, 4, generator=gen)
+        cu = torch.tensor(cu, dtype=torch.int32)
+        with auto_graphs.disabled():
+            want = net(rows, cu, 64)
+        torch.testing.assert_close(net(rows, cu, 64), want, rtol=0, atol=0)
+        for entry in net.auto_graphs.entries():  # poisoned between calls: every offset is rewritten
+            entry.inputs[0].fill_(float("nan"))
+            entry.inputs[1].fill_(-1)
+    c = _counts(net)
+    assert c["captures"] == 1 and c["replays"] == 2, c
+    assert net.auto_graphs.stats()["buckets"] == [(128, 3, 64)]
+    net(torch.randn(5, 4, generator=gen), torch.tensor([0, 5], dtype=torch.int32), 5)  # another bucket
+    assert net.auto_graphs.stats()["buckets"] == [(128, 3, 64)]  # its first call runs eagerly
+
+
+def test_batch_and_packed_buckets_are_reported_together(gen):
+    net = _Net()
+    x = torch.randn(4, 3, generator=gen)
+    net(x)
+    net(x)
+    rows, cu = torch.randn(10, 3, generator=gen), torch.tensor([0, 4, 10], dtype=torch.int32)
+    for _ in range(2):
+        auto_graphs.call(net, lambda r, c, m: net.heads(r), (rows, cu, 6), key="p", native=True,
+                         feed=graph_feeds.PackedFeed.of)  # fmt: skip
+    assert net.auto_graphs.stats()["buckets"] == [4, (64, 2, 64)]
+
+
+def _cpu_stack(gen):
+    with torch.random.fork_rng():
+        torch.manual_seed(gen.seed_value)
+        stack = fusedenc.EncoderStack.build(2, 32, 4, 64, activation="gelu", dtype=torch.float32)
+        with torch.no_grad():
+            for p in stack.parameters():
+                p.add_(torch.randn(p.shape) * 0.1)
+    return stack
+
+
+@pytest.fixture
+def packed_graphs_on_cpu(monkeypatch):
+    """forward_packed through automatic graphs on the CPU: native core claimed, fake capture."""
+    monkeypatch.setattr(packed_calls, "_native_active", lambda device: True)
+    monkeypatch.setattr(auto_graphs, "cuda_capture", _fake_capture)
+
+
+def _packing(gen, lengths, d=32):
+    p = varlen.packing_from_lengths(lengths, max(lengths))
+    x = torch.randn(len(lengths), max(lengths), d, generator=gen)
+    return varlen.pack(x, p), p
+
+
+def test_forward_packed_replays_graphs_that_match_eager(gen, packed_graphs_on_cpu):
+    stack = _cpu_stack(gen)
+    block = stack.blocks[0]
+    for call, lengths in enumerate(([5, 9, 1], [7, 2, 3], [9, 9, 1], [3, 3, 3])):  # one bucket: (64, 3, 64)
+        rows, p = _packing(gen, lengths)
+        for cache in (stack.auto_graphs, block.auto_graphs):
+            for entry in cache.entries():  # poisoned statics: slack rows and stale offsets must not matter
+                entry.inputs[0].fill_(float("nan"))
+                entry.inputs[1].fill_(1 << 20)
+        with auto_graphs.disabled():
+            want, want_block = stack.forward_packed(rows, p), block.forward_packed(rows, p)
+        got = stack.forward_packed(rows, p if call % 2 else p.cu_seqlens)  # a Packing or the offsets: one graph
+        torch.testing.assert_close(got, want, **TOL_FP32, msg=lambda m: f"call {call} seed={gen.seed_value}: {m}")
+        torch.testing.assert_close(block.forward_packed(rows, p), want_block, **TOL_FP32)
+    for module in (stack, block):
+        c = _counts(module)
+        assert c["captures"] == 1 and c["replays"] == 3 and c["eager: switched off"] == 4, c
+    assert stack.auto_graphs.stats()["buckets"] == [(64, 3, 64)]
+
+
+def test_forward_packed_recaptures_changed_weights_and_stays_bounded(gen, packed_graphs_on_cpu):
+    stack = _cpu_stack(gen)
+    rows, p = _packing(gen, [20, 4])
+    stack.forward_packed(rows, p)
+    stack.forward_packed(rows, p)
+    with torch.no_grad():
+        stack.blocks[1].ffn2_weight.mul_(2)  # in place: a new version
+    with auto_graphs.disabled():
+        want = stack.forward_packed(rows, p)
+    torch.testing.assert_close(stack.forward_packed(rows, p), want, **TOL_FP32)
+    assert _counts(stack)["weights changed"] == 1
+    stack.auto_graphs.max_graphs = 2
+    batches = [_packing(gen, lengths) for lengths in ([40, 30], [70, 60], [120, 130], [3])]  # four buckets
+    for _ in range(4):
+        for rows, p in batches:
+            stack.forward_packed(rows, p)
+            assert stack.auto_graphs.stats()["graphs"] <= 2
+    assert _counts(stack)["evictions"] >= 1
+
+
+def test_forward_packed_runs_eagerly_where_graphs_do_not_apply(gen, packed_graphs_on_cpu):
+    stack = _cpu_stack(gen)
+    rows, p = _packing(gen, [3] * 1100)  # more sequences than the largest bucket
+    stack.forward_packed(rows, p)
+    assert _counts(stack) == {"eager: sequences": 1}
+    stack.auto_graphs.enabled = False
+    stack.forward_packed(*_packing(gen, [4, 2]))
+    assert _counts(stack)["eager: switched off"] == 1

@@ -15,7 +15,7 @@ import torch
 from bench_helpers import run_bench
 
 import fusedenc
-from fusedenc import varlen
+from fusedenc import auto_graphs, hf_varlen, packed_calls, varlen
 from fusedenc.attention import VarlenPlan, reference_varlen_attention, varlen_attention
 from fusedenc.attention import varlen as attention_varlen
 from fusedenc.varlen_graphs import VarlenGraphRunner, default_token_buckets
@@ -325,6 +325,165 @@ def test_patched_model_deepcopy_and_repatch(gen):
         want = ref(ids, attention_mask=mask).last_hidden_state[real]
         for m in (model, clone):
             torch.testing.assert_close(m(ids, attention_mask=mask).last_hidden_state[real], want, **TOL)
+
+
+# ------------------------------------------------------------ patch_hf: one stack ----
+
+
+def _stack_calls(model) -> int:
+    """Calls of the stack the padding-free encoder runs its blocks as (0: none made)."""
+    stack = hf_varlen.stack_of(model.encoder)
+    return 0 if stack is None else sum(stack.auto_graphs.stats()["counts"].values())
+
+
+def _run(model, ids, mask, **kw):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, **kw)
+
+
+def _per_layer(model, ids, mask):
+    """The layers one by one: a hook on a layer watches its calls (the fallback path)."""
+    handle = model.encoder.layer[0].register_forward_pre_hook(lambda m, a: None)
+    try:
+        return _run(model, ids, mask)
+    finally:
+        handle.remove()
+
+
+def _ids_mask(gen, b=5, s=12):
+    ids = torch.randint(2, SMALL["vocab_size"], (b, s), generator=gen)
+    return ids, (~_mask(gen, b, s, "holes")).long()
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_patched_encoder_runs_its_blocks_as_one_stack(model_type, gen):
+    model, ref = _hf(gen, "sdpa", model_type)
+    ids, mask = _ids_mask(gen)
+    modules, keys = len(list(model.modules())), list(model.state_dict())
+    got = _run(model, ids, mask)
+    stack = hf_varlen.stack_of(model.encoder)
+    assert stack is not None and _stack_calls(model) == 1
+    assert all(b is layer.block for b, layer in zip(stack.blocks, model.encoder.layer)), "the layers' own blocks"
+    assert len(list(model.modules())) == modules and list(model.state_dict()) == keys, "no submodule added"
+    assert not any(m.training for m in model.modules())
+    per_layer = _per_layer(model, ids, mask)
+    assert _stack_calls(model) == 1, "a hooked layer: the layers run one by one"
+    assert torch.equal(got.last_hidden_state, per_layer.last_hidden_state)
+    assert torch.equal(got.pooler_output, per_layer.pooler_output)
+    real = mask.bool()
+    want = ref(ids, attention_mask=mask)
+    torch.testing.assert_close(got.last_hidden_state[real], want.last_hidden_state[real], **TOL)
+    assert torch.equal(got.last_hidden_state[~real], torch.zeros_like(got.last_hidden_state[~real]))
+    _run(model, ids, mask)
+    assert hf_varlen.stack_of(model.encoder) is stack and _stack_calls(model) == 2
+
+
+@pytest.mark.parametrize("watch", ["forward hook", "pre-hook", "hook with kwargs", "global hook", "instance forward"])
+def test_patched_encoder_runs_layers_one_by_one_when_watched(watch, gen):
+    model, _ = _hf(gen)
+    ids, mask = _ids_mask(gen)
+    plain = _run(model, ids, mask)
+    layer = model.encoder.layer[1]
+    seen = []
+    if watch == "forward hook":
+        handle = layer.register_forward_hook(lambda m, a, o: seen.append(m))
+    elif watch == "pre-hook":
+        handle = layer.register_forward_pre_hook(lambda m, a: seen.append(m))
+    elif watch == "hook with kwargs":
+        handle = layer.register_forward_hook(lambda m, a, k, o: seen.append(m), with_kwargs=True)
+    elif watch == "global hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: seen.append(m) if m is layer else None)
+    else:
+        hf_forward = layer.forward
+
+        def forward(*args, **kwargs):
+            seen.append(layer)
+            return hf_forward(*args, **kwargs)
+
+        layer.forward = forward
+    try:
+        watched = _run(model, ids, mask)
+    finally:
+        if watch == "instance forward":
+            del layer.forward
+        else:
+            handle.remove()
+    assert seen == [layer] and _stack_calls(model) == 1, "the watched call ran the layers one by one"
+    assert torch.equal(watched.last_hidden_state, plain.last_hidden_state)
+    _run(model, ids, mask)
+    assert _stack_calls(model) == 2, "unwatched again: the stack"
+
+
+def test_transformers_idle_output_hooks_keep_the_stack(gen):
+    """transformers 5 leaves its output-recording hooks on the layers once hidden states were
+    asked for; they do nothing while nothing is collected, so the stack runs."""
+    model, ref = _hf(gen)
+    ids, mask = _ids_mask(gen)
+    hidden = _run(model, ids, mask, output_hidden_states=True)  # padded path: HF's shapes
+    assert _stack_calls(model) == 0 and len(hidden.hidden_states) == SMALL["num_hidden_layers"] + 1
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        assert model.encoder.layer[0]._forward_hooks, "transformers 5 recording hooks installed"
+    got = _run(model, ids, mask)
+    assert _stack_calls(model) == 1
+    real = mask.bool()
+    torch.testing.assert_close(got.last_hidden_state[real], hidden.last_hidden_state[real], **TOL)
+
+
+def test_the_stack_follows_replaced_blocks_moves_and_copies(gen):
+    import copy
+
+    model, _ = _hf(gen)
+    ids, mask = _ids_mask(gen)
+    _run(model, ids, mask)
+    first = hf_varlen.stack_of(model.encoder)
+    block = copy.deepcopy(model.encoder.layer[1].block)
+    with torch.no_grad():
+        block.ffn2_bias.add_(0.5)
+    model.encoder.layer[1].block = block
+    got = _run(model, ids, mask)
+    stack = hf_varlen.stack_of(model.encoder)
+    assert stack is not first and stack.blocks[1] is block, "rebuilt on the new block"
+    assert torch.equal(got.last_hidden_state, _per_layer(model, ids, mask).last_hidden_state)
+    clone = copy.deepcopy(model)
+    clone_out = _run(clone, ids, mask)
+    assert torch.equal(clone_out.last_hidden_state, got.last_hidden_state)
+    assert all(b is layer.block for b, layer in zip(hf_varlen.stack_of(clone.encoder).blocks, clone.encoder.layer))
+    model.float()  # through _apply: the cached stack (and any graphs of it) goes
+    assert hf_varlen.stack_of(model.encoder) is None
+    torch.testing.assert_close(_run(model, ids, mask).last_hidden_state, got.last_hidden_state, rtol=0, atol=0)
+
+
+def _fake_capture(run, device, pool):
+    """A "graph" that recomputes its run into the static output when replayed (as
+    tests/test_auto_graphs.py's): what a real graph does to its buffers."""
+
+    class Replay:
+        def replay(self):
+            out.copy_(run())
+
+    out = run()
+    return Replay(), out
+
+
+def test_patched_encoder_replays_one_graph_per_forward(gen, monkeypatch):
+    """The automatic graphs' logic on the CPU (native core claimed, fake capture): one graph
+    of the whole encoder per forward, the blocks' own caches unused."""
+    monkeypatch.setattr(packed_calls, "_native_active", lambda device: True)
+    monkeypatch.setattr(auto_graphs, "cuda_capture", _fake_capture)
+    model, ref = _hf(gen)
+    ids, mask = _ids_mask(gen)
+    real = mask.bool()
+    with auto_graphs.disabled():
+        want = _per_layer(model, ids, mask).last_hidden_state
+    blocks = [layer.block.auto_graphs.stats()["counts"] for layer in model.encoder.layer]
+    for _ in range(3):
+        got = _run(model, ids, mask).last_hidden_state
+        torch.testing.assert_close(got, want, **TOL)
+    counts = hf_varlen.stack_of(model.encoder).auto_graphs.stats()["counts"]
+    assert counts == {"eager: first calls": 1, "captures": 1, "replays": 2}, counts
+    assert [layer.block.auto_graphs.stats()["counts"] for layer in model.encoder.layer] == blocks
+    torch.testing.assert_close(got[real], ref(ids, attention_mask=mask).last_hidden_state[real], **TOL)
 
 
 # ------------------------------------------------------------ benchmark ----

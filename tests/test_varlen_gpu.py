@@ -1,10 +1,13 @@
 """The padding-free path on the GPU: varlen attention backends, stacks (fp16, bf16, FP8) on
-packed rows, the token-bucketed graph runner, and patch_hf on real sentences.
+packed rows, the token-bucketed graph runner, the automatic graphs of a plain
+``forward_packed`` and of a patched encoder, and patch_hf on real sentences.
 
 Rule (DESIGN.md): ``|out - ref32| <= 2 * |same - ref32| + atol`` with ``ref32`` the padded
 fp32 computation and ``same`` the padded computation in the test's dtype; compared on real
 tokens only.  Graph static buffers are poisoned with NaN before replays: rows outside
-every sequence must never reach the real ones.
+every sequence must never reach the real ones.  An automatic graph whose call fills its
+bucket (token count, sequence count and ``max_seqlen`` all bucket sizes) runs the eager
+path's kernels on the same shapes: bit-identical; a padded bucket is held to the rule.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 from helpers import assert_close_rule
 
 import fusedenc
-from fusedenc import varlen
+from fusedenc import auto_graphs, hf_varlen, varlen
+from fusedenc.graph_feeds import PackedBucket
 from fusedenc.attention import reference_varlen_attention, varlen_attention
 from fusedenc.attention import varlen as attention_varlen
 
@@ -126,6 +130,180 @@ def test_fp8_stack_packed(gen):
     err_packed = (packed - ref).norm() / ref.norm()
     assert torch.isfinite(packed).all()
     assert err_packed <= 1.25 * err_padded + 1e-3, f"FP8 packed {err_packed:.3e} vs padded {err_padded:.3e} against fp32"
+
+
+# ------------------------------------------------------------ automatic graphs ----
+
+
+@pytest.fixture
+def graphs_on():
+    was = auto_graphs.set_enabled(True)
+    yield
+    auto_graphs.clear()
+    auto_graphs.set_enabled(was)
+
+
+def _poison(*modules):
+    """NaN in every static row buffer and output, nonsense offsets: a replay must rewrite
+    every offset it reads, and slack rows must never reach the real ones."""
+    with torch.inference_mode():  # a graph captured under inference mode has an inference-tensor output
+        for module in modules:
+            for entry in module.auto_graphs.entries():
+                if not isinstance(entry.bucket, PackedBucket):
+                    continue  # a padded call's graph
+                rows, cu = entry.inputs
+                rows.fill_(float("nan"))
+                cu.fill_(1 << 30)
+                entry.out.fill_(float("nan"))
+
+
+def _packed(gen, lengths, dtype, d=768):
+    """(x32, packed rows in dtype, padding mask, packing) of right-padded sequences."""
+    s = max(lengths)
+    pad = (torch.arange(s)[None] >= torch.tensor(lengths)[:, None]).cuda()
+    x32 = torch.randn(len(lengths), s, d, generator=gen).cuda()
+    p = varlen.packing_from_mask(pad)
+    return x32, varlen.pack(x32.to(dtype), p), pad, p
+
+
+#: 8 sequences, 448 tokens, the longest 64: exactly the packed bucket (448, 8, 64).
+EXACT = [64, 64, 64, 64, 64, 64, 40, 24]
+
+
+def _counts(module):
+    return module.auto_graphs.stats()["counts"]
+
+
+@pytest.mark.parametrize("backend", ["flash_varlen", "padded"])
+def test_plain_forward_packed_replays_graphs_equal_to_eager(backend, gen, graphs_on, monkeypatch):
+    dtype = torch.float16
+    why = attention_varlen.flash_unusable(dtype, 64, torch.device("cuda"))
+    if backend == "flash_varlen" and why:
+        pytest.skip(why)
+    monkeypatch.setenv(attention_varlen.BACKEND_ENV, backend)
+    ref_stack, stack = _stack(dtype)
+    block = stack.blocks[0]
+    for call in range(4):  # eager, capture + replay, replay, replay: fresh rows and sequence order each time
+        lengths = [EXACT[i] for i in torch.randperm(len(EXACT), generator=gen).tolist()]
+        x32, rows, pad, p = _packed(gen, lengths, dtype)
+        _poison(stack, block)
+        with torch.inference_mode():
+            got = stack.forward_packed(rows, p if call % 2 else p.cu_seqlens)  # a Packing or offsets: one key
+            got_block = block.forward_packed(rows, p)
+            with auto_graphs.disabled():
+                eager, eager_block = stack.forward_packed(rows, p), block.forward_packed(rows, p)
+        assert torch.equal(got, eager), f"call {call}: differs from eager ({backend})"
+        assert torch.equal(got_block, eager_block), f"call {call}: block differs from eager ({backend})"
+        ref = varlen.pack(ref_stack(x32, key_padding_mask=pad), p)
+        with auto_graphs.disabled():  # the stack's counts are its packed calls'
+            same = varlen.pack(stack(x32.to(dtype), key_padding_mask=pad), p)
+        assert_close_rule(got, ref, same, dtype, f"call {call} {backend} seed={gen.seed_value}")
+    for module in (stack, block):
+        c = _counts(module)
+        assert c["captures"] == 1 and c["replays"] == 3, c
+    assert stack.auto_graphs.stats()["buckets"] == [(448, 8, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_packed_graphs_of_padded_buckets_hold_the_rule(dtype, gen, graphs_on):
+    """Fewer tokens, sequences and a shorter longest sequence than the bucket's: slack rows,
+    empty trailing sequences, a larger attention bound."""
+    ref_stack, stack = _stack(dtype)
+    pad = None
+    for call in range(3):
+        x32, x, new_pad = _batch(gen, 37, 90, 768, dtype)  # one sequence empty
+        pad = new_pad if pad is None else pad  # one mask (one bucket), fresh rows
+        p = varlen.packing_from_mask(pad)
+        rows = varlen.pack(x, p)
+        _poison(stack)
+        with torch.inference_mode():
+            got = stack.forward_packed(rows, p)
+            with auto_graphs.disabled():
+                eager = stack.forward_packed(rows, p)
+        ref = varlen.pack(ref_stack(x32, key_padding_mask=pad), p)
+        with auto_graphs.disabled():
+            same = varlen.pack(stack(x, key_padding_mask=pad), p)
+        assert torch.isfinite(got).all(), f"call {call}: NaN from the poisoned statics reached real rows"
+        assert_close_rule(got, ref, same, dtype, f"graph call {call} seed={gen.seed_value}")
+        assert_close_rule(eager, ref, same, dtype, f"eager call {call} seed={gen.seed_value}")
+    c = _counts(stack)
+    assert c["captures"] == 1 and c["replays"] == 2, c
+    [bucket] = stack.auto_graphs.stats()["buckets"]
+    assert bucket.tokens >= p.total and bucket.sequences == 48 and bucket.max_seqlen == 128, bucket
+
+
+def test_forward_packed_graphs_follow_weights_and_keep_memory_bounded(gen, graphs_on):
+    dtype = torch.float16
+    _, stack = _stack(dtype, layers=2)
+    _, other = _stack(dtype, layers=2)
+    with torch.no_grad():
+        for q in other.parameters():
+            q.mul_(0.9)
+    _, rows, _, p = _packed(gen, EXACT, dtype)
+    with torch.inference_mode():
+        stack.forward_packed(rows, p)
+        stack.forward_packed(rows, p)  # captured
+        stack.load_state_dict(other.state_dict())  # in place: same addresses, new versions
+        got = stack.forward_packed(rows, p)
+        with auto_graphs.disabled():
+            want = other.forward_packed(rows, p)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert _counts(stack)["weights changed"] == 1
+
+    stack.auto_graphs.max_graphs = 3
+    lengths = ([20] * 3, [50] * 6, [64] * 12, [100] * 15, [128] * 24, [200] * 30)  # six buckets, three slots
+    batches = [_packed(gen, n, dtype)[1:] for n in lengths]  # (rows, mask, packing)
+    with torch.inference_mode(), auto_graphs.disabled():
+        wants = [stack.forward_packed(r, q) for r, _, q in batches]
+    reserved = []
+    with torch.inference_mode():
+        for _ in range(6):
+            for (r, _, q), w in zip(batches, wants):
+                for _ in range(3):
+                    torch.testing.assert_close(stack.forward_packed(r, q), w, rtol=1e-2, atol=1e-2)
+            torch.cuda.synchronize()
+            reserved.append(torch.cuda.memory_reserved())
+    assert stack.auto_graphs.stats()["graphs"] <= 3 and _counts(stack)["evictions"] > 0
+    # After the first rounds the shared pool has its working size; later rounds must not grow it.
+    assert max(reserved[2:]) <= reserved[1] + (64 << 20), [r >> 20 for r in reserved]
+    mem = auto_graphs.memory()[str(torch.device("cuda", torch.cuda.current_device()))]
+    assert mem["graphs"] <= 3 and mem["static_bytes"] > 0
+
+
+def test_patched_bert_replays_one_graph_per_forward(gen, graphs_on):
+    """A plain padded call of a patched BERT: the encoder runs its blocks as one stack, one
+    graph replay per forward, matching the layer-by-layer path and the fp32 model."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=4, num_attention_heads=12,
+                                     intermediate_size=3072, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(gen.seed_value)
+    ref = transformers.BertModel(config).cuda().eval()
+    model = fusedenc.patch_hf(copy.deepcopy(ref).half())
+    same = copy.deepcopy(ref).half()
+    b, s = 32, 48
+    ids = torch.randint(1000, 30000, (b, s), generator=gen).cuda()
+    mask = (torch.arange(s)[None] < torch.tensor(_lengths(gen, b, s)).clamp(min=1)[:, None]).long().cuda()
+    real = mask.bool()
+    with torch.inference_mode():
+        want, base = (m(input_ids=ids, attention_mask=mask) for m in (ref, same))
+        outs = [model(input_ids=ids, attention_mask=mask) for _ in range(3)]
+        blocks = [dict(_counts(layer.block)) for layer in model.encoder.layer]
+        hook = model.encoder.layer[0].register_forward_pre_hook(lambda m, a: None)  # the layers one by one
+        per_layer = model(input_ids=ids, attention_mask=mask)
+        hook.remove()
+    stack = hf_varlen.stack_of(model.encoder)
+    c = _counts(stack)
+    assert c["captures"] == 1 and c["replays"] == 2 and c["eager: first calls"] == 1, c
+    assert blocks == [{}] * len(blocks), "the blocks' own graphs are not used by the one-stack path"
+    assert all(x is layer.block for x, layer in zip(stack.blocks, model.encoder.layer))
+    assert torch.equal(outs[1].last_hidden_state, outs[2].last_hidden_state), "two replays of one graph"
+    for i, got in enumerate([*outs, per_layer]):
+        last = got.last_hidden_state
+        assert torch.equal(last[~real], torch.zeros_like(last[~real]))
+        assert_close_rule(last[real], want.last_hidden_state[real], base.last_hidden_state[real], torch.float16,
+                          f"forward {i} seed={gen.seed_value}")  # fmt: skip
+        assert_close_rule(got.pooler_output, want.pooler_output, base.pooler_output, torch.float16, f"pooler {i}")
+        torch.testing.assert_close(last[real], per_layer.last_hidden_state[real], rtol=1e-2, atol=1e-2)
 
 
 # ------------------------------------------------------------ real sentences ----

@@ -1,0 +1,199 @@
+"""How a plain call's inputs reach an automatic graph's static buffers (``auto_graphs``' feeds).
+
+An automatic graph is captured on static input buffers sized for a bucket; each call that
+replays it copies its own inputs in and gets back the leading rows of the static output.
+A *feed* says how for one kind of call, so that ``AutoGraphs`` (keys, LRU, stamps, lock,
+pool, counts) stays one cache whatever the call:
+
+``BatchFeed``
+    batch-first inputs (the padded calls of blocks, stacks and Lc0 nets): the batch pads up
+    to a bucket of ``BUCKETS``; rows past it are padding (the items of a batch are
+    independent).  Another input is per item or shared; broadcast dimensions are copied
+    compactly (an HF mask expanded over heads as ``[B, 1, S, S]``).
+``PackedFeed``
+    packed rows ``[T, D]``, their int32 ``cu_seqlens`` ``[N + 1]`` and ``max_seqlen``
+    (``forward_packed``): T pads up to a token bucket (``TOKEN_BUCKETS``), N to a bucket of
+    ``BUCKETS`` (offsets past N repeat T: empty sequences, as ``VarlenGraphRunner`` fills
+    them), ``max_seqlen`` up to a power of two (the varlen attention takes an upper bound:
+    ``flash_varlen`` sizes its grid by it and CTAs past a sequence's end exit; ``padded``
+    lays the sequences out that long and masks the rest).  Rows past T belong to no
+    sequence, and every op but attention is row-wise: they never reach the real rows.
+
+``Feed.of(inputs)`` is the call's feed, or a string saying why it runs eagerly (counted in
+``stats()``).  ``key`` goes into the graph's key and ``bucket`` into ``stats()``;
+``statics(inputs)`` makes a graph's buffers at capture and the arguments its function is
+captured with; ``fill(statics, inputs)`` copies a call's inputs in; ``rows`` is how many
+leading rows of the output are the call's.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from .varlen_graphs import default_token_buckets
+
+__all__ = [
+    "BUCKETS", "MAX_ROWS", "MIN_SEQLEN_BUCKET", "TOKEN_BUCKETS", "BatchFeed", "PackedBucket", "PackedFeed",
+    "bucket_for", "packed_bucket",
+]  # fmt: skip
+
+#: Batch-size buckets: powers of two and 1.5x powers of two up to 1024, so a batch pads by
+#: at most 50% (33% above 3; ~20% on average over uniformly drawn sizes) for two graphs per
+#: doubling, and the batch sizes engines use (powers of two) pad not at all.  Above 1024
+#: positions an eager call is within a few percent of a graph (host time is amortized).
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+#: Rows (batch x tokens per item, or packed tokens) above which a call runs eagerly: 1024 Lc0
+#: positions, 512 sequences of 128 tokens.  Bounds the memory one graph holds.
+MAX_ROWS = 1 << 16
+#: Token-count buckets of packed rows: multiples of 64, about 2**0.25 apart (at most ~19% of
+#: a replay is slack rows, ~9% on average), up to ``MAX_ROWS``.
+TOKEN_BUCKETS = default_token_buckets(MAX_ROWS)
+#: The smallest ``max_seqlen`` bucket: shorter sequences share one graph (the flash kernel's
+#: row blocks are 64 or 128 queries long, so its grid is the same below that).
+MIN_SEQLEN_BUCKET = 64
+
+Why = str  # the reason a call runs eagerly, counted as such in ``AutoGraphs.stats()``
+
+
+def bucket_for(batch: int, rows_per_item: int = 1) -> Optional[int]:
+    """The bucket a batch of ``batch`` items runs in (None: eagerly)."""
+    if batch <= 0 or batch > BUCKETS[-1]:
+        return None
+    b = BUCKETS[bisect.bisect_left(BUCKETS, batch)]
+    return b if b * rows_per_item <= MAX_ROWS else None
+
+
+# ------------------------------------------------------------ batch-first inputs ----
+
+
+def _layout(t: Optional[torch.Tensor], i: int, batch: int, device: torch.device):
+    """(key, static shape, view shape) of input ``i``; None: not copyable (run eagerly).
+    Input 0 holds the batch; another is per item (leading ``batch``) or shared (leading 1 or
+    stride 0); dimensions broadcast by stride 0 stay broadcast."""
+    if t is None:
+        return (None, None, None)
+    if not isinstance(t, torch.Tensor) or t.device != device or t.dim() == 0:
+        return None
+    shared = i > 0 and (t.shape[0] == 1 or t.stride(0) == 0)
+    if not shared and t.shape[0] != batch:
+        return None
+    compact = tuple(1 if (d > 0 and t.stride(d) == 0) or (d == 0 and shared) else n for d, n in enumerate(t.shape))
+    full = tuple(t.shape[1:])
+    return ((shared, compact[1:], full, t.dtype), compact, full)
+
+
+def _compact(t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``t`` without its broadcast dimensions (``shape``'s 1s where ``t`` has more)."""
+    for d in range(t.dim()):
+        if shape[d] == 1 and t.shape[d] != 1:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
+class BatchFeed:
+    """Batch-first inputs (tensors or None; the first holds the batch)."""
+
+    __slots__ = ("rows", "bucket", "layouts", "key")
+
+    def __init__(self, batch: int, bucket: int, layouts: list):
+        self.rows, self.bucket, self.layouts = batch, bucket, layouts
+        self.key = (bucket, tuple(lay[0] for lay in layouts))
+
+    @classmethod
+    def of(cls, inputs: Sequence[Optional[torch.Tensor]], rows_per_item: int = 1) -> Union["BatchFeed", Why]:
+        x = inputs[0]
+        batch = x.shape[0]
+        bucket = bucket_for(batch, rows_per_item)
+        if bucket is None:
+            return "eager: batch size"
+        layouts = [_layout(t, i, batch, x.device) for i, t in enumerate(inputs)]
+        if any(lay is None for lay in layouts):
+            return "eager: inputs"
+        return cls(batch, bucket, layouts)
+
+    def statics(self, inputs) -> tuple[list, list]:
+        statics, views = [], []
+        for t, lay in zip(inputs, self.layouts):
+            if t is None:
+                statics.append(None)
+                views.append(None)
+                continue
+            key, compact, full = lay
+            shape = (1 if key[0] else self.bucket,) + tuple(compact[1:])
+            static = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            statics.append(static)
+            views.append(static.expand((shape[0],) + full))
+        return statics, views
+
+    def fill(self, statics, inputs) -> None:
+        for static, given, lay in zip(statics, inputs, self.layouts):
+            if static is not None:
+                src = _compact(given, lay[1])
+                static[: src.shape[0]].copy_(src)
+
+
+# ------------------------------------------------------------ packed rows ----
+
+
+class PackedBucket(NamedTuple):
+    """The static sizes of a packed call's graph."""
+
+    tokens: int  # rows of the static buffer (>= T)
+    sequences: int  # sequences the static cu_seqlens holds (>= N; its length is this + 1)
+    max_seqlen: int  # the attention's bound on a sequence's length (>= the call's max_seqlen)
+
+
+def packed_bucket(tokens: int, sequences: int, max_seqlen: int) -> Union[PackedBucket, Why]:
+    """The bucket of a packed call of ``tokens`` rows in ``sequences`` sequences none longer
+    than ``max_seqlen``, or why it runs eagerly (no rows, or more than the largest bucket)."""
+    if tokens <= 0 or tokens > TOKEN_BUCKETS[-1]:
+        return "eager: tokens"
+    t = TOKEN_BUCKETS[bisect.bisect_left(TOKEN_BUCKETS, tokens)]
+    n = bucket_for(sequences)
+    if n is None:
+        return "eager: sequences"
+    # A power of two (few graphs however the longest sentence of a batch varies), at most
+    # the token bucket: no sequence is longer than T, so a larger bound only costs work.
+    m = max(MIN_SEQLEN_BUCKET, 1 << max(int(max_seqlen) - 1, 0).bit_length())
+    return PackedBucket(t, n, min(m, t))
+
+
+class PackedFeed:
+    """``(rows [T, D], cu_seqlens int32 [N + 1], max_seqlen)``, offsets already checked (they
+    end at T; the sequences are at most ``max_seqlen`` long).  The graph's function is
+    captured with the bucket's ``max_seqlen``; an eager call gets the caller's."""
+
+    __slots__ = ("rows", "sequences", "bucket", "key")
+
+    def __init__(self, rows: int, sequences: int, bucket: PackedBucket, key):
+        self.rows, self.sequences, self.bucket, self.key = rows, sequences, bucket, key
+
+    @classmethod
+    def of(cls, inputs) -> Union["PackedFeed", Why]:
+        rows, cu, max_seqlen = inputs
+        if not isinstance(cu, torch.Tensor) or cu.device != rows.device or cu.dim() != 1:
+            return "eager: inputs"  # the eager path raises the right error
+        n = cu.shape[0] - 1
+        bucket = packed_bucket(rows.shape[0], n, max_seqlen)
+        if isinstance(bucket, str):
+            return bucket
+        return cls(rows.shape[0], n, bucket, ("packed", bucket, rows.shape[1], rows.dtype))
+
+    def statics(self, inputs) -> tuple[list, list]:
+        rows = inputs[0]
+        b = self.bucket
+        static_rows = torch.zeros((b.tokens, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+        static_cu = torch.zeros(b.sequences + 1, dtype=torch.int32, device=rows.device)
+        return [static_rows, static_cu], [static_rows, static_cu, b.max_seqlen]
+
+    def fill(self, statics, inputs) -> None:
+        static_rows, static_cu = statics
+        rows, cu, _ = inputs
+        t, n = self.rows, self.sequences
+        static_rows[:t].copy_(rows)  # rows past T keep whatever they held: they are in no sequence
+        static_cu[: n + 1].copy_(cu)
+        if n < self.bucket.sequences:
+            static_cu[n + 1 :].fill_(t)  # unused offsets: empty sequences ending at T
