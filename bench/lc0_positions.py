@@ -18,6 +18,9 @@ Rows, per batch size (``--batch-sizes``, default 256,1024), one process, one net
                      first and frozen with gc.freeze(), as long-lived data)
   (b2) evaluator, minibatches  the same with ``submit_batch``: one future a chunk, as an engine
                      that gathers minibatches would submit them
+                     (notes of (b), (b2), (d): the CPU time of this process, all its threads, per
+                     position: what the process that drives the GPU pays; at 34k positions/s it
+                     has ~29 us a position for everything)
   (d) evaluator-Ngpu with ``--devices`` naming several GPUs: the same on all of them at once
                      (one replica and pipeline each, pulling from one queue)
   (c) cli            ``python -m fusedenc.lc0 eval NET --epd FILE`` on a generated EPD file of
@@ -138,7 +141,7 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibat
         ev.evaluate(warm)  # warm-up: first batches, allocator, threads
         before = ev.stats()
         n = 0
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         pending: collections.deque = collections.deque()
         window = IN_FLIGHT_BATCHES * b * len(devices)
         if minibatches:  # one future a chunk: ``window`` counts chunks
@@ -160,6 +163,7 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibat
         while pending:
             n += answered(pending.popleft())
         seconds = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0  # every thread of this process (the host workers are others)
         stats = ev.stats()
     batches = stats["batches"] - before["batches"]
     name = "evaluator" if len(devices) == 1 else f"evaluator-{len(devices)}gpu"
@@ -168,6 +172,7 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibat
     if "switch_interval" in options:
         name += f" (switch {'default' if options['switch_interval'] is None else options['switch_interval']})"
     return {"row": name, "batch": b, "positions": n, "seconds": seconds, "nps": n / seconds,
+            "cpu_us_per_position": cpu / max(n, 1) * 1e6,
             "mean_batch": (stats["positions"] - before["positions"]) / max(batches, 1),
             "devices": [str(d) for d in devices],
             "per_device": {k: v["positions"] - before["devices"][k]["positions"] for k, v in stats["devices"].items()},
@@ -207,6 +212,8 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
             notes = []
             if "mean_batch" in r:
                 notes.append(f"mean batch {r['mean_batch']:.0f}")
+            if "cpu_us_per_position" in r:
+                notes.append(f"this process's CPU {r['cpu_us_per_position']:.1f} us/position")
             if r.get("per_device") and len(r["per_device"]) > 1:
                 notes.append("per device " + ", ".join(f"{k} {v}" for k, v in r["per_device"].items()))
             if r.get("stage_seconds"):

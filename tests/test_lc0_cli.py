@@ -216,6 +216,31 @@ def test_describe_unchanged(net_path, capsys):
     assert rc == 2 and "cannot read" in err
 
 
+def test_a_position_failing_in_a_chunk_is_written_as_its_error(net_path, cpu_net, tmp_path, monkeypatch, capsys):
+    """The file is checked before any evaluation, so a refused position is not expected there;
+    should one be refused all the same (checks skipped here), its chunk is evaluated again a
+    position at a time: that position's line is its error, every other line as before, in
+    order, and the command exits 1."""
+    monkeypatch.setattr(cli, "_check_positions", lambda *a, **k: None)
+    good = [KIWIPETE + " 0 1", "rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq -", "8/P7/8/8/8/8/6k1/K7 w - -"]
+    lines = [good[0], "8/8/8/8/8/8/8/8 w - -", good[1], good[2], good[0], good[1], good[2]]
+    epd = tmp_path / "mixed.epd"
+    epd.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out_path = tmp_path / "out.jsonl"
+    rc, _, err = _run(["eval", net_path, "--epd", str(epd), "--device", "cpu", "--out", str(out_path), "--no-progress",
+                       "--max-batch", "3"], capsys)  # fmt: skip
+    assert rc == 1, err
+    records = [json.loads(line) for line in out_path.read_text(encoding="utf-8").splitlines()]
+    summary = records.pop()["summary"]
+    assert [r["index"] for r in records] == list(range(7)) and [r["line"] for r in records] == list(range(1, 8))
+    assert "error" in records[1] and "kings" in records[1]["error"] and "moves" not in records[1]
+    refs = cpu_net.evaluate([r["fen"] for i, r in enumerate(records) if i != 1])
+    for r, ev in zip(records[:1] + records[2:], refs, strict=True):
+        assert "error" not in r and len(r["moves"]) == min(5, len(ev.moves))
+        _close_probs(r["moves"], r["probs"], ev)
+    assert summary["positions"] == 6 and summary["failed"] == 1
+
+
 def test_subprocess_epd_to_stdout(net_path, tmp_path):
     epd = tmp_path / "suite.epd"
     epd.write_text(EPD, encoding="utf-8")

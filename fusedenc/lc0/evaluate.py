@@ -117,14 +117,18 @@ class _Heads:
         self.q, self.wdl, self.moves_left = q, wdl, moves_left
 
 
-def evaluations(heads: Mapping[str, torch.Tensor], policies: DecodedPolicies) -> list[Evaluation]:
+def evaluations(heads: Mapping[str, Any], policies: DecodedPolicies) -> list[Evaluation]:
     """Join a batch's decoded policies with its value heads (``[B, 3]`` WDL or ``[B, 1]``
-    value, and ``[B, 1]`` moves left) into ``Evaluation`` objects."""
+    value, and ``[B, 1]`` moves left; tensors or arrays) into ``Evaluation`` objects."""
     def array(name: str) -> Optional[np.ndarray]:
         t = heads.get(name)
         # A copy always: the heads may be buffers the caller reuses (the Evaluator's pinned
         # slots), and the evaluations outlive the batch.
-        return None if t is None else t.detach().to("cpu", torch.float32, copy=True).numpy()
+        if t is None:
+            return None
+        if isinstance(t, np.ndarray):
+            return t.astype(np.float32)  # a copy
+        return t.detach().to("cpu", torch.float32, copy=True).numpy()
 
     wdl, value, ml = array("wdl"), array("value"), array("moves_left")
     q = (wdl[:, 0].astype(np.float64) - wdl[:, 2]) if wdl is not None else value.reshape(-1).astype(np.float64)
@@ -156,50 +160,60 @@ def json_lines(evaluations: Sequence[Evaluation], prefixes: Sequence[str], top: 
     return out
 
 
-def _fixed(values: list[float], digits: int) -> list[str]:
-    """Each value with ``digits`` decimals (the number ``round(v, digits)`` is), by one format
-    call for the lot: a few times faster than ``repr(round(v))`` each."""
-    if not values:
-        return []
-    return ((f"%.{digits}f\x00" * len(values)) % tuple(values)).split("\x00")[:-1]
-
-
 def _batch_lines(group: Sequence[Evaluation], prefixes: Sequence[str], top: Optional[int]) -> list[str]:
+    """The lines of evaluations of one batch (or one stand-alone evaluation): positions with
+    the same number of moves written share one format string, filled for all of them by one
+    ``%`` (Python work per field, in C, not per position)."""
     first = group[0]
     if first._policies is None:  # a stand-alone Evaluation
-        texts, probs, offsets = first.moves[:top], first.probs[:top].tolist(), [0, len(first.moves[:top])]
-        rows, heads = [0], first._heads
+        moves = first.moves if top is None else first.moves[:top]
+        texts = np.array(moves, dtype=object)
+        probs, k, rows = np.asarray(first.probs[:len(moves)], np.float32), np.array([len(moves)]), [0]
     else:
         rows = [e._index for e in group]
-        texts, probs, offsets = first._policies.flat_top(np.array(rows, np.int64), top)
-        heads = first._heads
-    best = [e.best_move for e in group] if top == 0 else [
-        texts[offsets[t]] if offsets[t + 1] > offsets[t] else None for t in range(len(rows))]
+        texts, probs, k = first._policies.top_arrays(np.array(rows, np.int64), top)
+    heads = first._heads
     q = heads.q[rows]
-    wdl = None if heads.wdl is None else heads.wdl[rows]
+    wdl = None if heads.wdl is None else heads.wdl[rows].astype(np.float64)
     ml = None if heads.moves_left is None else heads.moves_left[rows].astype(np.float64)
-    if not all(np.isfinite(a).all() for a in (np.asarray(probs), q, wdl, ml) if a is not None):
+    if not all(np.isfinite(a).all() for a in (probs, q, wdl, ml) if a is not None):
         # json.dumps writes NaN / Infinity, which fixed decimals cannot: the slow way
         return [json.dumps({**json.loads(p + "}"), "best_move": e.best_move, **e.to_dict(top)})
                 for p, e in zip(prefixes, group, strict=True)]
-    quoted = (('"%s"\x00' * len(texts)) % tuple(texts)).split("\x00")[:-1] if texts else []  # UCI: no escaping
-    probs_s, q_s = _fixed(probs, 6), _fixed(q.tolist(), 6)
-    wdl_s = None if wdl is None else _fixed(wdl.astype(np.float64).reshape(-1).tolist(), 6)
-    ml_s = None if ml is None else _fixed(ml.tolist(), 3)
-    lines = []
-    for t, prefix in enumerate(prefixes):
-        a, b = offsets[t], offsets[t + 1]
-        parts = [prefix, ", " if prefix[-1] != "{" else "", '"best_move": ',
-                 "null" if best[t] is None else f'"{best[t]}"',
-                 ', "moves": [', ", ".join(quoted[a:b]),
-                 '], "probs": [', ", ".join(probs_s[a:b]), '], "q": ', q_s[t]]
-        if wdl_s is not None:
-            parts += [', "wdl": [', ", ".join(wdl_s[3 * t:3 * t + 3]), "]"]
-        if ml_s is not None:
-            parts += [', "moves_left": ', ml_s[t]]
-        parts.append("}")
-        lines.append("".join(parts))
-    return lines
+    m = len(group)
+    tail = ', "q": %.6f' + (', "wdl": [%.6f, %.6f, %.6f]' if wdl is not None else "") + (
+        ', "moves_left": %.3f' if ml is not None else "") + "}\x00"
+    ends = np.cumsum(k)
+    width = 3 + (3 if wdl is not None else 0) + (1 if ml is not None else 0)  # prefix, best, q, wdl, moves left
+    out: list[Optional[str]] = [None] * m
+    sizes = np.unique(k).tolist()
+    for kk in sizes:  # usually one: every position with at least ``top`` moves
+        sel = np.arange(m) if len(sizes) == 1 else np.flatnonzero(k == kk)
+        g = len(sel)
+        table = np.empty((g, width + 2 * kk), object)  # the format's values, a row a position
+        table[:, 0] = [p if p[-1] == "{" else p + ", " for p in (prefixes[i] for i in sel.tolist())]
+        if kk:
+            at = (ends[sel] - kk)[:, None] + np.arange(kk)
+            table[:, 2:2 + kk] = texts[at]
+            table[:, 1] = table[:, 2]
+            table[:, 2 + kk:2 + 2 * kk] = probs[at].astype(np.float64)
+            template = ('%s"best_move": "%s", "moves": [' + ", ".join(['"%s"'] * kk) + '], "probs": ['
+                        + ", ".join(["%.6f"] * kk) + "]")
+        else:  # no moves written: mate or stalemate, or top == 0
+            table[:, 1] = ["null" if b is None else f'"{b}"' for b in (group[i].best_move for i in sel.tolist())]
+            template = '%s"best_move": %s, "moves": [], "probs": []'
+        c = 2 + 2 * kk
+        table[:, c] = q[sel]
+        if wdl is not None:
+            table[:, c + 1:c + 4] = wdl[sel]
+        if ml is not None:
+            table[:, -1] = ml[sel]
+        lines = ((template + tail) * g % tuple(table.ravel().tolist())).split("\x00")
+        if g == m:
+            return lines[:-1]
+        for i, line in zip(sel.tolist(), lines):
+            out[i] = line
+    return out  # type: ignore[return-value]
 
 
 def evaluate(

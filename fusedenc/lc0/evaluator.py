@@ -35,6 +35,17 @@ three Python threads overlap; each such call must take the GIL back, so the laun
 makes as few as it can (three a batch).  On a CPU device (tests, machines without a GPU) the same
 stages run with a plain forward.
 
+Everything this process does per position (under one GIL, across its threads) must cost far
+less than the ~30 us a position that a GPU evaluating 34,000 positions a second leaves it, or
+the GPU waits.  So the queue holds whole calls (``requests.Submission``: ``submit_many``'s
+positions and their futures, which share one condition; ``requests.Minibatch``), a batch
+takes and answers them a slice at a time, the policy is decoded for the whole batch by array
+operations (``policy.decode_arrays``; each ``Evaluation`` reads its move list when asked) and
+the workers write the encoding into shared memory.  Measured with an instant stand-in for
+the network on a 2-core host: 9-10 us a position with ``submit_many`` at 256 positions a batch,
+7.5 us with ``submit_batch`` (5-7 us at 1024), where a future of its own per position and the
+encoding sent back pickled cost 17-20 us.
+
 A bad position (a FEN that does not parse, an illegal move in its history) fails its own
 future only: when ``prepare`` refuses a batch, the host worker splits it in halves until the
 bad ones are found, and the rest are evaluated.
@@ -45,7 +56,6 @@ from __future__ import annotations
 import collections
 import os
 import queue
-import sys
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -62,7 +72,9 @@ from .evaluate import Evaluation, evaluations
 from .netfile import NetFile, read_net
 from .network import Lc0Network
 from .policy import decode_arrays
-from .requests import Minibatch, Request
+from .requests import Minibatch, Part, Submission, locate
+from .switch_interval import SWITCH_INTERVAL as _SWITCH_INTERVAL
+from .switch_interval import SwitchInterval as _SwitchInterval  # noqa: F401 - tests reach it here
 
 __all__ = ["DEFAULT_BATCH_SIZES", "Evaluator"]
 
@@ -78,14 +90,20 @@ class _Slot:
     2-core host, 50-80 ms for 1024 positions: more than the GPU needs for the network).  The
     heads come back packed, one row of ``width`` values a position."""
 
-    def __init__(self, device: torch.device, rows: int, width: int) -> None:
+    def __init__(self, device: torch.device, rows: int, width: int, shared: Optional[tuple[int, int]] = None) -> None:
         cuda = device.type == "cuda"
         self.inputs = torch.empty((rows, ROW_BYTES), dtype=torch.uint8, pin_memory=cuda)
-        self.input_arrays = input_views(self.inputs.numpy())
+        self.input_rows = self.inputs.numpy()
+        self.input_arrays = input_views(self.input_rows)
+        # With forked host workers, the rows they write the batch's encoding into
+        # (hostwork.SharedRows), as (token, index), and those rows here.
+        self.shared = shared
         self.outputs = torch.empty((rows, width), dtype=torch.float32, pin_memory=cuda)  # heads are float32
+        self.output_array = self.outputs.numpy()  # decoded as arrays: torch calls cost ~10 us each
         self.event = torch.cuda.Event() if cuda else None
         # Filled per batch:
-        self.requests: list[Any] = []  # requests.Request or a Minibatch's members
+        self.parts: list[Part] = []  # the positions of each call (submit_many's, submit_batch's) it holds
+        self.n = 0  # positions in the batch
         self.job: Any = None  # a Future of the batch's hostwork.HostBatch
         self.host: Optional[hostwork.HostBatch] = None
         self.error: Optional[BaseException] = None
@@ -133,7 +151,7 @@ class _Replica:
                     self.run.capture_all()  # now: the first batches are not slowed by it
         self.free: "queue.Queue[_Slot]" = queue.Queue()
         for _ in range(owner.pipeline_depth):
-            self.free.put(_Slot(device, owner.max_batch, self.run.width))
+            self.free.put(_Slot(device, owner.max_batch, self.run.width, owner._shared_rows()))
         self.launch_q: "queue.Queue[Optional[_Slot]]" = queue.Queue()
         self.finish_q: "queue.Queue[Optional[_Slot]]" = queue.Queue()
         name = f"fusedenc-eval-{device}"
@@ -166,31 +184,36 @@ class _Replica:
         try:
             while True:
                 slot = self.free.get()
-                requests = owner._take(owner.max_batch)
-                if requests is None:  # closed and drained
+                parts = owner._take(owner.max_batch)
+                if parts is None:  # closed and drained
                     self.free.put(slot)
                     break
-                if not requests:  # every request taken had been cancelled
+                if not parts:  # every position taken had been cancelled
                     self.free.put(slot)
                     continue
-                slot.requests, slot.host, slot.error = requests, None, None
-                slot.job = owner._host_job([r.position for r in requests])
+                slot.parts, slot.host, slot.error = parts, None, None
+                positions = parts[0].positions if len(parts) == 1 else [p for part in parts for p in part.positions]
+                slot.n = len(positions)
+                slot.job = owner._host_job(positions, slot.shared)
                 self.launch_q.put(slot)
         finally:
             self.launch_q.put(None)
 
     def _take_host_batch(self, slot: _Slot) -> None:
-        """Wait for the slot's host work; fail the refused requests, keep the others."""
+        """Wait for the slot's host work; fail the refused positions, keep the others."""
         owner = self.owner
         host = slot.job.result()
-        for i, exc in host.errors:
-            slot.requests[i].fail(exc)
         if host.errors:
+            where = locate(slot.parts)
+            for i, exc in host.errors:
+                part, j = where(i)
+                part.fail_one(j, exc)
             owner._count(self.stats, failed=len(host.errors))
-        slot.requests = [slot.requests[i] for i in host.kept.tolist()]
         slot.host = host
-        n = len(slot.requests)
-        if n:  # numpy copies: torch's would wake its thread pool, which spins on the host's cores
+        n = len(host.kept)
+        if n and host.masks is None:  # written into the slot's shared rows by the worker
+            slot.input_rows[:n] = owner._shared.buffers[slot.shared[1]][:n]
+        elif n:  # numpy copies: torch's would wake its thread pool, which spins on the host's cores
             masks, values, turns = slot.input_arrays
             masks[:n] = host.masks
             values[:n] = host.values
@@ -209,7 +232,7 @@ class _Replica:
                 t0 = time.perf_counter()
                 self._take_host_batch(slot)
                 t1 = time.perf_counter()
-                if slot.requests:
+                if len(slot.host.kept):
                     self._launch(slot)
                 self.seconds["host_wait"] += t1 - t0
                 self.seconds["launch"] += time.perf_counter() - t1
@@ -222,7 +245,7 @@ class _Replica:
     def _launch(self, slot: _Slot) -> None:
         # On a GPU: a copy in, a replay, a copy out (queued before the next replay overwrites
         # the graph's output) and the event; on the CPU the forward runs here, synchronously.
-        self.run.launch(slot.inputs, slot.outputs, len(slot.requests))
+        self.run.launch(slot.inputs, slot.outputs, len(slot.host.kept))
         if slot.event is not None:
             slot.event.record(self.stream)
 
@@ -235,12 +258,12 @@ class _Replica:
             try:
                 self._finish(slot)
             finally:
-                slot.requests, slot.job, slot.host = [], None, None
+                slot.parts, slot.job, slot.host = [], None, None
                 self.free.put(slot)
 
     def _finish(self, slot: _Slot) -> None:
-        owner, requests = self.owner, slot.requests
-        if slot.error is None and not requests:
+        owner, parts = self.owner, slot.parts
+        if slot.error is None and not len(slot.host.kept):
             return
         if slot.error is None:
             try:
@@ -249,56 +272,30 @@ class _Replica:
                     slot.event.synchronize()
                 t1 = time.perf_counter()
                 self.seconds["gpu_wait"] += t1 - t0
-                host, n = slot.host, len(requests)
-                packed = slot.outputs[:n]  # pinned host memory (fp16 on a GPU): views, no copies
+                host = slot.host
+                n = len(host.kept)
+                packed = slot.output_array[:n]  # pinned host memory: views, no copies
                 heads = {name: packed[:, c:c + w] for name, (c, w) in self.run.layout.items()}
-                policies = decode_arrays(heads["policy"].numpy(), host.moves, host.indices, host.counts,
-                                         owner.temperature)
+                policies = decode_arrays(heads["policy"], host.moves, host.indices, host.counts, owner.temperature)
                 results = evaluations(heads, policies)
+                if n < slot.n:  # some positions were refused: theirs are None
+                    full: list[Any] = [None] * slot.n
+                    for b, r in zip(host.kept.tolist(), results):
+                        full[b] = r
+                    results = full
+                lo = 0
+                for part in parts:
+                    k = len(part)
+                    part.finish(results if k == len(results) else results[lo:lo + k])
+                    lo += k
             except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
                 slot.error = exc
         if slot.error is not None:
-            pending = [r for r in requests if r.pending()]
-            for r in pending:
-                r.fail(slot.error)
-            owner._count(self.stats, failed=len(pending))
+            failed = sum(part.fail(slot.error) for part in parts)
+            owner._count(self.stats, failed=failed)
             return
-        for r, ev in zip(requests, results, strict=True):
-            r.done(ev)
         self.seconds["decode"] += time.perf_counter() - t1
-        owner._count(self.stats, positions=len(requests), batches=1)
-
-
-class _SwitchInterval:
-    """Python's thread switch interval, shortened while any Evaluator that asked for it runs.
-
-    Every torch call of the launch stage lets go of the GIL and takes it back; while another
-    thread of the process runs Python (the finish stage's loops, the pool's unpickling, the
-    caller's own threads), taking it back can wait a whole switch interval (5 ms by default),
-    and a launch is about twenty such calls.  A shorter interval bounds each wait."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._saved: Optional[float] = None
-
-    def shorten(self, seconds: float) -> None:
-        with self._lock:
-            if self._users == 0:
-                self._saved = sys.getswitchinterval()
-                if seconds < self._saved:
-                    sys.setswitchinterval(seconds)
-            self._users += 1
-
-    def restore(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0 and self._saved is not None:
-                sys.setswitchinterval(self._saved)
-                self._saved = None
-
-
-_SWITCH_INTERVAL = _SwitchInterval()
+        owner._count(self.stats, positions=n, batches=1)
 
 
 class Evaluator:
@@ -411,11 +408,17 @@ class Evaluator:
             pipeline_depth = max(3, -(-host_workers // len(self.devices)) + 2)
         self.pipeline_depth = pipeline_depth
         self._pool: Optional[ProcessPoolExecutor] = None
+        self._shared: Optional[hostwork.SharedRows] = None  # made before the workers are forked
+        self._shared_next = 0
         if host_workers:
+            if hostwork.forked():
+                self._shared = hostwork.SharedRows(pipeline_depth * len(self.devices), max_batch)
             self._pool = hostwork.start_pool(host_workers)
 
         self._lock = threading.Condition()
-        self._queue: "collections.deque[Any]" = collections.deque()  # Requests and Minibatch members
+        # Submissions and Minibatches (requests.py), each with the count of its positions taken.
+        self._queue: "collections.deque[Any]" = collections.deque()
+        self._queued = 0  # positions in the queue, not yet taken
         self._closed = False
         self._stats = EvaluatorStats()
         self._replicas: list[_Replica] = []
@@ -426,6 +429,8 @@ class Evaluator:
             self._replicas = []
             if self._pool is not None:
                 self._pool.shutdown(cancel_futures=True)
+            if self._shared is not None:
+                self._shared.close()
             raise
         self._switch = switch_interval is not None and any(d.type == "cuda" for d in self.devices)
         if self._switch:
@@ -434,26 +439,31 @@ class Evaluator:
             r.start()
 
     # -- submission --
+    def _queue_group(self, group: Any) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this Evaluator is closed")
+            if group.positions:
+                self._queue.append(group)
+                self._queued += len(group.positions)
+                if len(group.positions) == 1:
+                    self._lock.notify()
+                else:
+                    self._lock.notify_all()
+
     def submit(self, position: Any) -> "Future[Evaluation]":
         """Queue one position; its future's result is the ``Evaluation`` (or the exception
         that position raised: a bad FEN, an illegal move).  RuntimeError after ``close()``."""
-        fut: Future = Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("this Evaluator is closed")
-            self._queue.append(Request(position, fut))
-            self._lock.notify()
-        return fut
+        group = Submission([position])
+        self._queue_group(group)
+        return group.futures[0]
 
     def submit_many(self, positions: Iterable[Any]) -> "list[Future[Evaluation]]":
-        """Queue several positions at once (one lock, one wake-up); their futures in order."""
-        requests = [Request(p, Future()) for p in positions]
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("this Evaluator is closed")
-            self._queue.extend(requests)
-            self._lock.notify_all()
-        return [r.future for r in requests]
+        """Queue several positions at once (one lock, one wake-up); their futures in order
+        (``concurrent.futures.Future``s that share one condition: lighter to make and set)."""
+        group = Submission(list(positions))
+        self._queue_group(group)
+        return list(group.futures)
 
     def submit_batch(self, positions: Iterable[Any]) -> "Future[list[Evaluation]]":
         """Queue a minibatch: one future whose result is the list of the positions'
@@ -461,15 +471,9 @@ class Evaluator:
         still evaluated).  The positions are batched with everyone else's like ``submit``'s,
         but cost one future instead of one each: for an engine whose search gathers its
         positions into minibatches, as lc0's does."""
-        positions = list(positions)
-        batch = Minibatch(len(positions))
-        if positions:
-            members = batch.members(positions)
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("this Evaluator is closed")
-                self._queue.extend(members)
-                self._lock.notify_all()
+        batch = Minibatch(list(positions))
+        if batch.positions:
+            self._queue_group(batch)
         return batch.future
 
     def evaluate(self, positions: Iterable[Any]) -> list[Evaluation]:
@@ -478,32 +482,51 @@ class Evaluator:
         return [f.result() for f in self.submit_many(positions)]
 
     # -- worker side --
-    def _take(self, n: int) -> Optional[list[Any]]:
-        """Up to ``n`` requests for a batch: waits for the first, then up to ``max_wait`` for
-        the batch to fill; None once closed and the queue is empty."""
+    def _take(self, n: int) -> Optional[list[Part]]:
+        """Up to ``n`` positions for a batch, as the parts of the calls that submitted them:
+        waits for the first, then up to ``max_wait`` for the batch to fill; None once closed
+        and the queue is empty."""
+        spans = []
         with self._lock:
             while not self._queue:
                 if self._closed:
                     return None
                 self._lock.wait()
-            if len(self._queue) < n and self.max_wait > 0 and not self._closed:
+            if self._queued < n and self.max_wait > 0 and not self._closed:
                 deadline = time.monotonic() + self.max_wait
-                while len(self._queue) < n and not self._closed:
+                while self._queued < n and not self._closed:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     self._lock.wait(left)
-            k = min(n, len(self._queue))
-            taken = [self._queue.popleft() for _ in range(k)]
-            if self._queue:
+            k, queue = 0, self._queue
+            while queue and k < n:
+                group = queue[0]
+                lo = group.taken
+                hi = min(len(group.positions), lo + n - k)
+                group.taken = hi
+                k += hi - lo
+                spans.append((group, lo, hi))
+                if hi == len(group.positions):
+                    queue.popleft()
+            self._queued -= k
+            if queue:
                 self._lock.notify()  # more work left: another worker may take it
         # Futures cancelled by their caller are dropped here; the others can no longer be.
-        return [r for r in taken if r.start()] if taken else []
+        return [part for part in (g.start(lo, hi) for g, lo, hi in spans) if part is not None]
 
-    def _host_job(self, positions: list[Any]) -> "Future[hostwork.HostBatch]":
-        """The host work of one batch: in a worker process, or here (no workers)."""
+    def _shared_rows(self) -> Optional[tuple[int, int]]:
+        """The next slot's ``(token, index)`` of shared rows (None without them)."""
+        if self._shared is None:
+            return None
+        self._shared_next += 1
+        return self._shared.token, self._shared_next - 1
+
+    def _host_job(self, positions: list[Any], rows: Optional[tuple[int, int]] = None) -> "Future[hostwork.HostBatch]":
+        """The host work of one batch: in a worker process (writing the encoding into the
+        slot's shared ``rows`` where it has them), or here (no workers)."""
         if self._pool is not None:
-            return self._pool.submit(hostwork.prepare_batch, hostwork.pack(positions), self.input_format)
+            return self._pool.submit(hostwork.prepare_batch, hostwork.pack(positions), self.input_format, rows)
         job: Future = Future()
         try:
             job.set_result(hostwork.prepare_batch(positions, self.input_format))
@@ -526,7 +549,8 @@ class Evaluator:
             self._closed = True
             if cancel_pending:
                 while self._queue:
-                    self._queue.popleft().cancel()
+                    self._queue.popleft().cancel_rest()
+                self._queued = 0
             self._lock.notify_all()
         for r in self._replicas:
             r.join()
@@ -535,6 +559,9 @@ class Evaluator:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
         if self._switch:
             self._switch = False
             _SWITCH_INTERVAL.restore()
