@@ -3,6 +3,7 @@
     python3 bench/embeddings.py                       # GPU: bert-base and all-MiniLM-L6-v2, every peer
     python3 bench/embeddings.py --model tiny          # CPU smoke run (the default without a GPU)
     python3 bench/embeddings.py --model minilm --batch-sizes 128 --impl hf-sdpa,fusedenc,fusedenc-graph
+    python3 bench/embeddings.py --io device           # inputs on the device before timing, outputs left there
 
 The sentences are ``tests/data/real_sentences`` (English prose of the Python 3.11
 documentation, in a seeded random order), taken in file order and batched as a service
@@ -11,7 +12,33 @@ implementation alike, which also bounds the shapes ``torch.compile`` sees).  Tok
 happens once, before timing; a timed pass runs every batch through an implementation and
 mean-pools the last hidden state over the attention mask (sentence-transformers' pooling
 for all-MiniLM-L6-v2; the same pooling for bert-base).  The table reports sentences/s and
-tokens/s (real tokens), the median of ``--reps`` passes, with the ratio to the best peer.
+tokens/s (real tokens), the median of ``--reps`` passes (default 10), with the ratio to the
+best peer.
+
+Where the inputs and outputs live (``--io``, the same for every implementation):
+
+  host (default)   the tokenized batches are ordinary (unpinned) CPU tensors, and every
+                   timed batch is ``{k: v.to(device) ...}`` -> the implementation ->
+                   embeddings ``.cpu()``, as sentence-transformers' ``encode()`` does: the
+                   copy back waits for the batch's work, so every implementation drains
+                   the GPU once a batch.  Timed by the wall clock around the pass (a
+                   synchronize at its end).  The default because it is what a service
+                   sees, and because under it the padding-free path's own host read of the
+                   mask (one sync a batch) waits on an already drained queue instead of
+                   stalling one the peers keep full.
+  device           the batches are moved to the device before timing and the embeddings
+                   stay there, so an implementation that never syncs queues a whole pass
+                   ahead of the GPU; timed by CUDA events around the pass (wall clock on
+                   CPU).  A measure of device-resident throughput that penalises any
+                   per-batch sync (the padding-free path's mask read) which a real service
+                   pays anyway.
+
+Before timing, every implementation runs once on each distinct batch shape (warm-up:
+``torch.compile``'s compilation and, in reduce-overhead mode, its first CUDA-graph step;
+fusedenc's captures and plans), then once on every batch for the fp32 check below, so by
+the first timed pass each shape has run at least twice.  The JSON and the text table are
+rewritten after every implementation's row, so a run that is cut keeps what it measured
+(a (model, batch) record still running has ``"complete": false``).
 
 Implementations (``--impl``):
 
@@ -21,7 +48,9 @@ Implementations (``--impl``):
                         sees no new shape, which favours them)
   fusedenc-padded       patch_hf(model, padding_free=False): every layer on the padded batch
   fusedenc              patch_hf(model): the padding-free path (one gather, every layer on
-                        the real tokens, one scatter)
+                        the real tokens, one scatter); its note in the table gives the
+                        automatic CUDA graphs' counts (held, captures, replays, evictions,
+                        eager calls) over the whole run of that row
   fusedenc-graph        HF's embeddings, then the patched layers as a
                         ``VarlenGraphRunner`` (CUDA graphs keyed by token count) on the
                         packed rows, pooled straight from them (``fusedenc.varlen.mean_pool``)
@@ -37,6 +66,7 @@ all-MiniLM-L6-v2 is the trained model of the ``real-models`` extra.  Without tha
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import os
 import re
@@ -66,6 +96,14 @@ FP16_COSINE = 0.9999
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 LENGTH_BINS = (8, 16, 32, 64, 128, 256, 512)
+REPS = 10
+IO_MODES = ("host", "device")
+IO_TIMING = {
+    "host": "tokenized batches on the host; each timed batch copied to the device (.to) and its embeddings "
+            "back (.cpu()); wall clock around the pass, synchronized at its end",
+    "device": "tokenized batches on the device before timing, embeddings left there; CUDA events around the "
+              "pass (wall clock on CPU)",
+}  # fmt: skip
 
 
 # ------------------------------------------------------------ inputs ----
@@ -109,7 +147,8 @@ def tokenizer_for(model: str):
         return None, "word-level stand-in (real-models extra not installed)"
 
 
-def make_batches(sentences, tokenizer, batch: int, max_length: int, device) -> list[dict[str, torch.Tensor]]:
+def make_batches(sentences, tokenizer, batch: int, max_length: int, device=None) -> list[dict[str, torch.Tensor]]:
+    """The tokenized batches: CPU tensors, or moved to ``device`` (``--io device``)."""
     out = []
     for start in range(0, len(sentences) - batch + 1, batch):  # whole batches only
         chunk = sentences[start:start + batch]
@@ -118,8 +157,16 @@ def make_batches(sentences, tokenizer, batch: int, max_length: int, device) -> l
         else:
             enc = dict(tokenizer(chunk, padding=True, truncation=True, max_length=max_length, pad_to_multiple_of=8,
                                  return_tensors="pt"))  # fmt: skip
-        out.append({k: v.to(device) for k, v in enc.items()})
+        out.append(enc if device is None else {k: v.to(device) for k, v in enc.items()})
     return out
+
+
+def distinct_shapes(batches) -> list[dict[str, torch.Tensor]]:
+    """The first batch of each shape: the warm-up (each shape once, no more)."""
+    seen: dict[tuple, dict] = {}
+    for b in batches:
+        seen.setdefault(tuple(b["input_ids"].shape), b)
+    return list(seen.values())
 
 
 def length_histogram(batches) -> dict[str, Any]:
@@ -139,20 +186,26 @@ def length_histogram(batches) -> dict[str, Any]:
 # ------------------------------------------------------------ models ----
 
 
+_CPU_MODELS: dict[tuple, Any] = {}  # (name, attn implementation, seed) -> the fp32 CPU model, made once
+
+
 def load_model(name: str, device, dtype, impl: str, seed: int):
-    """The HF model (eval, on device, in dtype) with attn_implementation ``impl``."""
+    """The HF model (eval, on device, in dtype) with attn_implementation ``impl``: a copy of
+    the fp32 CPU model made once per (name, impl, seed) (building bert-base takes seconds)."""
     import transformers
 
-    if name == "minilm":
-        model, _ = real_models.load_minilm(device, dtype, attn_implementation=impl)
-        return model
-    shape = BERT_BASE if name == "bert-base" else TINY
-    config = transformers.BertConfig(vocab_size=30522, max_position_embeddings=512, hidden_act="gelu",
-                                     layer_norm_eps=1e-12, attn_implementation=impl, **shape)  # fmt: skip
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = transformers.BertModel(config, add_pooling_layer=False)
-    return model.to(device=device, dtype=dtype).eval()
+    key = (name, impl, seed)
+    if key not in _CPU_MODELS:
+        if name == "minilm":
+            _CPU_MODELS[key], _ = real_models.load_minilm("cpu", torch.float32, attn_implementation=impl)
+        else:
+            shape = BERT_BASE if name == "bert-base" else TINY
+            config = transformers.BertConfig(vocab_size=30522, max_position_embeddings=512, hidden_act="gelu",
+                                             layer_norm_eps=1e-12, attn_implementation=impl, **shape)  # fmt: skip
+            with torch.random.fork_rng():
+                torch.manual_seed(seed)
+                _CPU_MODELS[key] = transformers.BertModel(config, add_pooling_layer=False).eval()
+    return copy.deepcopy(_CPU_MODELS[key]).to(device=device, dtype=dtype).eval()
 
 
 def pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -194,8 +247,21 @@ def varlen_offsets(packing) -> list[int]:
     return out
 
 
-def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int):
-    """(runner, one-time seconds, note) for one implementation."""
+def with_io(run, device, io: str) -> Callable[[dict], torch.Tensor]:
+    """One batch as ``--io`` times it: ``device``: ``run`` itself (batches already on the
+    device, embeddings left there); ``host``: the batch copied to the device, the embeddings
+    brought back (both blocking, as sentence-transformers' ``encode()``)."""
+    if io == "device":
+        return run
+
+    def step(batch):
+        return run({k: v.to(device) for k, v in batch.items()}).cpu()
+
+    return step
+
+
+def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int, io: str):
+    """(runner, one-time seconds, note) for one implementation, warmed up over every batch shape."""
     start = time.perf_counter()
     note = ""
     hf_impl = "eager" if impl == "hf-eager" else "sdpa"
@@ -216,9 +282,10 @@ def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int):
         note = f"{len(runner.token_buckets)} token buckets"
     else:
         raise ValueError(impl)
+    step = with_io(run, device, io)
     with torch.inference_mode():
-        for b in batches:  # warm-up over every shape: compilation, captures, plans
-            run(b)
+        for b in distinct_shapes(batches):  # every shape once: compilation, captures, plans
+            step(b)
     common_sync(device)
     return run, time.perf_counter() - start, note
 
@@ -233,23 +300,25 @@ def embed_all(run, batches) -> torch.Tensor:
         return torch.cat([run(b).float().cpu() for b in batches])
 
 
-def time_passes(run, batches, device, reps: int) -> list[float]:
-    """Seconds per pass over every batch (device events on a GPU, wall clock on CPU)."""
+def time_passes(step, batches, device, reps: int, io: str) -> list[float]:
+    """Seconds per pass of ``step`` (``with_io``) over every batch: ``--io host``: wall clock,
+    synchronized at the end; ``device``: device events on a GPU, wall clock on CPU."""
     out = []
     with torch.inference_mode():
         for _ in range(reps):
-            if device.type == "cuda":
+            if io == "device" and device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for b in batches:
-                    run(b)
+                    step(b)
                 end.record()
                 end.synchronize()
                 out.append(start.elapsed_time(end) / 1e3)
             else:
                 t0 = time.perf_counter()
                 for b in batches:
-                    run(b)
+                    step(b)
+                common_sync(device)
                 out.append(time.perf_counter() - t0)
     return out
 
@@ -264,11 +333,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default=None, help="comma list (default 32,128,512 on a GPU; 8,32 on CPU)")
     ap.add_argument("--impl", default=None, help=f"comma list of {', '.join(IMPLS)} (default all on a GPU; "
                     f"{', '.join(CPU_IMPLS)} on CPU)")  # fmt: skip
+    ap.add_argument("--io", choices=IO_MODES, default="host",
+                    help="host (default): batches copied in and embeddings copied out inside the timed pass, "
+                         "as sentence-transformers does; device: both stay on the device")  # fmt: skip
     ap.add_argument("--sentences", type=int, default=None, help="sentences per pass (default 4096 on a GPU, 64 on CPU)")
     ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                     help="default float16 on a GPU, float32 on CPU")  # fmt: skip
     ap.add_argument("--max-length", type=int, default=256, help="truncation (sentence-transformers' 256)")
-    ap.add_argument("--reps", type=int, default=None, help=f"timed passes, median taken (default {common.MIN_REPS})")
+    ap.add_argument("--reps", type=int, default=REPS, help=f"timed passes, median taken (default {REPS})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
     ap.add_argument("--out-dir", default=os.environ.get(common.RESULTS_DIR_ENV) or common.DEFAULT_RESULTS_DIR)
@@ -290,8 +362,11 @@ def main(argv=None) -> int:
             ap.error(f"--impl {i!r} is not one of {IMPLS}")
     if not gpu and "fusedenc-graph" in impls:
         ap.error("fusedenc-graph needs a GPU (CUDA graphs)")
-    reps = args.reps or common.MIN_REPS
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    io = args.io
     dtype = getattr(torch, args.dtype or ("float16" if gpu else "float32"))
+    dtype_name = str(dtype).replace("torch.", "")
     n = args.sentences or (4096 if gpu else 64)
     sentences = read_sentences(n)
     env = common.environment(device)
@@ -304,62 +379,44 @@ def main(argv=None) -> int:
         return 2
     env["varlen_attention"] = varlen_attention.choose(dtype, 64, device)
 
-    records, lines = [], [common.describe_environment(env), ""]
+    tag = args.tag or "_".join(("-".join(models), dtype_name, common.slug(env["device_name"])))
+    os.makedirs(args.out_dir, exist_ok=True)
+    base = os.path.join(args.out_dir, f"embeddings_{tag}")
+    records: list[dict] = []
+
+    def save() -> None:  # after every row: a run cut by a time limit keeps what it measured
+        write_results(base, {"environment": env, "args": vars(args), "io": io, "timing": IO_TIMING[io],
+                             "records": records})  # fmt: skip
+
     for name in models:
         tokenizer, tok_note = tokenizer_for(name)
         tokenizer = tokenizer or WordTokenizer()
         ref_model = load_model(name, device, torch.float32, "sdpa", args.seed)
         for batch in sizes:
-            batches = make_batches(sentences, tokenizer, batch, args.max_length, device)
+            batches = make_batches(sentences, tokenizer, batch, args.max_length, device if io == "device" else None)
             if not batches:
                 print(f"skip {name} batch {batch}: fewer than {batch} sentences", file=sys.stderr)
                 continue
             hist = length_histogram(batches)
-            ref = embed_all(hf_runner(ref_model), batches)
-            rows = []
+            ref = embed_all(with_io(hf_runner(ref_model), device, io), batches)
+            record = {"model": name, "batch": batch, "dtype": dtype_name, "io": io, "tokenizer": tok_note,
+                      "lengths": hist, "results": [], "complete": False}  # fmt: skip
+            records.append(record)
             for impl in impls:
-                print(f"[{name} b{batch}] {impl} ...", file=sys.stderr, flush=True)
+                print(f"[{name} b{batch} io={io}] {impl} ...", file=sys.stderr, flush=True)
                 try:
-                    run, setup_s, note = build(impl, name, device, dtype, args.seed, batches, batch)
+                    row = measure(impl, name, device, dtype, args.seed, batches, batch, io, ref, hist, args.reps)
                 except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others
-                    rows.append({"impl": impl, "error": f"{type(e).__name__}: {e}"})
-                    continue
-                emb = embed_all(run, batches)
-                cos = F.cosine_similarity(emb.double(), ref.double(), dim=1)
-                passes = time_passes(run, batches, device, reps)
-                sec = statistics.median(passes)
-                stats = getattr(run, "graph_stats", None)
-                if stats is not None:
-                    try:
-                        st = stats()
-                        c = st["counts"]
-                        note = (note + "; " if note else "") + (
-                            f"automatic graphs: {st['graphs']} held, {c.get('captures', 0)} captures, "
-                            f"{c.get('replays', 0)} replays, {c.get('evictions', 0)} evictions, "
-                            f"{sum(v for k, v in c.items() if k.startswith('eager'))} eager calls")
-                    except AttributeError:  # no stack made (the CPU smoke run without graphs)
-                        pass
-                rows.append({
-                    "impl": impl, "seconds_per_pass": sec, "sentences_per_s": hist["sentences"] / sec,
-                    "real_tokens_per_s": hist["real_tokens"] / sec, "min_cosine": float(cos.min()),
-                    "mean_cosine": float(cos.mean()), "cosine_ok": bool(cos.min() >= FP16_COSINE) or dtype != torch.float16,
-                    "setup_seconds": setup_s, "note": note, "passes_s": passes,
-                })  # fmt: skip
-                del run
+                    row = {"impl": impl, "error": f"{type(e).__name__}: {e}"}
+                record["results"].append(row)
+                save()
                 if gpu:
                     torch.cuda.empty_cache()
-            record = {"model": name, "batch": batch, "dtype": str(dtype).replace("torch.", ""), "tokenizer": tok_note,
-                      "lengths": hist, "results": rows}  # fmt: skip
-            records.append(record)
-            lines += table(record)
+            record["complete"] = True
+            save()
             print("\n".join(table(record)), flush=True)
+        del ref_model
 
-    tag = args.tag or "_".join(("-".join(models), str(dtype).replace("torch.", ""), common.slug(env["device_name"])))
-    os.makedirs(args.out_dir, exist_ok=True)
-    base = os.path.join(args.out_dir, f"embeddings_{tag}")
-    common.write_json(base + ".json", {"environment": env, "args": vars(args), "records": records})
-    with open(base + ".txt", "w", encoding="utf-8") as fh:
-        fh.write("\n".join(lines) + "\n")
     print(f"wrote {base}.json and {base}.txt")
     failed = [(r["model"], r["batch"], x["impl"]) for r in records for x in r["results"] if not x.get("cosine_ok", True)]
     if failed:
@@ -367,9 +424,51 @@ def main(argv=None) -> int:
     return 0
 
 
+def measure(impl: str, name: str, device, dtype, seed: int, batches, batch: int, io: str, ref: torch.Tensor,
+            hist: dict, reps: int) -> dict:
+    """One implementation's row: built and warmed up, checked against ``ref``, timed."""
+    run, setup_s, note = build(impl, name, device, dtype, seed, batches, batch, io)
+    step = with_io(run, device, io)
+    emb = embed_all(step, batches)
+    cos = F.cosine_similarity(emb.double(), ref.double(), dim=1)
+    passes = time_passes(step, batches, device, reps, io)
+    sec = statistics.median(passes)
+    row = {"impl": impl, "seconds_per_pass": sec, "sentences_per_s": hist["sentences"] / sec,
+           "real_tokens_per_s": hist["real_tokens"] / sec, "min_cosine": float(cos.min()),
+           "mean_cosine": float(cos.mean()), "cosine_ok": bool(cos.min() >= FP16_COSINE) or dtype != torch.float16,
+           "setup_seconds": setup_s, "note": note, "passes_s": passes}  # fmt: skip
+    stats = getattr(run, "graph_stats", None)
+    if stats is not None:
+        try:
+            st = stats()
+        except AttributeError:  # no stack made (the CPU smoke run without graphs)
+            st = None
+        if st is not None:
+            c = st["counts"]
+            row["auto_graphs"] = st
+            row["note"] = (note + "; " if note else "") + (
+                f"automatic graphs: {st['graphs']} held, {c.get('captures', 0)} captures, "
+                f"{c.get('replays', 0)} replays, {c.get('evictions', 0)} evictions, "
+                f"{sum(v for k, v in c.items() if k.startswith('eager'))} eager calls")
+    return row
+
+
+def write_results(base: str, result: dict) -> None:
+    """``base``.json and ``base``.txt (the environment and every record's table so far), each
+    replaced whole."""
+    common.write_json(base + ".json", result)
+    lines = [common.describe_environment(result["environment"]), f"I/O {result['io']}: {result['timing']}", ""]
+    for record in result["records"]:
+        lines += table(record)
+    tmp = base + ".txt.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+    os.replace(tmp, base + ".txt")
+
+
 def table(record: dict) -> list[str]:
     h = record["lengths"]
-    out = [f"{record['model']}, batch {record['batch']}, {record['dtype']}: {h['sentences']} sentences, "
+    out = [f"{record['model']}, batch {record['batch']}, {record['dtype']}, io {record['io']}: {h['sentences']} sentences, "
            f"tokens per sentence min {h['min']} / p10 {h['p10']:.0f} / median {h['median']:.0f} / mean {h['mean']:.1f} / "
            f"p90 {h['p90']:.0f} / p99 {h['p99']:.0f} / max {h['max']}; {100 * h['padding_fraction']:.0f}% of the "
            f"padded batches' tokens are padding",
@@ -385,7 +484,9 @@ def table(record: dict) -> list[str]:
         ratio = f"{r['sentences_per_s'] / best:.2f}x" if best else "-"
         flag = "" if r["cosine_ok"] else "  BELOW 0.9999"
         out.append(f"  {r['impl']:<16} {r['sentences_per_s']:>12.0f} {r['real_tokens_per_s']:>12.0f} {ratio:>11} "
-                   f"{r['min_cosine']:>11.6f}  {r['setup_seconds']:.1f}s {r['note']}{flag}")  # fmt: skip
+                   f"{r['min_cosine']:>11.6f}  {r['setup_seconds']:.1f}s {r['note']}{flag}".rstrip())  # fmt: skip
+    if not record.get("complete", True):
+        out.append("  (still running: the rows above are those measured so far)")
     return out + [""]
 
 

@@ -1,0 +1,69 @@
+"""CPU smoke test of bench/embeddings.py in both I/O modes, and its files while a run is cut.
+
+The script runs as a subprocess (as a user would run it) on the tiny model, a few
+sentences, into a temporary directory; the test reads the JSON and the table it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from bench_helpers import ROOT, run_bench
+
+pytest.importorskip("transformers")
+
+CPU_IMPLS = {"hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc"}
+
+
+@pytest.mark.parametrize("io", ["host", "device"])
+def test_embeddings_tiny_in_both_io_modes(io, tmp_path):
+    run_bench("embeddings.py", ["--device", "cpu", "--model", "tiny", "--batch-sizes", "8", "--sentences", "16",
+                                "--reps", "2", "--io", io, "--out-dir", str(tmp_path), "--tag", "smoke"],
+              timeout=300)  # fmt: skip
+    result = json.loads((tmp_path / "embeddings_smoke.json").read_text(encoding="utf-8"))
+    assert result["io"] == io and result["args"]["io"] == io and result["timing"]
+    [record] = result["records"]
+    assert record["io"] == io and record["complete"] is True
+    assert record["lengths"]["sentences"] == 16
+    rows = {r["impl"]: r for r in record["results"]}
+    assert set(rows) == CPU_IMPLS
+    for name, r in rows.items():
+        assert "error" not in r, f"{name}: {r.get('error')}"
+        assert r["min_cosine"] > 0.99999 and r["sentences_per_s"] > 0 and len(r["passes_s"]) == 2, (name, r)
+    assert "automatic graphs:" in rows["fusedenc"]["note"] and "counts" in rows["fusedenc"]["auto_graphs"]
+    text = (tmp_path / "embeddings_smoke.txt").read_text(encoding="utf-8")
+    assert f"I/O {io}:" in text and f"tiny, batch 8, float32, io {io}:" in text
+    fusedenc_line = next(line for line in text.splitlines() if line.strip().startswith("fusedenc "))
+    assert "automatic graphs:" in fusedenc_line
+    assert "still running" not in text
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_embeddings_files_show_a_record_still_running(tmp_path, monkeypatch):
+    """The files are rewritten after every row: a record cut mid-way is marked so."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import embeddings  # bench/embeddings.py
+
+    lengths = {"sentences": 16, "min": 3, "p10": 4, "median": 9, "mean": 10.0, "p90": 20, "p99": 30, "max": 31,
+               "bins": {"1-8": 6, "9-16": 10}, "real_tokens": 160, "padded_tokens": 256, "padding_fraction": 0.375}
+    row = {"impl": "hf-sdpa", "sentences_per_s": 100.0, "real_tokens_per_s": 1000.0, "min_cosine": 1.0,
+           "cosine_ok": True, "setup_seconds": 0.1, "note": ""}
+    record = {"model": "tiny", "batch": 8, "dtype": "float32", "io": "host", "lengths": lengths,
+              "results": [row, {"impl": "compile", "error": "RuntimeError: cut"}], "complete": False}
+    base = str(tmp_path / "embeddings_cut")
+    embeddings.write_results(base, {"environment": {"device_name": "cpu", "torch": "2", "blaslt": None}, "io": "host",
+                                    "timing": embeddings.IO_TIMING["host"], "records": [record]})
+    assert json.loads((tmp_path / "embeddings_cut.json").read_text())["records"][0]["complete"] is False
+    text = (tmp_path / "embeddings_cut.txt").read_text()
+    assert "io host" in text and "hf-sdpa" in text and "compile          failed" in text and "still running" in text
+
+
+def test_embeddings_warm_up_runs_each_batch_shape_once(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import embeddings  # bench/embeddings.py
+
+    batches = [{"input_ids": torch.zeros(8, s, dtype=torch.long)} for s in (16, 24, 16, 32, 24)]
+    assert [b["input_ids"].shape[1] for b in embeddings.distinct_shapes(batches)] == [16, 24, 32]
