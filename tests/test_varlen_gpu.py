@@ -273,9 +273,9 @@ def test_forward_packed_graphs_follow_weights_and_keep_memory_bounded(gen, graph
     assert mem["graphs"] <= 3 and mem["static_bytes"] > 0
 
 
-def test_patched_bert_replays_one_graph_per_forward(gen, graphs_on):
-    """A plain padded call of a patched BERT: the encoder runs its blocks as one stack, one
-    graph replay per forward, matching the layer-by-layer path and the fp32 model."""
+def _bert_base_shape(gen, seq):
+    """A 4-layer bert-base-shaped BertModel (fp32 reference on the GPU), its patched and its
+    unpatched fp16 copies, and 32 sequences of ``seq`` token ids with random right padding."""
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=4, num_attention_heads=12,
                                      intermediate_size=3072, attn_implementation="sdpa")  # fmt: skip
@@ -283,9 +283,16 @@ def test_patched_bert_replays_one_graph_per_forward(gen, graphs_on):
     ref = transformers.BertModel(config).cuda().eval()
     model = fusedenc.patch_hf(copy.deepcopy(ref).half())
     same = copy.deepcopy(ref).half()
-    b, s = 32, 48
-    ids = torch.randint(1000, 30000, (b, s), generator=gen).cuda()
-    mask = (torch.arange(s)[None] < torch.tensor(_lengths(gen, b, s)).clamp(min=1)[:, None]).long().cuda()
+    b = 32
+    ids = torch.randint(1000, 30000, (b, seq), generator=gen).cuda()
+    mask = (torch.arange(seq)[None] < torch.tensor(_lengths(gen, b, seq)).clamp(min=1)[:, None]).long().cuda()
+    return ref, model, same, ids, mask
+
+
+def test_patched_bert_replays_one_graph_per_forward(gen, graphs_on):
+    """A plain padded call of a patched BERT: the encoder runs its blocks as one stack, one
+    graph replay per forward, matching the layer-by-layer path and the fp32 model."""
+    ref, model, same, ids, mask = _bert_base_shape(gen, seq=48)
     real = mask.bool()
     with torch.inference_mode():
         want, base = (m(input_ids=ids, attention_mask=mask) for m in (ref, same))
@@ -353,16 +360,7 @@ def test_minilm_padding_free_real_sentences(dtype):
 
 
 def test_bert_base_shape_hf_packed_vs_padded(gen):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=4, num_attention_heads=12,
-                                     intermediate_size=3072, attn_implementation="sdpa")  # fmt: skip
-    torch.manual_seed(gen.seed_value)
-    ref = transformers.BertModel(config).cuda().eval()
-    model = fusedenc.patch_hf(copy.deepcopy(ref).half())
-    same = copy.deepcopy(ref).half()
-    b, s = 32, 80
-    ids = torch.randint(1000, 30000, (b, s), generator=gen).cuda()
-    mask = (torch.arange(s)[None] < torch.tensor(_lengths(gen, b, s)).clamp(min=1)[:, None]).long().cuda()
+    ref, model, same, ids, mask = _bert_base_shape(gen, seq=80)
     with torch.inference_mode():
         want, got, base = (m(input_ids=ids, attention_mask=mask) for m in (ref, model, same))
     real = mask.bool()
