@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from .attention.varlen import VarlenPlan, check_offsets
+from .attention.varlen import check_offsets
 from .graphs import BucketedGraphs
 
 __all__ = ["VarlenGraphRunner", "default_token_buckets"]
@@ -73,8 +73,9 @@ class VarlenGraphRunner(BucketedGraphs):
         buckets = default_token_buckets(max_sequences * max_seqlen) if token_buckets is None else token_buckets
 
         def run(rows: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-            # _eager_rows, not forward_packed: the offsets are data here, never read on the host.
-            return stack._eager_rows(rows, 1, rows.shape[0], None, VarlenPlan(cu, max_seqlen))
+            # The data path on packed rows, not forward_packed: the offsets are data here, never
+            # read on the host, and this runner holds the graphs itself.
+            return stack._packed_rows(rows, cu, max_seqlen)
 
         super().__init__(run, buckets, p.device, name="token_buckets")
         self.stack = stack
