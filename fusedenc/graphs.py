@@ -10,6 +10,7 @@ machinery, shared with ``fusedenc.lc0``'s whole-network runner and the token-buc
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
@@ -17,7 +18,8 @@ from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
 import torch
 import torch.nn as nn
 
-__all__ = ["BucketedGraphs", "GraphRunner", "capture", "eager_calls", "eager_only", "own_cublas_workspace"]
+__all__ = ["BucketedGraphs", "GraphRunner", "capture", "eager_calls", "eager_only", "no_cycle_collection",
+           "own_cublas_workspace"]
 
 T = TypeVar("T")
 
@@ -43,6 +45,36 @@ def own_cublas_workspace() -> Iterator[None]:
         yield
     finally:
         _clear_cublas_workspaces()
+
+
+_gc_pause_lock = threading.Lock()
+_gc_pauses = 0  # captures in flight (any thread) that paused the cycle collector
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def no_cycle_collection() -> Iterator[None]:
+    """Wrap a CUDA graph capture so that Python's cycle collector does not run inside it.
+    A collection can start at any allocation, on any thread; if it frees an object that
+    held CUDA resources (pinned host memory, an event, an earlier graph: e.g. a closed
+    Evaluator's buffers left in a reference cycle), the free is a call CUDA forbids during
+    a capture, and the capture fails ("operation not permitted when stream is capturing",
+    seen on two H200s, in the second GPU's capture).  torch no longer collects before a
+    capture (``force_cudagraph_gc``).  Paused while any capture runs, re-enabled (if it
+    was on) when the last one ends; garbage waits for the next collection."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_pause_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_pause_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 class _EagerCalls(threading.local):
@@ -87,8 +119,8 @@ def capture(
             fn()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with own_cublas_workspace(), torch.cuda.graph(graph, pool=pool, stream=stream,
-                                                      capture_error_mode=capture_error_mode):
+        with no_cycle_collection(), own_cublas_workspace(), \
+                torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             out = fn()
     return graph, out
 

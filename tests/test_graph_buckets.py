@@ -203,3 +203,37 @@ def test_a_capture_owns_its_cublas_workspace(fake_cuda, monkeypatch):
         with graphs.own_cublas_workspace():
             raise RuntimeError("capture failed")
     assert calls == ["clear", "clear"]
+
+
+def test_a_capture_pauses_the_cycle_collector(fake_cuda):
+    """No cycle collection inside a capture (freeing a CUDA graph or pinned memory there
+    breaks it: ``no_cycle_collection`` says why); the collector's state comes back after it,
+    also after a failed capture, and with nested or overlapping captures."""
+    import gc
+
+    seen = []
+
+    def run(x, shift=None):
+        if _FakeGraph.capturing is not None:
+            seen.append(gc.isenabled())
+        return _run(x, shift)
+
+    was = gc.isenabled()
+    try:
+        for state in (True, False):
+            (gc.enable if state else gc.disable)()
+            runner = _Runner((4,))
+            runner._run = run
+            _expect(runner(torch.ones(3, 3)), torch.ones(3, 3))
+            assert seen.pop() is False and gc.isenabled() is state
+            with graphs.no_cycle_collection():
+                with graphs.no_cycle_collection():
+                    assert not gc.isenabled()
+                assert not gc.isenabled()
+            assert gc.isenabled() is state
+            with pytest.raises(RuntimeError, match="capture failed"):
+                with graphs.no_cycle_collection():
+                    raise RuntimeError("capture failed")
+            assert gc.isenabled() is state
+    finally:
+        (gc.enable if was else gc.disable)()

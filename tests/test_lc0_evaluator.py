@@ -443,6 +443,35 @@ def test_two_gpus(net_file):
     assert per["cuda:0"]["batches"] > 0 and per["cuda:1"]["batches"] > 0  # both pulled from the queue
 
 
+@pytest.mark.gpu
+def test_captures_survive_cycle_collections_of_other_graphs(net_file):
+    """Graph runners left in reference cycles are garbage the collector may free at any
+    allocation; with collections forced at almost every allocation, the Evaluator's captures
+    (one per replica, on every GPU there is) still succeed: none runs inside a capture
+    (``graphs.no_cycle_collection``).  Without that, freeing a graph inside the capture broke
+    it (seen on the second of two H200s: "operation not permitted when stream is capturing")."""
+    import gc
+
+    devices = [torch.device("cuda", i) for i in range(min(2, torch.cuda.device_count()))]
+    positions = _positions(100, seed=12)
+    ref = Lc0Network(net_file, dtype=torch.float16, device=devices[0]).evaluate(positions)
+    for d in devices:  # garbage: captured runners in cycles
+        for _ in range(2):
+            runner = Lc0Network(net_file, dtype=torch.float16, device=d).graph_runner((8, 16))
+            runner.capture_all()
+            runner.cycle = [runner]
+    del runner
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        with Evaluator(net_file, devices=devices, dtype=torch.float16, max_batch=16) as ev:
+            got = ev.evaluate(positions)
+    finally:
+        gc.set_threshold(*old)
+    for a, b in zip(got, ref, strict=True):
+        _close(a, b, atol=2e-2)
+
+
 def test_switch_interval_is_shortened_while_used_and_restored():
     from fusedenc.lc0.evaluator import _SwitchInterval
 
@@ -463,3 +492,26 @@ def test_switch_interval_argument(net_file):
     before = sys.getswitchinterval()
     with Evaluator(net_file, devices="cpu", dtype=torch.float32):
         assert sys.getswitchinterval() == before  # only an Evaluator with a GPU changes it
+
+
+def test_a_closed_evaluator_is_freed_without_the_cycle_collector(net_file):
+    """Its network, runner and buffers go by reference counting when it closes: left in a
+    reference cycle they would be freed by whichever collection comes next, on any thread,
+    also inside another runner's CUDA graph capture, which that breaks (seen with two GPUs)."""
+    import gc
+    import weakref
+
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with Evaluator(net_file, devices="cpu", dtype=torch.float32, max_batch=8, host_workers=0) as ev:
+            ev.evaluate(_positions(20, seed=11))
+            replica = ev._replicas[0]
+            refs = [weakref.ref(replica.run), weakref.ref(replica.net)]
+            del replica
+        del ev
+        assert [r() for r in refs] == [None, None]
+    finally:
+        if was:
+            gc.enable()

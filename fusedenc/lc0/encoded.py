@@ -15,6 +15,7 @@ own input), one replay, one copy out, and an event: three calls that release the
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import numpy as np
@@ -58,6 +59,14 @@ def input_views(packed):
     return masks, values, turns
 
 
+def _encoded_heads(net: Lc0Network, names: Sequence[str], packed: torch.Tensor) -> torch.Tensor:
+    """The net's heads (columns in ``names``' order) for packed encodings on its device."""
+    masks, values, turns = input_views(packed)
+    planes = expand_planes(masks, values, turns, dtype=net.preproc.weight.dtype)
+    heads = net._forward_heads(planes)
+    return torch.cat([heads[name] for name in names], dim=1)
+
+
 class EncodedRunner(Lc0GraphRunner):
     """``Lc0GraphRunner`` whose graphs start from packed encodings and end in packed heads.
 
@@ -74,19 +83,16 @@ class EncodedRunner(Lc0GraphRunner):
             super().__init__(net, batch_sizes)
         else:  # no graphs: nothing of the runner but the net
             self.net, self.device, self.batch_sizes = net, p.device, tuple(sorted(set(batch_sizes)))
-        self._run = self._encoded
         self.layout = head_layout(net)
+        # The graphs' function holds the net and layout, not this runner: a bound method kept
+        # on the runner would make a reference cycle, left (graphs and all) to the cycle
+        # collector, whose collection inside another capture breaks that capture.
+        self._run = functools.partial(_encoded_heads, net, tuple(self.layout))
         self.width = sum(w for _, w in self.layout.values())
         self._device_in: Optional[torch.Tensor] = None
 
     def _static_inputs(self, bucket: int) -> tuple[Optional[torch.Tensor], ...]:
         return (torch.zeros((bucket, ROW_BYTES), dtype=torch.uint8, device=self.device),)
-
-    def _encoded(self, packed: torch.Tensor) -> torch.Tensor:
-        masks, values, turns = input_views(packed)
-        planes = expand_planes(masks, values, turns, dtype=self.net.preproc.weight.dtype)
-        heads = self.net._forward_heads(planes)
-        return torch.cat([heads[name] for name in self.layout], dim=1)
 
     def launch(self, host_in: torch.Tensor, host_out: torch.Tensor, n: int) -> None:
         if self.graphs:
@@ -109,4 +115,4 @@ class EncodedRunner(Lc0GraphRunner):
                                           device=self.device)
         device_in = self._device_in[:n]
         device_in.copy_(host_in[:n], non_blocking=True)
-        host_out[:n].copy_(self._encoded(device_in), non_blocking=True)
+        host_out[:n].copy_(self._run(device_in), non_blocking=True)

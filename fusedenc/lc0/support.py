@@ -422,17 +422,21 @@ def shaped_as_expected(net: Net) -> Net:
     rely on the shapes; other layers as they are.  For a net ``check_supported`` passed."""
     shapes = expected_shapes(net)
 
-    def walk(node: Any, path: str) -> Any:
-        if isinstance(node, torch.Tensor):
-            shape = shapes.get(path)
-            return node.reshape(shape) if shape is not None and node.numel() == math.prod(shape) else node
-        if isinstance(node, Mapping):
-            return {k: walk(v, f"{path}.{k}") for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]
-        return node
+    return dataclasses.replace(net, weights=_reshaped(net.weights, "weights", shapes))
 
-    return dataclasses.replace(net, weights=walk(net.weights, "weights"))
+
+def _reshaped(node: Any, path: str, shapes: Mapping[str, tuple[int, ...]]) -> Any:
+    """``node`` (a tensor, or a dict/list tree of them) with the tensors at ``shapes``' paths
+    viewed in those shapes.  A module-level function: a recursive closure is a reference
+    cycle left for the cycle collector at every load."""
+    if isinstance(node, torch.Tensor):
+        shape = shapes.get(path)
+        return node.reshape(shape) if shape is not None and node.numel() == math.prod(shape) else node
+    if isinstance(node, Mapping):
+        return {k: _reshaped(v, f"{path}.{k}", shapes) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_reshaped(v, f"{path}[{i}]", shapes) for i, v in enumerate(node)]
+    return node
 
 
 def check_finite_heads(out: Mapping[str, torch.Tensor], source: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..graphs import capture, own_cublas_workspace
+from ..graphs import capture, no_cycle_collection, own_cublas_workspace
 
 __all__ = [
     "MIN_REPS",
@@ -211,7 +211,7 @@ def time_interleaved(
     try:
         for fn in calls:
             graph = torch.cuda.CUDAGraph()
-            with own_cublas_workspace(), torch.cuda.graph(graph, stream=stream):
+            with no_cycle_collection(), own_cublas_workspace(), torch.cuda.graph(graph, stream=stream):
                 for _ in range(rounds):
                     fn()
             replays.append(graph.replay)
