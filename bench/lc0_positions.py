@@ -63,10 +63,12 @@ from fusedenc.lc0.positions import board_fen, parse_fens  # noqa: E402
 from fusedenc.tune.timing import MIN_REPS, time_calls  # noqa: E402
 
 SCHEMA = "fusedenc.bench.lc0_positions/1"
-#: Batches a device the Evaluator rows keep submitted and unanswered, as an engine's search
-#: does: enough that the queue never runs dry (a device's pipeline holds up to ~6), without
-#: queueing every position at once (a burst of 65k submissions holds the GIL for a second).
-IN_FLIGHT_BATCHES = 8
+#: Batches a device the Evaluator rows keep submitted and unanswered beyond what the device's
+#: pipeline holds (``Evaluator.pipeline_depth`` slots: batches being encoded, run, decoded), as
+#: an engine's search does: enough that the queue never runs dry, without queueing every
+#: position at once (a burst of 65k submissions holds the GIL for a second).  With fewer in
+#: flight than slots, the host workers' latency is exposed: the GPU waits for encodings.
+IN_FLIGHT_QUEUED = 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -143,7 +145,8 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibat
         n = 0
         t0, cpu0 = time.perf_counter(), time.process_time()
         pending: collections.deque = collections.deque()
-        window = IN_FLIGHT_BATCHES * b * len(devices)
+        in_flight = ev.pipeline_depth + IN_FLIGHT_QUEUED
+        window = in_flight * b * len(devices)
         if minibatches:  # one future a chunk: ``window`` counts chunks
             window //= b
 
@@ -179,7 +182,7 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibat
             "stage_seconds": {k: {s: round(t - before["devices"][k]["seconds"][s], 3) for s, t in v["seconds"].items()}
                               for k, v in stats["devices"].items()},
             "how": f"{'submit_batch' if minibatches else 'submit_many'} in chunks of the batch size from one thread, "
-                   f"{IN_FLIGHT_BATCHES} batches a device in flight"}
+                   f"{in_flight} batches a device in flight (the Evaluator's {ev.pipeline_depth} slots + {IN_FLIGHT_QUEUED} queued)"}
 
 
 def _cli_row(net_path: str, epd: str, device_arg: str, dtype_name: str, b: int, out_dir: str) -> dict[str, Any]:
