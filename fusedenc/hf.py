@@ -22,6 +22,7 @@ import inspect
 import weakref
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -101,45 +102,100 @@ def convert_mask(
     """
     if mask is None:
         return None, None
+    per_key = _per_key(mask, batch, seq, heads, inspect_values)
+    if per_key is not None and per_key.holds():  # one sync where the form does not vouch
+        return None, per_key.padding(batch, seq)
+    return _bias_from(mask, heads, seq, dtype), None
+
+
+class _PerKey(NamedTuple):
+    """Whether a mask is one value per (sequence, key) (``convert_mask``), and which: made
+    without a sync, read on the host in one copy (``read``, one sync).  ``plane``: bool
+    ``[B or 1, S]`` on the mask's device, a bool mask's first row (first head, first query;
+    ``token``: True = token, a view) or where a float mask's is ``finfo.min``/-inf (True =
+    padding).  ``zero``: where a float mask's first row is 0 (its values must all be 0 or the
+    minimum, no sequence all padding).  ``same``: 0-d bool, every head's and query's row
+    equals the first (None: the strides show it).  With neither, the form vouches for ``plane``."""
+
+    plane: torch.Tensor
+    token: bool
+    zero: Optional[torch.Tensor] = None
+    same: Optional[torch.Tensor] = None
+
+    @property
+    def vouched(self) -> bool:
+        return self.zero is None and self.same is None
+
+    def holds(self) -> bool:
+        """Whether the mask is a key padding mask (one sync, unless the form vouches)."""
+        if self.zero is None:
+            return self.same is None or bool(self.same)
+        return self.padding_on_host(self.read()) is not None
+
+    def read(self) -> np.ndarray:
+        """``plane``, then ``zero`` and ``same`` (one column) side by side: one copy to the host."""
+        if self.vouched:
+            return self.plane.cpu().numpy()
+        parts = [p for p in (self.plane, self.zero) if p is not None]
+        if self.same is not None:
+            parts.append(self.same.expand(self.plane.shape[0], 1))
+        return torch.cat(parts, dim=1).cpu().numpy()
+
+    def padding_on_host(self, host: np.ndarray) -> Optional[np.ndarray]:
+        """From what ``read`` gave: the key padding ``[B or 1, S]`` (True = padding), or None
+        where the values show an additive bias."""
+        seq = self.plane.shape[1]
+        if self.same is not None and not host[0, -1]:
+            return None
+        pad = ~host[:, :seq] if self.token else host[:, :seq]
+        if self.zero is not None and (not (host[:, seq : 2 * seq] | pad).all() or pad.all(axis=-1).any()):
+            return None
+        return pad
+
+    def padding(self, batch: int, seq: int) -> torch.Tensor:
+        """The key padding mask bool ``[B, S]`` on the device (contiguous)."""
+        pad = ~self.plane if self.token else self.plane
+        if pad.shape[0] != batch or not pad.is_contiguous():
+            pad = pad.expand(batch, seq).contiguous()
+        return pad
+
+
+def _per_key(mask, batch: int, seq: int, heads: int, inspect_values: bool) -> Optional[_PerKey]:
+    """``convert_mask``'s checks of ``mask`` (raising as documented there), then its
+    ``_PerKey``, or None where it is an additive bias for sure (a mask only its values could
+    vouch for, with ``inspect_values=False``).  No sync."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(
             f"attention_mask of type {type(mask).__name__} is not supported (flex_attention's BlockMask?); "
             f"use attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS}"
         )
-    if mask.dim() == 2:
-        if tuple(mask.shape) != (batch, seq):
-            raise ValueError(f"a 2-D attention_mask must be [B, S] = ({batch}, {seq}), got {tuple(mask.shape)}")
-        return None, (mask == 0).contiguous()
-    if mask.dim() != 4 or any(n not in (1, full) for n, full in zip(mask.shape, (batch, heads, seq, seq))):
+    shape = mask.shape
+    if len(shape) == 2:
+        if shape[0] != batch or shape[1] != seq:
+            raise ValueError(f"a 2-D attention_mask must be [B, S] = ({batch}, {seq}), got {tuple(shape)}")
+        return _PerKey(mask == 0, False)
+    if len(shape) != 4 or any(n != 1 and n != full for n, full in zip(shape, (batch, heads, seq, seq))):
         raise ValueError(
             f"attention_mask must broadcast to [B, H, S, S] = ({batch}, {heads}, {seq}, {seq}) with a full "
-            f"key dim, got shape {tuple(mask.shape)}"
+            f"key dim, got shape {tuple(shape)}"
         )
-    if mask.shape[-1] != seq:
-        raise ValueError(f"attention_mask must have one entry per key (last dim {seq}), got {tuple(mask.shape)}")
-    if mask.dtype != torch.bool and not mask.is_floating_point():
+    if shape[3] != seq:
+        raise ValueError(f"attention_mask must have one entry per key (last dim {seq}), got {tuple(shape)}")
+    is_bool = mask.dtype == torch.bool
+    if not is_bool and not mask.is_floating_point():
         raise TypeError(f"attention_mask must be bool or floating point, got {mask.dtype}")
 
-    row = mask[:, 0, 0, :]  # [B or 1, S]: the first head's first query
-    pad = ~row if mask.dtype == torch.bool else row <= torch.finfo(mask.dtype).min
-    broadcast = all(mask.shape[d] == 1 or mask.stride(d) == 0 for d in (1, 2))
-    if broadcast and mask.dtype == torch.bool:
-        return None, pad.expand(batch, seq).contiguous()
-    if inspect_values:
-        ok = torch.ones((), dtype=torch.bool, device=mask.device)
-        if not broadcast:
-            ok &= (mask == row[:, None, None, :]).all()
-        if mask.dtype != torch.bool:
-            ok &= ((row == 0) | pad).all() & ~pad.all(dim=-1).any()
-        if bool(ok):  # the one sync
-            return None, pad.expand(batch, seq).contiguous()
-    return _bias_from(mask, heads, seq, dtype), None
-
-
-def _may_sync(x: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    first = mask[:, :1, :1]  # [B or 1, 1, 1, S]: the first head's first query
+    row = first.view(shape[0], seq)
+    broadcast = (shape[1] == 1 or mask.stride(1) == 0) and (shape[2] == 1 or mask.stride(2) == 0)
+    if broadcast and is_bool:
+        return _PerKey(row, True)
+    if not inspect_values:
+        return None
+    same = None if broadcast else (mask == first).all()
+    if is_bool:
+        return _PerKey(row, True, None, same)
+    return _PerKey(row <= torch.finfo(mask.dtype).min, False, row == 0, same)
 
 
 class _MaskCache:
@@ -147,14 +203,15 @@ class _MaskCache:
 
     Every layer of a forward gets the same mask object; converting it once saves
     the later layers its kernels and the value check's host sync.  The first
-    layer always converts; the others reuse the result while the mask is the
+    layer always converts (unless the padding-free encoder read the mask this
+    forward: ``read``); the others reuse the result while the mask is the
     same object (held by weak reference, so the cache keeps nothing alive) at the
     same in-place version (inference tensors have no version counter: for them,
     the first layer's conversion is what picks up a buffer refilled in place).
     """
 
     def __init__(self):
-        self._last = None  # (weakref to mask, key, result)
+        self._last = None  # (weakref to mask, key, (bias, key padding) or the key padding on the host)
 
     def __deepcopy__(self, memo):  # a copied model starts with its own, empty cache
         return _MaskCache()
@@ -168,10 +225,30 @@ class _MaskCache:
         key = (-1 if mask.is_inference() else mask._version, batch, seq, heads, x.dtype)
         last = self._last
         if not refresh and last is not None and last[0]() is mask and last[1] == key:
-            return last[2]
-        result = convert_mask(mask, batch, seq, heads, x.dtype, inspect_values=_may_sync(x))
+            result = last[2]
+            if isinstance(result, np.ndarray):  # the encoder read a key padding mask: made on the device now
+                result = (None, torch.from_numpy(np.ascontiguousarray(result)).to(x.device))
+                self._last = (last[0], key, result)
+            return result
+        result = convert_mask(mask, batch, seq, heads, x.dtype, inspect_values=hf_varlen.may_sync(x))
         self._last = (weakref.ref(mask), key, result)
         return result
+
+    def read(self, mask: torch.Tensor, x: torch.Tensor, heads: int) -> Optional[np.ndarray]:
+        """The padding-free encoder's one read of its forward's mask (one sync; the caller
+        checked that it may sync): the key padding mask on the host, numpy bool ``[B, S]``
+        (True = padding; read only), or None where the mask is an additive bias.  Keeps the
+        conversion, as a layer's call with ``refresh`` would, for a padded forward's layers.
+        Refuses what ``convert_mask`` refuses."""
+        batch, seq = x.shape[0], x.shape[1]
+        per_key = _per_key(mask, batch, seq, heads, True)
+        pad = None if per_key is None else per_key.padding_on_host(per_key.read())  # the sync
+        if pad is not None and pad.shape[0] != batch:  # one row for every sequence
+            pad = np.broadcast_to(pad, (batch, seq))
+        # A padded forward's first layer makes its key padding from the host copy: no view of the mask kept.
+        key = (-1 if mask.is_inference() else mask._version, batch, seq, heads, x.dtype)
+        self._last = (weakref.ref(mask), key, pad if pad is not None else (_bias_from(mask, heads, seq, x.dtype), None))
+        return pad
 
 
 # ------------------------------------------------------------ the layer ----

@@ -16,12 +16,25 @@ One stack, one graph: where HF's layer loop would do nothing but call each patch
 on the packed rows, the encoder runs all the layers' blocks as one ``EncoderStack`` (the
 same block objects, no weight copies; cached on the encoder, rebuilt when the layers
 change) through ``forward_packed``, which on a GPU replays one CUDA graph for the whole
-encoder (``fusedenc.auto_graphs``); HF's loop then runs with each layer handing that
-result on, so HF's output structure is kept.  The layers run one by one instead where a
-layer call could be seen or changed from outside: a forward hook or pre-hook on a layer
-(transformers 5's output-capturing hooks only while they collect), a ``forward`` set on a
-layer instance, a global module forward hook, a layer not patched by this encoder, a block
-in training mode.  ``stack_of(encoder)`` is the cached stack (its ``auto_graphs.stats()``).
+encoder (``fusedenc.auto_graphs``).  The first such call of each kind of keyword arguments
+(their None-ness, flags' values, types) runs HF's loop with each layer handing that result
+on, and records HF's output type where the loop did nothing else (the stack's rows came out
+as the last hidden state, a 1-tuple or a ModelOutput whose other fields are None); later
+calls of that kind make that output directly, without the loop.  Calls with positional
+arguments, with an argument a patched layer refuses (``output_attentions``, ``head_mask``,
+a KV cache, ...; the layers raise) or while transformers' output capture collects always
+run the loop.  The layers run one by one instead where a layer call could be seen or
+changed from outside: a forward hook or pre-hook on a layer (transformers 5's
+output-capturing hooks only while they collect), a ``forward`` set on a layer instance, a
+global module forward hook, a layer not patched by this encoder, a layer in training mode
+(it raises), a new stack's block in training mode.  ``stack_of(encoder)`` is the cached
+stack (its ``auto_graphs.stats()``).
+
+Host work: the mask is read once (a sync: its key padding, and where needed the values
+that show it is one, in one copy; ``hf._MaskCache.read``), and every decision that shapes,
+flags and hooks make comes before that read; between it and the stack's launch there is
+numpy work on the mask, one host-to-device copy of the indices and offsets
+(``varlen.packing_from_host``) and the gather.
 
 The padded path (every layer on ``[B, S, D]`` with a key padding mask) runs instead when
 the packed one would not reproduce HF: no mask or no padding; a sequence whose position 0
@@ -47,24 +60,31 @@ __all__ = ["PaddingFree", "PaddingFreeEncoder", "install", "stack_of"]
 PACKED_MAX_GRAPHS = 32
 
 
-def _may_sync(x: torch.Tensor) -> bool:
+def may_sync(x: torch.Tensor) -> bool:
+    """Whether reading ``x`` on the host is allowed now: not while ``torch.compile`` traces or a
+    CUDA graph is captured on the current stream."""
     if torch.compiler.is_compiling():
         return False
     return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 _CAPTURE_MODULE = "transformers.utils.output_capturing"
+_capture_module = None  # transformers.utils.output_capturing once looked up; False where there is none
 
 
 def _collected() -> Optional[dict]:
     """What transformers 5's output capture collects now (``output_hidden_states``,
     ``output_attentions``: hooks on the layers record their outputs), or None.
     transformers keeps this in a context variable of ``transformers.utils.output_capturing``."""
-    try:
-        from transformers.utils import output_capturing
-    except ImportError:
-        return None
-    collector = getattr(output_capturing, "_active_collector", None)
+    global _capture_module
+    module = _capture_module
+    if module is None:
+        try:
+            from transformers.utils import output_capturing as module
+        except ImportError:
+            module = False
+        _capture_module = module
+    collector = getattr(module, "_active_collector", None) if module else None
     active = collector.get() if collector is not None else None
     return active if isinstance(active, dict) else None
 
@@ -107,37 +127,59 @@ class PaddingFreeEncoder(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
         state = self._fusedenc_padding_free
-        packing = self._fusedenc_packing(hidden_states, attention_mask, args, kwargs)
-        if packing is None:
-            try:
-                return super().forward(hidden_states, attention_mask, *args, **kwargs)
-            finally:
-                state.converted = False
-        rows = varlen.pack(hidden_states, packing)[None]
-        state.packing = packing
         try:
-            stack = self._fusedenc_as_stack()
-            if stack is not None:  # every block in one call (one graph on a GPU); the layers hand its rows on
-                state.result = stack.forward_packed(rows[0], packing)[None]
-            out = super().forward(rows, None, *args, **kwargs)
+            if self._fusedenc_may_pack(hidden_states, attention_mask, args, kwargs):
+                # Every host-only decision comes before the mask is read: that read is a sync, and
+                # from it to the stack's launch the GPU has nothing to do.
+                stack = self._fusedenc_as_stack()
+                key = self._fusedenc_call_key(kwargs) if stack is not None and not args else None
+                made = self.__dict__.get("_fusedenc_outputs", {}).get(key) if key is not None else None
+                packing = self._fusedenc_packing(hidden_states, attention_mask)  # the sync
+                if packing is not None:
+                    rows = varlen.pack(hidden_states, packing)
+                    if made is not None:  # HF's layer loop would only hand the stack's rows on: skipped
+                        return _made(made, varlen.unpack(stack.forward_packed(rows, packing), packing))
+                    return self._fusedenc_run_packed(rows, packing, stack, key, args, kwargs)
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
         finally:
             state.packing, state.converted, state.result = None, False, None
-        return _with_last_hidden_state(out, varlen.unpack(_last_hidden_state(out)[0], packing))
+
+    def _fusedenc_run_packed(self, rows, packing, stack, key, args, kwargs):
+        """HF's forward (its layer loop) on the packed rows ``[1, T, D]``: each layer runs its
+        block, or hands on the stack's result; records HF's output type for ``key``."""
+        state = self._fusedenc_padding_free
+        state.packing = packing
+        if stack is not None:  # every block in one call (one graph on a GPU); the layers hand its rows on
+            state.result = stack.forward_packed(rows, packing)[None]
+        out = super().forward(rows[None], None, *args, **kwargs)
+        last = _last_hidden_state(out)
+        if key is not None and last is state.result:
+            made = _output_maker(out)
+            if made is not None:
+                outputs = self.__dict__.setdefault("_fusedenc_outputs", {})
+                if len(outputs) >= _MAX_OUTPUT_KINDS:
+                    outputs.clear()
+                outputs[key] = made
+        return _with_last_hidden_state(out, varlen.unpack(last[0], packing))
 
     def _fusedenc_as_stack(self) -> Optional[EncoderStack]:
         """The layers' blocks as one stack, where calling the layers one by one would do
         nothing else (module docstring); None: they run one by one."""
         state = self._fusedenc_padding_free
         layers = list(self.layer)
-        blocks = [getattr(layer, "block", None) for layer in layers]
+        blocks = [layer._modules.get("block") for layer in layers]
         stack = self.__dict__.get("_fusedenc_stack")
         if stack is not None and not _same(stack.blocks, blocks):  # layers or blocks replaced
             self._fusedenc_drop_stack()
             stack = None
-        if not all(isinstance(b, EncoderBlock) and getattr(layer, "_padding_free", None) is state
-                   for layer, b in zip(layers, blocks)):  # fmt: skip
-            return None
-        if any(_watched(layer) for layer in layers) or _global_forward_hooks():
+        hooked = False
+        for layer, block in zip(layers, blocks):
+            # A layer in training mode refuses the call (HFEncoderLayer): the layers run, and raise.
+            mine = layer.__dict__.get("_padding_free") is state and isinstance(block, EncoderBlock)
+            if not mine or layer.training:
+                return None
+            hooked = hooked or bool("forward" in layer.__dict__ or layer._forward_hooks or layer._forward_pre_hooks)
+        if _global_forward_hooks() or (hooked and any(_watched(layer) for layer in layers)):
             return None
         if stack is None:
             if any(b.training for b in blocks):  # EncoderStack() puts its blocks in eval mode: leave them be
@@ -163,36 +205,98 @@ class PaddingFreeEncoder(nn.Module):
         self._fusedenc_drop_stack()
         return super()._apply(fn, *args, **kwargs)
 
-    def _fusedenc_packing(self, hidden_states, attention_mask, args, kwargs) -> Optional[varlen.Packing]:
-        """This forward's packing, or None where the padded path must run (module docstring)."""
+    def _fusedenc_may_pack(self, hidden_states, attention_mask, args, kwargs) -> bool:
+        """Whether the packed path may run, as far as shapes and flags tell (no sync)."""
         if attention_mask is None or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-            return None
-        if torch.compiler.is_compiling() or self.training:
-            return None
+            return False
+        if self.training or not may_sync(hidden_states) or hidden_states.shape[0] * hidden_states.shape[1] == 0:
+            return False
+        return not self._fusedenc_wants_hidden_states(args, kwargs)
+
+    def _fusedenc_packing(self, hidden_states, attention_mask) -> Optional[varlen.Packing]:
+        """This forward's packing, or None where the padded path must run (module docstring):
+        the one read of the mask (a sync), which also converts it for a padded forward."""
         first = self.layer[0]
-        batch, seq = hidden_states.shape[0], hidden_states.shape[1]
-        # The one conversion of this forward's mask (the first layer reuses it on the padded path).
-        _, key_padding_mask = first._masks(attention_mask, hidden_states, first.num_heads, True)
-        self._fusedenc_padding_free.converted = True
-        if key_padding_mask is None or not _may_sync(hidden_states) or batch * seq == 0:
+        masks = getattr(first, "_masks", None)
+        if masks is None:
             return None
-        if self._fusedenc_wants_hidden_states(args, kwargs):
+        padding = masks.read(attention_mask, hidden_states, first.num_heads)
+        self._fusedenc_padding_free.converted = True  # the first layer of a padded forward reuses it
+        # No padding, or a sequence whose position 0 is padding (left padding, all padding).
+        if padding is None or not padding.any() or padding[:, 0].any():
             return None
-        packing = varlen.packing_from_mask(key_padding_mask, device=hidden_states.device)
-        if not packing.has_padding or not packing.first_real:
+        return varlen.packing_from_host(padding, device=hidden_states.device)
+
+    def _fusedenc_call_key(self, kwargs) -> Optional[tuple]:
+        """The kind of this call (what could change HF's output type: each keyword argument's
+        None-ness, a flag's value, a type; the config's ``return_dict``), or None where HF's
+        loop must run: an argument a patched layer refuses (``HFEncoderLayer._refuse``: the
+        loop runs, and raises), or something transformers' output capture collects."""
+        config = self.config
+        if getattr(config, "output_attentions", False) or _collected():
             return None
-        return packing
+        for name in _FLAGS_REFUSED:
+            v = kwargs.get(name)
+            if v is not None and v is not False:
+                return None
+        for name in _ARGS_REFUSED:
+            v = kwargs.get(name)
+            if v is not None and not (type(v) in (list, tuple) and all(x is None for x in v)):
+                return None
+        return (getattr(config, "return_dict", None), *((name, _kind(v)) for name, v in kwargs.items()))
 
     def _fusedenc_wants_hidden_states(self, args, kwargs) -> bool:
         if kwargs.get("output_hidden_states") or getattr(self.config, "output_hidden_states", False):
             return True
         # transformers 4.x: output_hidden_states is a positional parameter of the encoder.
-        names = _positional_names(type(self))
-        if "output_hidden_states" in names:
-            i = names.index("output_hidden_states") - 2  # after hidden_states, attention_mask
-            if 0 <= i < len(args) and args[i]:
-                return True
+        if args:
+            names = _positional_names(type(self))
+            if "output_hidden_states" in names:
+                i = names.index("output_hidden_states") - 2  # after hidden_states, attention_mask
+                if 0 <= i < len(args) and args[i]:
+                    return True
         return _collecting_hidden_states()
+
+
+#: Keyword arguments whose true value a patched layer refuses, and those it refuses unless
+#: None (transformers 4.x passes head_mask on as a list of None per layer).
+_FLAGS_REFUSED = ("output_attentions", "is_causal")
+_ARGS_REFUSED = ("head_mask", "past_key_value", "past_key_values", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                 "max_length_k", "seq_idx")  # fmt: skip
+
+#: Kinds of encoder call whose output type a padding-free encoder keeps (``_fusedenc_call_key``).
+_MAX_OUTPUT_KINDS = 32
+
+
+def _kind(value):
+    """What of an argument could change HF's encoder output type: None-ness, a scalar's
+    value, which items of a list are None, else the type."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if type(value) in (list, tuple):
+        return type(value), tuple(x is None for x in value)
+    return type(value)
+
+
+def _output_maker(out):
+    """How to make ``out`` again from a new last hidden state: ``tuple`` for a 1-tuple (4.x,
+    ``return_dict=False``), the ModelOutput class where every other field is None; else None."""
+    if type(out) is tuple:
+        return tuple if len(out) == 1 else None
+    keys = getattr(out, "keys", None)
+    if not callable(keys) or list(keys()) != ["last_hidden_state"]:
+        return None
+    cls = type(out)
+    try:
+        again = cls(last_hidden_state=out.last_hidden_state)
+    except Exception:  # noqa: BLE001 - a class not made this way: keep HF's loop
+        return None
+    same = list(again.keys()) == ["last_hidden_state"] and again.last_hidden_state is out.last_hidden_state
+    return cls if same else None
+
+
+def _made(maker, last_hidden_state: torch.Tensor):
+    return (last_hidden_state,) if maker is tuple else maker(last_hidden_state=last_hidden_state)
 
 
 def stack_of(encoder: nn.Module) -> Optional[EncoderStack]:

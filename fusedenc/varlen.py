@@ -14,14 +14,17 @@ wherever they sit (left padding, holes), which is what attention over those keys
 (attention itself does not see positions; they are already in the embeddings).
 
 The layout follows flash-attention's ``bert_padding.py`` (``unpad_input``/``pad_input``).
-Building a ``Packing`` reads the mask on the host once (one sync): the row count and the
-longest sequence size the buffers and the attention grid.
+Building a ``Packing`` reads the mask on the host once (one sync: one device-to-host copy
+of the mask; ``packing_from_host`` takes a mask already read): the row count and the
+longest sequence size the buffers and the attention grid.  The host work is numpy on the
+mask, and the indices and offsets go to the device in one copy (views of one buffer).
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .attention.varlen import VarlenPlan, check_offsets
@@ -32,6 +35,7 @@ __all__ = [
     "cu_seqlens_from_lengths",
     "mean_pool",
     "pack",
+    "packing_from_host",
     "packing_from_lengths",
     "packing_from_mask",
     "unpack",
@@ -44,7 +48,8 @@ class Packing:
     ``lengths``: real tokens per sequence (host ints); ``total``: their sum T;
     ``max_seqlen``: the longest; ``indices``: int64 ``[T]`` on the device, the flat
     position ``b * S + s`` of each packed row, sequence by sequence, in position order;
-    ``cu_seqlens``: int32 ``[B + 1]`` on the device; ``prefix``: every sequence's real tokens
+    ``cu_seqlens``: int32 ``[B + 1]`` on the device (from a mask: both views of one
+    buffer, contiguous); ``prefix``: every sequence's real tokens
     come first (right padding); ``first_real``: every sequence's position 0 is a real token.
     """
 
@@ -79,6 +84,9 @@ class Packing:
                 f"prefix={self.prefix})")  # fmt: skip
 
 
+_CPU = torch.device("cpu")
+
+
 def _device_of(device, default: torch.device) -> torch.device:
     return default if device is None else torch.device(device)
 
@@ -103,13 +111,34 @@ def packing_from_mask(key_padding_mask: torch.Tensor, *, device=None) -> Packing
     if key_padding_mask.dim() != 2:
         raise ValueError(f"key_padding_mask must be [B, S], got shape {tuple(key_padding_mask.shape)}")
     device = _device_of(device, key_padding_mask.device)
-    real = ~key_padding_mask.to("cpu")  # the one sync
+    return packing_from_host(key_padding_mask.cpu().numpy(), device=device)  # the one sync: one D2H copy
+
+
+def packing_from_host(padding: np.ndarray, *, device=None) -> Packing:
+    """``packing_from_mask`` of a mask already on the host: a numpy bool ``[B, S]`` array,
+    True = padding (not kept: read only).  No sync; one host-to-device copy, to ``device``
+    (the CPU by default): the indices and the offsets share one buffer."""
+    if not isinstance(padding, np.ndarray) or padding.dtype != np.bool_ or padding.ndim != 2:
+        got = f"{padding.dtype} {padding.shape}" if isinstance(padding, np.ndarray) else type(padding).__name__
+        raise TypeError(f"padding must be a numpy bool [B, S] array (True = padding), got {got}")
+    real = ~padding  # a new contiguous array
     b, s = real.shape
-    lengths = real.sum(dim=1).tolist()
-    prefix = not bool((real[:, 1:] & ~real[:, :-1]).any()) if s > 1 else True
+    flat = real.ravel().nonzero()[0]  # b * S + s of each real token, in order
+    total = flat.shape[0]
+    # int64 [T] indices, then int32 [B + 1] offsets in the int64 words after them: one copy.
+    buf = np.empty(total + (b + 2) // 2, dtype=np.int64)
+    buf[:total] = flat
+    cu = buf[total:].view(np.int32)[: b + 1]
+    cu[:] = flat.searchsorted(np.arange(0, (b + 1) * s, s)) if s > 0 else 0
+    offsets = cu.tolist()
+    lengths = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
+    # A sequence is a prefix when no real token follows a padding position.
+    prefix = not (real[:, 1:] > real[:, :-1]).any() if s > 1 else True
     first_real = bool(real[:, 0].all()) if s > 0 else b == 0
-    indices = real.reshape(-1).nonzero().flatten()
-    return Packing(b, s, lengths, indices.to(device), cu_seqlens_from_lengths(lengths, device), prefix, first_real)
+    both = torch.from_numpy(buf).to(_device_of(device, _CPU))
+    indices = both[:total]
+    cu_seqlens = both.view(torch.int32)[2 * total : 2 * total + b + 1]
+    return Packing(b, s, lengths, indices, cu_seqlens, bool(prefix), first_real)
 
 
 def packing_from_lengths(lengths: Union[Sequence[int], torch.Tensor], seq_len: int, *, device=None) -> Packing:

@@ -260,6 +260,56 @@ def test_convert_mask_forms():
     assert bias.dtype == torch.float16 and bias.shape == (1, h, s, s)
 
 
+def test_mask_read_agrees_with_convert_mask():
+    """The padding-free encoder's one read of a mask (``_MaskCache.read``): the key padding on
+    the host where ``convert_mask`` finds one, None where it makes a bias; the layers of a
+    padded forward then get ``convert_mask``'s result from the cache; the mask is not kept."""
+    import gc
+    import weakref
+
+    b, s, h = 3, 6, 4
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2, [False, True] * 3])
+    keep, minf = ~pad, torch.finfo(torch.float32).min
+    fmask = torch.zeros(b, s).masked_fill(pad, minf)
+    all_pad = fmask.clone()
+    all_pad[2] = minf
+    forms = {
+        "[B, S]": lambda: keep.long(),
+        "bool broadcast": lambda: keep[:, None, None, :].expand(b, 1, s, s),
+        "bool materialized": lambda: keep[:, None, None, :].expand(b, 1, s, s).clone(),
+        "bool [1, 1, S, S]": lambda: keep[1:2, None, None, :].expand(1, 1, s, s).clone(),
+        "float [B,1,1,S]": lambda: fmask[:, None, None, :].clone(),
+        "float materialized": lambda: fmask[:, None, None, :].expand(b, 1, s, s).clone(),
+        "float -inf": lambda: torch.zeros(b, 1, 1, s).masked_fill(pad[:, None, None, :], float("-inf")),
+        "varies by query": lambda: (keep[:, None, :, None] & keep[:, None, None, :]).clone(),
+        "not 0/min": lambda: torch.randn(b, 1, s, s),
+        "all padding": lambda: all_pad[:, None, None, :].clone(),
+        "heads differ": lambda: torch.stack([keep, ~keep] * 2, 1)[:, :, None, :].expand(b, h, s, s).clone(),
+    }
+    x = torch.zeros(b, s, 8)
+    for what, make in forms.items():
+        mask = make()
+        want_bias, want_kpm = convert_mask(mask, b, s, h, torch.float32)
+        cache = hf._MaskCache()
+        host = cache.read(mask, x, h)
+        if want_kpm is None:
+            assert host is None, what
+        else:
+            assert host.dtype == bool and host.shape == (b, s) and (host == want_kpm.numpy()).all(), what
+        bias, kpm = cache(mask, x, h, False)  # a padded forward's first layer: the read's conversion
+        assert (bias is None) == (want_bias is None) and (kpm is None) == (want_kpm is None), what
+        for got, want in ((bias, want_bias), (kpm, want_kpm)):
+            if want is not None:
+                assert torch.equal(got, want) and got.dtype == want.dtype and got.shape == want.shape, what
+        if want_kpm is not None:
+            assert kpm.is_contiguous(), what
+            assert kpm.untyped_storage().data_ptr() != mask.untyped_storage().data_ptr(), what
+            ref = weakref.ref(mask)
+            del mask
+            gc.collect()
+            assert ref() is None, f"{what}: the cache keeps the mask alive"
+
+
 def test_convert_mask_refusals():
     b, s, h = 2, 5, 4
     with pytest.raises(TypeError, match="BlockMask"):

@@ -76,6 +76,53 @@ def test_packing_flags_and_lengths(gen):
     assert r.first_real and r.has_padding
 
 
+def _reference_packing(pad):
+    """What a packing of bool ``pad`` (True = padding) must hold, computed plainly in torch."""
+    real = ~pad
+    lengths = real.sum(1).tolist()
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    prefix = all(bool(r[:n].all()) for r, n in zip(real, lengths))
+    first_real = bool(real[:, :1].all()) and real.shape[1] > 0
+    return lengths, real.reshape(-1).nonzero().flatten().tolist(), cu, prefix, first_real
+
+
+@pytest.mark.parametrize("kind", ["right", "left", "holes", "empty rows", "no rows", "no positions", "one"])
+def test_packing_from_mask_and_host_match_a_plain_reference(kind, gen):
+    """The numpy path (one read of the mask, one buffer holding indices and offsets) against
+    a plain torch computation: lengths, indices, offsets, flags, dtypes, layout."""
+    b, s = {"no rows": (0, 7), "no positions": (3, 0), "one": (1, 1)}.get(kind, (6, 11))
+    pad = torch.zeros(b, s, dtype=torch.bool)
+    if b and s > 1:
+        pad = _mask(gen, b, s, kind if kind in ("left", "holes") else "right")
+    if kind == "empty rows":
+        pad[1], pad[4] = True, True
+    want_lengths, want_indices, want_cu, want_prefix, want_first = _reference_packing(pad)
+    if b == 0:
+        want_first = True  # no sequence: none whose position 0 is padding
+    strided = pad.t().numpy().T  # a host array that is not contiguous
+    for p in (varlen.packing_from_mask(pad), varlen.packing_from_host(pad.numpy()), varlen.packing_from_host(strided)):
+        assert (p.batch, p.seq, p.lengths) == (b, s, tuple(want_lengths)), kind
+        assert p.total == sum(want_lengths) and p.max_seqlen == max(want_lengths, default=0)
+        assert p.indices.dtype == torch.int64 and p.indices.is_contiguous() and p.indices.tolist() == want_indices
+        assert p.cu_seqlens.dtype == torch.int32 and p.cu_seqlens.is_contiguous() and p.cu_seqlens.tolist() == want_cu
+        assert p.cu_seqlens.shape == (b + 1,) and p.indices.shape == (p.total,)
+        assert (p.prefix, p.first_real) == (want_prefix, want_first), kind
+        assert p.has_padding == (p.total < b * s)
+    if b and s:
+        x = torch.randn(b, s, 4, generator=gen)
+        torch.testing.assert_close(varlen.unpack(varlen.pack(x, p), p), x.masked_fill(pad[..., None], 0.0))
+
+
+def test_packing_from_host_bad_input():
+    import numpy as np
+
+    for bad in (np.zeros((2, 3)), np.zeros((2, 3, 1), dtype=bool), [[True]], torch.zeros(2, 3, dtype=torch.bool)):
+        with pytest.raises(TypeError, match="numpy bool"):
+            varlen.packing_from_host(bad)
+
+
 @pytest.mark.parametrize(
     "call, err, match",
     [
@@ -484,6 +531,146 @@ def test_patched_encoder_replays_one_graph_per_forward(gen, monkeypatch):
     assert counts == {"eager: first calls": 1, "captures": 1, "replays": 2}, counts
     assert [layer.block.auto_graphs.stats()["counts"] for layer in model.encoder.layer] == blocks
     torch.testing.assert_close(got[real], ref(ids, attention_mask=mask).last_hidden_state[real], **TOL)
+
+
+# ------------------------------------------------------------ patch_hf: HF's layer loop skipped ----
+
+TF_MAJOR = int(transformers.__version__.split(".")[0])
+
+
+def _layer_calls(monkeypatch) -> list:
+    """Every patched layer call (each one checks its arguments first)."""
+    from fusedenc.hf import HFEncoderLayer
+
+    calls, refuse = [], HFEncoderLayer._refuse
+    monkeypatch.setattr(HFEncoderLayer, "_refuse", lambda self, kw: (calls.append(self), refuse(self, kw))[1])
+    return calls
+
+
+def _encoder_inputs(ref, ids, mask) -> tuple:
+    """The (args, kwargs) HF's model hands its encoder for this batch."""
+    seen = {}
+    hook = ref.encoder.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        ref(ids, attention_mask=mask)
+    hook.remove()
+    return seen["a"], seen["k"]
+
+
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_skipped_layer_loop_gives_hf_output_types(return_dict, gen, monkeypatch):
+    """The first padding-free call of a kind runs HF's loop (the layers hand the stack's rows
+    on) and records HF's output type; later ones make it without the loop: the same types,
+    fields and values as HF's model and encoder, on transformers' own BertModel."""
+    model, ref = _hf(gen)
+    ids, mask = _ids_mask(gen)
+    calls = _layer_calls(monkeypatch)
+    real = mask.bool()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask, return_dict=return_dict)
+        outs = []
+        for _ in range(3):
+            calls.clear()
+            outs.append(model(ids, attention_mask=mask, return_dict=return_dict))
+            outs[-1] = (outs[-1], len(calls))
+    assert [n for _, n in outs] == [SMALL["num_hidden_layers"], 0, 0], "HF's loop runs once, then is skipped"
+    assert _stack_calls(model) == 3
+    for got, _ in outs:
+        assert type(got) is type(want) and len(got) == len(want)
+        if return_dict:
+            assert list(got.keys()) == list(want.keys())
+        torch.testing.assert_close(got[0][real], want[0][real], **TOL)
+        assert torch.equal(got[0][~real], torch.zeros_like(got[0][~real]))
+        torch.testing.assert_close(got[1], want[1], **TOL)
+        assert torch.equal(got[0], outs[0][0][0])
+    # The encoder alone, as HF's model calls it, and (4.x) its tuple form.
+    args, kwargs = _encoder_inputs(ref, ids, mask)
+    kinds = [dict(kwargs)] + ([dict(kwargs, return_dict=False)] if TF_MAJOR < 5 else [])
+    with torch.no_grad():
+        for kw in kinds:
+            hf_out = ref.encoder(*args, **kw)
+            for _ in range(2):
+                got = model.encoder(*args, **kw)
+                assert type(got) is type(hf_out) and len(got) == len(hf_out)
+                if hasattr(hf_out, "keys"):
+                    assert list(got.keys()) == list(hf_out.keys())
+                torch.testing.assert_close(got[0][real], hf_out[0][real], **TOL)
+
+
+def test_skipped_layer_loop_still_refuses(gen, monkeypatch):
+    """Once HF's loop is skipped, what a patched layer refuses is still refused, as before."""
+    model, ref = _hf(gen, "eager")  # transformers 5 itself refuses config.output_attentions with sdpa
+    ids, mask = _ids_mask(gen)
+    calls = _layer_calls(monkeypatch)
+    first = _run(model, ids, mask).last_hidden_state
+    calls.clear()
+    assert torch.equal(_run(model, ids, mask).last_hidden_state, first) and not calls, "the loop is skipped"
+    args, kwargs = _encoder_inputs(ref, ids, mask)
+    with torch.no_grad():
+        model.encoder(*args, **kwargs)  # the encoder called as the model calls it: recorded, then skipped
+        calls.clear()
+        model.encoder(*args, **kwargs)
+        assert not calls
+        model.config.output_attentions = True
+        if "output_attentions" not in kwargs:  # transformers 5: the layers read it from the config
+            with pytest.raises(ValueError, match="output_attentions"):
+                model.encoder(*args, **kwargs)
+        model.config.output_attentions = False
+    with pytest.raises(ValueError, match="output_attentions"):
+        _run(model, ids, mask, output_attentions=True)
+    head_mask = torch.ones(SMALL["num_hidden_layers"], SMALL["num_attention_heads"])
+    with pytest.raises(ValueError, match="head_mask"):
+        _run(model, ids, mask, head_mask=head_mask)
+    model.config.output_attentions = True
+    with pytest.raises(ValueError, match="output_attentions"):
+        _run(model, ids, mask)
+    model.config.output_attentions = False
+    model.encoder.layer[1].train()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        _run(model, ids, mask)
+    model.encoder.layer[1].eval()
+    model.train()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        _run(model, ids, mask)
+    model.eval()
+    calls.clear()
+    assert torch.equal(_run(model, ids, mask).last_hidden_state, first) and not calls
+
+
+def test_layer_loop_kept_where_hf_does_more(gen, monkeypatch):
+    """Where HF's encoder does more than hand the last layer's output on (here: a forward
+    that changes it), no output type is recorded: its loop runs every call."""
+    model, _ = _hf(gen)
+    ids, mask = _ids_mask(gen)
+    calls = _layer_calls(monkeypatch)
+    plain = _run(model, ids, mask).last_hidden_state
+    hf_cls = next(c for c in type(model.encoder).__mro__[2:] if "forward" in vars(c))
+    hf_forward = hf_cls.forward
+
+    def forward(self, *args, **kwargs):
+        out = hf_forward(self, *args, **kwargs)
+        out.last_hidden_state = out.last_hidden_state + 1.0
+        return out
+
+    monkeypatch.setattr(hf_cls, "forward", forward)
+    model.encoder.__dict__.pop("_fusedenc_outputs", None)  # as on an encoder never run before
+    real = mask.bool()
+    for _ in range(2):
+        calls.clear()
+        got = _run(model, ids, mask).last_hidden_state
+        assert len(calls) == SMALL["num_hidden_layers"]
+        torch.testing.assert_close(got[real], plain[real] + 1.0, **TOL)
+    assert not model.encoder.__dict__.get("_fusedenc_outputs")
+
+
+def test_output_maker():
+    from transformers.modeling_outputs import BaseModelOutput
+
+    t = torch.zeros(1, 2, 3)
+    assert hf_varlen._output_maker((t,)) is tuple and hf_varlen._output_maker((t, t)) is None
+    assert hf_varlen._output_maker(BaseModelOutput(last_hidden_state=t)) is BaseModelOutput
+    assert hf_varlen._output_maker(BaseModelOutput(last_hidden_state=t, hidden_states=(t,))) is None
+    assert hf_varlen._output_maker(t) is None and hf_varlen._output_maker({"last_hidden_state": t}) is None
 
 
 # ------------------------------------------------------------ benchmark ----
