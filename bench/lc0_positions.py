@@ -172,6 +172,8 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibat
     name = "evaluator" if len(devices) == 1 else f"evaluator-{len(devices)}gpu"
     if minibatches:
         name += ", minibatches"
+    if "pipeline_depth" in options:
+        name += f" (depth {options['pipeline_depth']})"
     if "switch_interval" in options:
         name += f" (switch {'default' if options['switch_interval'] is None else options['switch_interval']})"
     return {"row": name, "batch": b, "positions": n, "seconds": seconds, "nps": n / seconds,
@@ -251,7 +253,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tag", default=None)
     ap.add_argument("--compare-switch", action="store_true",
                     help="also the 1-GPU Evaluator with a 0.2 ms thread switch interval (switch_interval=0.0002)")
+    ap.add_argument("--compare-depth", type=int, default=None, metavar="N",
+                    help="also the 1-GPU Evaluator (submit_many) with pipeline_depth=N slots")
     args = ap.parse_args(argv)
+    if args.compare_depth is not None and args.compare_depth < 1:
+        ap.error("--compare-depth must be at least 1")
     if args.reps < MIN_REPS:
         ap.error(f"--reps must be at least {MIN_REPS}")
     device = common.resolve_device(args.device)
@@ -310,6 +316,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.compare_switch:
             rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds,
                                        switch_interval=0.0002))
+            print(report(rows)[-1], flush=True)
+        if args.compare_depth:
+            rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds,
+                                       pipeline_depth=args.compare_depth))
             print(report(rows)[-1], flush=True)
         if multi:
             rows.append(_evaluator_row(file, multi, dtype, positions[:n_pos], b, args.rounds))

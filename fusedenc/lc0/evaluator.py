@@ -138,10 +138,12 @@ class _Replica:
     def __init__(self, owner: "Evaluator", file: NetFile, net: Optional[Lc0Network], device: torch.device) -> None:
         self.owner, self.device = owner, device
         self.stats = EvaluatorStats()
-        # Wall seconds per stage, to see which one limits: the launch thread waiting for the
-        # host workers and issuing the GPU work, the finish thread waiting for the GPU and
-        # decoding (softmax, Evaluations, futures).
-        self.seconds = {"host_wait": 0.0, "launch": 0.0, "gpu_wait": 0.0, "decode": 0.0}
+        # Wall seconds per stage, to see which one limits: the gather thread waiting for a
+        # free slot and for positions, the launch thread waiting for the host workers and
+        # issuing the GPU work, the finish thread waiting for the GPU and decoding (softmax,
+        # Evaluations, futures).
+        self.seconds = {"slot_wait": 0.0, "queue_wait": 0.0, "host_wait": 0.0, "launch": 0.0, "gpu_wait": 0.0,
+                        "decode": 0.0}
         dtype = owner.dtype
         if net is None:
             net = Lc0Network(file, dtype=dtype, device=device)
@@ -186,9 +188,14 @@ class _Replica:
     def _gather_loop(self) -> None:
         owner = self.owner
         try:
+            seconds = self.seconds
             while True:
+                t0 = time.perf_counter()
                 slot = self.free.get()
+                t1 = time.perf_counter()
                 parts = owner._take(owner.max_batch)
+                seconds["slot_wait"] += t1 - t0
+                seconds["queue_wait"] += time.perf_counter() - t1
                 if parts is None:  # closed and drained
                     self.free.put(slot)
                     break
@@ -582,7 +589,8 @@ class Evaluator:
 
     def stats(self) -> dict[str, Any]:
         """``{"positions", "failed", "batches", "mean_batch", "devices": {device: the same, and
-        "seconds": wall time per stage (host_wait, launch, gpu_wait, decode)}}``: a stage busy
+        "seconds": wall time per stage (slot_wait and queue_wait: the gather thread waiting for
+        a free slot and for positions; host_wait, launch, gpu_wait, decode)}}``: a stage busy
         for most of the wall time is the one that limits."""
         with self._lock:
             out = self._stats.as_dict()
