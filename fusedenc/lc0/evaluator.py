@@ -28,11 +28,9 @@ of one batch overlaps the GPU work of another:
 
 The stages hand each other *slots* (a pinned buffer of the packed encoding, one of the
 packed heads, and an event); ``pipeline_depth`` slots per device (by
-default two per host worker and two more) bound the batches in flight.  A batch's trip
-through the stages is several hand-overs between threads (and the pool's), each of which
-may wait for the GIL, so its latency is a few times the host work's; one slot per worker
-left the workers idle between batches at 256 positions (measured on an H100, T82: 0.82x
-of the graph's speed at 256, 0.92x at 1024).  A slot goes back to the gather stage only after its
+default two per host worker and two more: a batch's trip through the threads' hand-overs
+takes a few times its host work, and one slot per worker left workers idle at 256 positions)
+bound the batches in flight.  A slot goes back to the gather stage only after its
 batch is decoded, so no buffer is overwritten while a copy or a decode still reads it.
 torch releases the GIL in copies, graph replays and event waits, which is what lets the
 three Python threads overlap; each such call must take the GIL back, so the launch stage
