@@ -184,9 +184,8 @@ class _Replica:
         self.owner = None
     # -- stage 1: gather (host): requests to a host worker --
     def _gather_loop(self) -> None:
-        owner = self.owner
+        owner, seconds = self.owner, self.seconds
         try:
-            seconds = self.seconds
             while True:
                 t0 = time.perf_counter()
                 slot = self.free.get()
