@@ -240,6 +240,23 @@ def test_training_mode_is_refused_when_called(make):
     assert torch.equal(m(x), want)
 
 
+def test_an_lc0_net_is_inference_only_too(net_path):
+    """Made in eval mode; ``net.train()`` then a call is refused as a block's is; no autograd."""
+    net = load_network(net_path, device="cpu", dtype=torch.float32)
+    assert not any(mod.training for mod in net.modules())
+    planes = torch.rand(2, 112, 8, 8)
+    with torch.enable_grad():
+        want = net(planes)
+    assert all(t.grad_fn is None and not t.requires_grad for t in want.values())
+    net.train()
+    with pytest.raises(RuntimeError, match=r"Lc0Network is inference-only \(no dropout, no autograd\) and is in "
+                                           r"training mode: call \.eval\(\)"):  # fmt: skip
+        net(planes)
+    net.eval()
+    got = net(planes)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_a_stack_puts_the_blocks_it_is_given_in_eval_mode():
     blocks = [_block(), _block()]
     blocks[0].train()

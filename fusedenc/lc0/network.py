@@ -33,7 +33,7 @@ from ..graphs import BucketedGraphs
 from ..norm import layer_norm
 from ..norm_fold import NormedRows
 from ..ops import linear
-from ..torch_modules import runs_eagerly_when_compiled
+from ..torch_modules import inference_only, runs_eagerly_when_compiled
 from . import moves
 from .errors import Lc0FormatError
 from .netfile import NetFile, read_net
@@ -280,6 +280,7 @@ class Lc0Network(auto_graphs.GraphedModule):
         if self.has_moves_left:
             self.mov_dense1 = _Dense(w["ip1_mov_w"], w["ip1_mov_b"], w["ip1_mov_b"].numel(), acts["default"], **kw)
             self.mov_dense2 = _Dense(w["ip2_mov_w"], w["ip2_mov_b"], 1, "none", **kw)
+        self.eval()  # inference only (``forward`` refuses training mode), as the blocks are
 
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())
@@ -323,7 +324,7 @@ class Lc0Network(auto_graphs.GraphedModule):
             raise TypeError(f"planes are {planes.dtype} on {planes.device}; the network is {p.dtype} on {p.device}")
 
     @runs_eagerly_when_compiled  # a compiled caller runs the net (and replays its graphs) at run time
-    @torch.no_grad()
+    @inference_only
     def forward(self, planes: torch.Tensor, *, out: Optional[dict] = None) -> dict[str, torch.Tensor]:
         self._check(planes)
         native = core.active_on(planes.device) and not auto_graphs.observing(self)
