@@ -16,9 +16,8 @@ of one batch overlaps the GPU work of another:
 1. *gather* (host): take requests from the queue and hand them to a host worker
    (``hostwork.prepare_batch``: parse, check, replay histories, encode lc0's compact planes,
    list the legal moves with their policy indices).  With a GPU the workers are processes
-   (``host_workers``, several batches at once): that numpy work holds the GIL too much for
-   threads of one process to share it (three such threads fed a T82 net on an H200 at
-   7-13k positions/s where the GPU does 34k);
+   (``host_workers``, ``hostwork.Workers``: this numpy work holds the GIL too much for
+   threads to share; three fed a T82 net at 7-13k positions/s where the GPU does 34k);
 2. *launch* (GPU): wait for the batch's host work, then one copy of its packed encoding to
    the device, one CUDA graph replay (expansion to planes, the network, the heads packed:
    ``encoded.EncodedRunner``), one copy of the packed heads back into pinned host memory,
@@ -27,15 +26,14 @@ of one batch overlaps the GPU work of another:
    futures.
 
 The stages hand each other *slots* (a pinned buffer of the packed encoding, one of the
-packed heads, and an event); ``pipeline_depth`` slots per device (by
-default two per host worker and two more: a batch's trip through the threads' hand-overs
-takes a few times its host work, and one slot per worker left workers idle at 256 positions)
-bound the batches in flight.  A slot goes back to the gather stage only after its
-batch is decoded, so no buffer is overwritten while a copy or a decode still reads it.
-torch releases the GIL in copies, graph replays and event waits, which is what lets the
-three Python threads overlap; each such call must take the GIL back, so the launch stage
-makes as few as it can (three a batch).  On a CPU device (tests, machines without a GPU) the same
-stages run with a plain forward.
+packed heads, and an event); ``pipeline_depth`` slots per device (default two per host
+worker and two more: a batch's trip through the hand-overs takes a few times its host work)
+bound the batches in flight.  A slot goes back to the gather stage only after its batch is
+decoded, so no buffer is overwritten while a copy or a decode still reads it.  torch
+releases the GIL in copies, graph replays and event waits, which lets the three threads
+overlap; each such call must take the GIL back, so the launch stage makes as few as it can
+(three a batch).  On a CPU device (tests, machines without a GPU) the same stages run with
+a plain forward.
 
 Everything this process does per position (under one GIL, across its threads) must cost far
 less than the ~30 us a position that a GPU evaluating 34,000 positions a second leaves it, or
@@ -60,7 +58,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -106,7 +104,7 @@ class _Slot:
         # Filled per batch:
         self.parts: list[Part] = []  # the positions of each call (submit_many's, submit_batch's) it holds
         self.n = 0  # positions in the batch
-        self.job: Any = None  # a Future of the batch's hostwork.HostBatch
+        self.job: Any = None  # the batch's host work: result() gives its hostwork.HostBatch
         self.host: Optional[hostwork.HostBatch] = None
         self.error: Optional[BaseException] = None
 
@@ -133,8 +131,9 @@ class EvaluatorStats:
 class _Replica:
     """One device's network, runner, slots and three threads."""
 
-    def __init__(self, owner: "Evaluator", file: NetFile, net: Optional[Lc0Network], device: torch.device) -> None:
-        self.owner, self.device = owner, device
+    def __init__(self, owner: "Evaluator", file: NetFile, net: Optional[Lc0Network], device: torch.device,
+                 workers: Optional[hostwork.Workers]) -> None:
+        self.owner, self.device, self.workers = owner, device, workers
         self.stats = EvaluatorStats()
         # Wall seconds per stage, to see which one limits: the gather thread waiting for a
         # free slot and for positions, the launch thread waiting for the host workers and
@@ -202,7 +201,7 @@ class _Replica:
                 slot.parts, slot.host, slot.error = parts, None, None
                 positions = parts[0].positions if len(parts) == 1 else [p for part in parts for p in part.positions]
                 slot.n = len(positions)
-                slot.job = owner._host_job(positions, slot.shared)
+                slot.job = owner._host_job(positions, slot.shared, self.workers)
                 self.launch_q.put(slot)
         finally:
             self.launch_q.put(None)
@@ -334,7 +333,8 @@ class Evaluator:
     the load is light).  ``temperature``: the policy softmax's.  ``host_workers``: processes
     for the host work (parsing, encoding, legal moves; default: with a GPU, up to 8 per GPU,
     leaving two cores and two a GPU to this process; 0 on a CPU, where it runs in this
-    process).  A worker prepares ~10k positions/s with histories on an H100 host's core.  ``pipeline_depth``:
+    process), divided among the devices (each replica its own, at least one); a worker prepares
+    ~10k positions/s with histories on an H100 host's core.  ``pipeline_depth``:
     batches in flight per device (default: twice its share of the host workers, plus two).
     ``switch_interval``: while an Evaluator with a GPU runs, Python's thread switch interval
     is at most this (seconds; restored by ``close``).  None, the default, leaves it alone: the
@@ -415,13 +415,19 @@ class Evaluator:
         if pipeline_depth is None:
             pipeline_depth = max(3, 2 * -(-host_workers // len(self.devices)) + 2)
         self.pipeline_depth = pipeline_depth
-        self._pool: Optional[ProcessPoolExecutor] = None
+        self._workers: list[hostwork.Workers] = []  # one set a replica: each waits on its own in order
         self._shared: Optional[hostwork.SharedRows] = None  # made before the workers are forked
         self._shared_next = 0
         if host_workers:
             if hostwork.forked():
                 self._shared = hostwork.SharedRows(pipeline_depth * len(self.devices), max_batch)
-            self._pool = hostwork.start_pool(host_workers)
+            try:
+                for _ in self.devices:
+                    self._workers.append(hostwork.Workers(max(1, -(-host_workers // len(self.devices)))))
+            except BaseException:
+                self._stop_workers()
+                raise
+            self.host_workers = sum(len(w) for w in self._workers)
 
         self._lock = threading.Condition()
         # Submissions and Minibatches (requests.py), each with the count of its positions taken.
@@ -431,14 +437,11 @@ class Evaluator:
         self._stats = EvaluatorStats()
         self._replicas: list[_Replica] = []
         try:
-            for d in self.devices:
-                self._replicas.append(_Replica(self, file, given, d))
+            for i, d in enumerate(self.devices):
+                self._replicas.append(_Replica(self, file, given, d, self._workers[i] if self._workers else None))
         except BaseException:
             self._replicas = []
-            if self._pool is not None:
-                self._pool.shutdown(cancel_futures=True)
-            if self._shared is not None:
-                self._shared.close()
+            self._stop_workers()
             raise
         self._switch = switch_interval is not None and any(d.type == "cuda" for d in self.devices)
         if self._switch:
@@ -530,17 +533,12 @@ class Evaluator:
         self._shared_next += 1
         return self._shared.token, self._shared_next - 1
 
-    def _host_job(self, positions: list[Any], rows: Optional[tuple[int, int]] = None) -> "Future[hostwork.HostBatch]":
-        """The host work of one batch: in a worker process (writing the encoding into the
-        slot's shared ``rows`` where it has them), or here (no workers)."""
-        if self._pool is not None:
-            return self._pool.submit(hostwork.prepare_batch, hostwork.pack(positions), self.input_format, rows)
-        job: Future = Future()
-        try:
-            job.set_result(hostwork.prepare_batch(positions, self.input_format))
-        except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
-            job.set_exception(exc)
-        return job
+    def _host_job(self, positions: list[Any], rows: Optional[tuple[int, int]], workers: Optional[hostwork.Workers]):
+        """The host work of one batch (something with ``result()``): in one of ``workers``
+        (writing the encoding into the slot's shared ``rows`` where it has them), or here."""
+        if workers is not None:
+            return workers.submit(hostwork.pack(positions), self.input_format, rows)
+        return hostwork.Job.here(positions, self.input_format)
 
     def _count(self, stats: EvaluatorStats, positions: int = 0, failed: int = 0, batches: int = 0) -> None:
         with self._lock:
@@ -564,15 +562,18 @@ class Evaluator:
             r.join()
         for r in self._replicas:
             r.release()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-        if self._shared is not None:
-            self._shared.close()
-            self._shared = None
+        self._stop_workers()
         if self._switch:
             self._switch = False
             _SWITCH_INTERVAL.restore()
+
+    def _stop_workers(self) -> None:
+        for workers in self._workers:
+            workers.close()
+        self._workers = []
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
 
     @property
     def closed(self) -> bool:

@@ -14,7 +14,7 @@ class SwitchInterval:
     """Python's thread switch interval, shortened while any Evaluator that asked for it runs.
 
     Every torch call of the launch stage lets go of the GIL and takes it back; while another
-    thread of the process runs Python (the finish stage's loops, the pool's unpickling, the
+    thread of the process runs Python (the finish stage's loops, the workers' answers unpickled, the
     caller's own threads), taking it back can wait a whole switch interval (5 ms by default),
     and a launch makes three such calls a batch.  A shorter interval bounds each wait."""
 

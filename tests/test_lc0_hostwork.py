@@ -1,0 +1,85 @@
+"""``hostwork.Workers``: the Evaluator's host worker processes, each behind its own pipe.
+
+The oracle is ``prepare_batch`` run in this process on the same positions: a worker's
+answer must be the same arrays; an exception raised in a worker comes back as that
+exception; a worker that dies fails the batches it held with a clear error, instead of
+leaving a caller waiting forever, and ``close`` still returns.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from fusedenc.lc0 import hostwork
+from fusedenc.lc0.schema import InputFormat
+
+FORMAT = InputFormat.CLASSICAL_112_PLANE
+POSITIONS = ["startpos", ("startpos", ["e2e4", "e7e5", "g1f3"]), "8/P7/8/8/8/8/6k1/K7 w - - 0 1",
+             "r3k2r/p1ppqpb1/bn2pnp1/3PN3/1p2P3/2N2Q1p/PPPBBPPP/R3K2R w KQkq - 0 1"]
+
+
+def _same(a: hostwork.HostBatch, b: hostwork.HostBatch) -> None:
+    for name in ("kept", "masks", "values", "transforms", "moves", "indices", "counts"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            np.testing.assert_array_equal(x, y, err_msg=name)
+    assert [(i, str(e)) for i, e in a.errors] == [(i, str(e)) for i, e in b.errors]
+
+
+def test_answers_come_back_in_order_and_equal_the_in_process_work():
+    batches = [POSITIONS[k:] + POSITIONS[:k] + ["not a fen"] * (k % 2) for k in range(len(POSITIONS))] * 2
+    workers = hostwork.Workers(2)
+    try:
+        assert len(workers) == 2
+        jobs = [workers.submit(hostwork.pack(b), FORMAT, None) for b in batches]  # several queued on each worker
+        for job, batch in zip(jobs, batches, strict=True):
+            _same(job.result(), hostwork.prepare_batch(batch, FORMAT))
+        assert jobs[0].result() is jobs[0].result()  # answered once, kept
+    finally:
+        workers.close()
+
+
+def test_an_exception_in_a_worker_is_raised_by_result():
+    workers = hostwork.Workers(1)
+    try:
+        with pytest.raises(Exception) as raised:
+            workers.submit(hostwork.pack(POSITIONS), "no such format", None).result()
+        with pytest.raises(type(raised.value)):
+            hostwork.prepare_batch(POSITIONS, "no such format")
+        _same(workers.submit(hostwork.pack(POSITIONS), FORMAT, None).result(),
+              hostwork.prepare_batch(POSITIONS, FORMAT))  # the worker lives on
+    finally:
+        workers.close()
+
+
+def test_a_dead_worker_fails_its_batches_and_close_returns():
+    workers = hostwork.Workers(2)
+    try:
+        os.kill(workers._procs[0].pid, signal.SIGKILL)
+        workers._procs[0].join(timeout=10)
+        jobs = [workers.submit(hostwork.pack(POSITIONS), FORMAT, None) for _ in range(4)]  # dealt 0, 1, 0, 1
+        for k, job in enumerate(jobs):
+            if k % 2:
+                _same(job.result(), hostwork.prepare_batch(POSITIONS, FORMAT))
+            else:
+                with pytest.raises(RuntimeError, match=r"fusedenc host worker 0 is gone \(exit code -9"):
+                    job.result()
+    finally:
+        t0 = time.monotonic()
+        workers.close()
+        assert time.monotonic() - t0 < 15
+    assert len(workers) == 0
+
+
+def test_in_process_jobs_and_bad_counts():
+    _same(hostwork.Job.here(POSITIONS, FORMAT).result(), hostwork.prepare_batch(POSITIONS, FORMAT))
+    with pytest.raises(Exception):
+        hostwork.Job.here(POSITIONS, "no such format").result()
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        hostwork.Workers(0)
