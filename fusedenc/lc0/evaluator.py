@@ -135,10 +135,9 @@ class _Replica:
                  workers: Optional[hostwork.Workers]) -> None:
         self.owner, self.device, self.workers = owner, device, workers
         self.stats = EvaluatorStats()
-        # Wall seconds per stage, to see which one limits: the gather thread waiting for a
-        # free slot and for positions, the launch thread waiting for the host workers and
-        # issuing the GPU work, the finish thread waiting for the GPU and decoding (softmax,
-        # Evaluations, futures).
+        # Wall seconds per stage, to see which one limits: gather waiting for a free slot and for
+        # positions, launch waiting for the host workers and issuing the GPU work, finish
+        # waiting for the GPU and decoding (softmax, Evaluations, futures).
         self.seconds = {"slot_wait": 0.0, "queue_wait": 0.0, "host_wait": 0.0, "launch": 0.0, "gpu_wait": 0.0,
                         "decode": 0.0}
         dtype = owner.dtype
@@ -570,7 +569,7 @@ class Evaluator:
     def _stop_workers(self) -> None:
         for workers in self._workers:
             workers.close()
-        self._workers = []
+        self._workers.clear()
         if self._shared is not None:
             self._shared.close()
             self._shared = None
