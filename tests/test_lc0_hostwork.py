@@ -83,3 +83,17 @@ def test_in_process_jobs_and_bad_counts():
         hostwork.Job.here(POSITIONS, "no such format").result()
     with pytest.raises(ValueError, match="count must be >= 1"):
         hostwork.Workers(0)
+
+
+def test_a_worker_that_cannot_start_fails_the_start(monkeypatch):
+    """The warm-up's answer is checked: a worker that fails it raises in ``Workers()`` (and
+    every worker started is stopped), not later in a batch."""
+    if not hostwork.forked():
+        pytest.skip("the patched warm-up reaches the workers only where they are forked")
+
+    def broken() -> int:
+        raise ImportError("no numpy in this worker")
+
+    monkeypatch.setitem(hostwork._TASKS, "warm_up", broken)
+    with pytest.raises(ImportError, match="no numpy in this worker"):
+        hostwork.Workers(2)

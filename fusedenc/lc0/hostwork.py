@@ -267,8 +267,10 @@ class Workers:
                     self._procs.append(proc)
             for k in range(count):  # each worker's imports done before the first batch
                 self._conns[k].send_bytes(pickle.dumps(("warm_up", ())))
-            for k in range(count):
-                self._receive(k)
+            for k in range(count):  # and a worker that cannot answer fails the Evaluator's start, not a batch
+                ok, value = self._receive(k)
+                if not ok:
+                    raise value
         except BaseException:
             self.close()
             raise
