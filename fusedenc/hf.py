@@ -589,6 +589,7 @@ def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = Tru
         for _, encoder in encoders:
             if all(isinstance(layer, HFEncoderLayer) for layer in encoder.layer):
                 hf_varlen.install(encoder)
+        hf_varlen.pass_masks_through(model)
 
     # transformers 5 records output_hidden_states with forward hooks that it installs
     # once per model, lazily, on every module of the layer class.  Hooks installed
