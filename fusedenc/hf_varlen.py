@@ -103,14 +103,16 @@ class PaddingFree:
     ``converted``: the encoder converted this forward's mask already (the first layer of
     a padded forward need not convert it again).  ``result``: the packed rows ``[1, T, D]``
     after every layer, when the encoder ran their blocks as one stack (each layer hands
-    them on)."""
+    them on).  ``deferred``: the model's own mask building and its arguments, where it
+    handed the 2-D mask through (``pass_masks_through``): a padded forward builds HF's mask."""
 
-    __slots__ = ("packing", "converted", "result")
+    __slots__ = ("packing", "converted", "result", "deferred")
 
     def __init__(self):
         self.packing: Optional[varlen.Packing] = None
         self.converted = False
         self.result: Optional[torch.Tensor] = None
+        self.deferred: Optional[tuple] = None
 
     def packed(self, hidden_states: torch.Tensor, attention_mask) -> Optional[varlen.Packing]:
         """The packing a layer call runs on (its hidden states are the packed rows), else None."""
@@ -140,9 +142,13 @@ class PaddingFreeEncoder(nn.Module):
                     if made is not None:  # HF's layer loop would only hand the stack's rows on: skipped
                         return _made(made, varlen.unpack(stack.forward_packed(rows, packing), packing))
                     return self._fusedenc_run_packed(rows, packing, stack, key, args, kwargs)
+            deferred = state.deferred
+            if deferred is not None and deferred[0] is attention_mask:  # the padded path: HF's own mask
+                attention_mask = deferred[1](**deferred[2])[0]
+                state.converted = False
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         finally:
-            state.packing, state.converted, state.result = None, False, None
+            state.packing, state.converted, state.result, state.deferred = None, False, None, None
 
     def _fusedenc_run_packed(self, rows, packing, stack, key, args, kwargs):
         """HF's forward (its layer loop) on the packed rows ``[1, T, D]``: each layer runs its
@@ -395,11 +401,12 @@ def pass_masks_through(model: nn.Module) -> None:
         if (not isinstance(encoder, PaddingFreeEncoder) or create is None or config is None
                 or getattr(config, "is_decoder", False) or "_create_attention_masks" in module.__dict__):
             continue
-        module._create_attention_masks = _passing(create)
+        module._create_attention_masks = _passing(create, encoder._fusedenc_padding_free)
 
 
-def _passing(create):
-    """``_create_attention_masks`` handing a plain 2-D padding mask through (see above)."""
+def _passing(create, state: PaddingFree):
+    """``_create_attention_masks`` handing a plain 2-D padding mask through, with itself and
+    its arguments left in ``state.deferred`` for a padded forward (see above)."""
 
     def create_attention_masks(*args, **kwargs):
         mask = kwargs.get("attention_mask")
@@ -407,7 +414,9 @@ def _passing(create):
         if (not args and isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(embedding, torch.Tensor)
                 and kwargs.get("encoder_attention_mask") is None and kwargs.get("encoder_hidden_states") is None
                 and kwargs.get("past_key_values") is None and mask.shape == embedding.shape[:2]):
-            return mask.to(embedding.device), None
+            mask = mask.to(embedding.device)
+            state.deferred = (mask, create, kwargs)
+            return mask, None
         return create(*args, **kwargs)
 
     return create_attention_masks

@@ -10,6 +10,9 @@ in fp32 on the CPU.
 from __future__ import annotations
 
 import copy
+import sys
+
+from unittest import mock
 
 import pytest
 import torch
@@ -436,3 +439,30 @@ def test_layer_interface(gen):
     else:  # hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, past_key_values
         out = layer(x, None, None, None, None, position_ids=None)
     torch.testing.assert_close(out, want.detach(), **TOL)
+
+
+@pytest.mark.skipif(TF_MAJOR < 5, reason="transformers 4 builds its masks without _create_attention_masks")
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_the_model_hands_its_2d_mask_to_the_padding_free_encoder(impl, gen):
+    """A patched transformers 5 model builds no 4-D mask where the encoder runs padding-free
+    (that building is host work and a sync of its own); where the padded path runs (here: a
+    sequence all padding, or no padding) HF's own mask is built then, and every output is HF's."""
+    model, ref = _build(gen, impl=impl)
+    patch_hf(model)
+    calls = []
+    modeling = sys.modules[type(model).__module__]
+    original = modeling.create_bidirectional_mask
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    ids, mask = _inputs(gen)
+    all_padding = mask.clone()
+    all_padding[1] = 0
+    with mock.patch.object(modeling, "create_bidirectional_mask", counted), torch.no_grad():
+        assert "_create_attention_masks" in model.__dict__  # the pass-through, installed by patch_hf
+        for m, builds in ((mask, 0), (all_padding, 1), (torch.ones_like(mask), 1), (mask, 0)):
+            calls.clear()
+            _assert_same(model(ids, attention_mask=m), ref(ids, attention_mask=m), f"{impl} seed={gen.seed_value}", m)
+            assert len(calls) == builds + 1  # the reference's own call, and the patched model's where it builds
