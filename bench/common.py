@@ -266,6 +266,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         env.update(
             device_name=props.name,
+            # Which physical GPU: a claim "on two machines" can then be checked from the files.
+            device_uuid=str(getattr(props, "uuid", "")) or None,
             multiprocessor_count=props.multi_processor_count,
             memory_gib=round(props.total_memory / 2**30, 1),
             l2_bytes=l2_bytes(device),

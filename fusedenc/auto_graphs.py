@@ -20,7 +20,8 @@ semantics: every module keeps an ``AutoGraphs`` cache, and a call whose inputs i
 
 Eager (no graph) where a graph would be wrong or not pay: off (``FUSEDENC_AUTO_GRAPHS=0``,
 ``set_enabled(False)``, ``module.auto_graphs.enabled = False``), no native core on the
-device, inside a caller's own capture, inside another fusedenc call (``graphs.eager_calls``),
+device, no capture possible (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``), inside a caller's own capture,
+inside another fusedenc call (``graphs.eager_calls``),
 an empty batch, a batch past ``BUCKETS[-1]`` or ``MAX_ROWS`` rows (host time is amortized
 there; packed rows likewise past the largest token or sequence bucket), inputs it cannot
 copy (another device, a per-row input of another batch size: the eager path raises the
@@ -55,7 +56,7 @@ import torch
 
 from . import norm_fold
 from .graph_feeds import BUCKETS, MAX_ROWS, BatchFeed, bucket_for
-from .graphs import capture, eager_calls, eager_only
+from .graphs import capture, capture_possible, eager_calls, eager_only
 
 __all__ = [
     "BUCKETS", "ENV", "MAX_GRAPHS", "MAX_ROWS", "AutoGraphs", "GraphedModule", "bucket_for", "cache_of", "call",
@@ -492,6 +493,8 @@ def call(
             cache.counts["eager: no native core"] += 1
         elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             cache.counts["eager: caller capturing"] += 1
+        elif not capture_possible():
+            cache.counts["eager: no caching allocator"] += 1
         else:
             inputs = tuple(inputs)
             how = BatchFeed.of(inputs, rows_per_item) if feed is None else feed(inputs)

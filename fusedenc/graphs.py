@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 import time
 from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
@@ -18,10 +19,24 @@ from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
 import torch
 import torch.nn as nn
 
-__all__ = ["BucketedGraphs", "GraphRunner", "capture", "eager_calls", "eager_only", "no_cycle_collection",
-           "own_cublas_workspace"]
+__all__ = ["BucketedGraphs", "CaptureUnavailable", "GraphRunner", "capture", "capture_possible", "eager_calls",
+           "eager_only", "no_cycle_collection", "own_cublas_workspace"]
 
 T = TypeVar("T")
+
+#: PyTorch captures CUDA graphs only through its caching allocator, which this variable turns off
+#: (read once, as PyTorch does; debuggers and compute-sanitizer's memcheck set it).
+NO_CACHING_ENV = "PYTORCH_NO_CUDA_MEMORY_CACHING"
+_caching_allocator_off = os.environ.get(NO_CACHING_ENV, "") == "1"
+
+
+class CaptureUnavailable(RuntimeError):
+    """A CUDA graph was asked for where PyTorch cannot capture one."""
+
+
+def capture_possible() -> bool:
+    """Whether CUDA graphs can be captured in this process (automatic graphs run eagerly when not)."""
+    return not _caching_allocator_off
 
 
 def _clear_cublas_workspaces() -> None:
@@ -113,6 +128,11 @@ def capture(
     folded weights and lazily made constants must exist before capture.  fusedenc modules
     called by ``fn`` run eagerly in both (their own automatic graphs stay out of this one).
     ``capture_error_mode``: ``torch.cuda.graph``'s ("thread_local" lets other threads work on)."""
+    if not capture_possible():  # else the capture fails half-way and leaves the device unusable
+        raise CaptureUnavailable(
+            f"fusedenc: cannot capture a CUDA graph: {NO_CACHING_ENV}=1 turns off PyTorch's caching allocator, "
+            f"which CUDA graph capture needs. Unset it, or run without graphs (plain calls fall back to eager "
+            f"by themselves; graph runners cannot).")
     with eager_calls(), _capture_streams(device) as (side, stream):
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import fusedenc
 from fusedenc import auto_graphs, graph_feeds, packed_calls, varlen
+from fusedenc import graphs
 from fusedenc.graphs import eager_calls
 
 #: fp32 on the CPU: a graph's bucket pads the attention's layout (more masked keys), which
@@ -172,9 +173,11 @@ def test_an_input_it_cannot_copy_runs_eagerly(gen):
     assert _counts(net) == {"eager: inputs": 3}
 
 
-@pytest.mark.parametrize("how", ["process", "module", "context", "native", "nested", "empty", "huge"])
-def test_fallbacks_run_eagerly(gen, how):
+@pytest.mark.parametrize("how", ["process", "module", "context", "native", "nested", "empty", "huge", "no-caching"])
+def test_fallbacks_run_eagerly(gen, how, monkeypatch):
     net = _Net()
+    if how == "no-caching":  # PYTORCH_NO_CUDA_MEMORY_CACHING=1: PyTorch cannot capture
+        monkeypatch.setattr(graphs, "_caching_allocator_off", True)
     b = {"empty": 0, "huge": 2000}.get(how, 4)
     x = torch.randn(b, 3, generator=gen)
     kw = {"native": False} if how == "native" else {}
@@ -193,6 +196,16 @@ def test_fallbacks_run_eagerly(gen, how):
             got = net(x, **kw)
         _same(got, _want(net, x))
     assert net.auto_graphs.stats()["graphs"] == 0 and "captures" not in _counts(net)
+
+
+def test_a_capture_without_the_caching_allocator_is_refused_before_it_starts(monkeypatch):
+    """PyTorch captures only through its caching allocator: with it off, a half-made capture would
+    leave the device unusable, so ``capture`` says why first and launches nothing."""
+    monkeypatch.setattr(graphs, "_caching_allocator_off", True)
+    ran = []
+    with pytest.raises(graphs.CaptureUnavailable, match="PYTORCH_NO_CUDA_MEMORY_CACHING=1"):
+        graphs.capture(lambda: ran.append(1), torch.device("cuda"))
+    assert ran == [] and not graphs.capture_possible()
 
 
 def test_weights_changed_in_place_or_replaced_are_recaptured(gen):

@@ -10,7 +10,7 @@
 # compilation, nothing of ours), tune (timing runs).  memcheck runs with PYTORCH_NO_CUDA_MEMORY_CACHING=1
 # (each tensor its own allocation: an access past its end is caught); PyTorch cannot capture CUDA graphs
 # without its caching allocator, so graph/captur tests are left out unless FUSEDENC_SANITIZE_CACHING=1
-# keeps it.  racecheck leaves out the three concurrency tests: two outgrow 256 GiB of host memory, one hangs.
+# keeps it (plain calls then run eagerly, and any other test that asks for a graph is skipped, saying so).  racecheck leaves out the three concurrency tests: two outgrow 256 GiB of host memory, one hangs.
 # Vendor kernels: cuBLASLt's nvjet_* GEMMs and cuDNN's kernels synchronise through TMA and mbarriers on
 # Hopper, which racecheck does not model, so it reports races there that we cannot act on; its kernel
 # filters would skip them but break racecheck 2025.3.1 ("Internal Sanitizer Error"), so reports in
