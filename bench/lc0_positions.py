@@ -183,6 +183,8 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibat
             "per_device": {k: v["positions"] - before["devices"][k]["positions"] for k, v in stats["devices"].items()},
             "stage_seconds": {k: {s: round(t - before["devices"][k]["seconds"][s], 3) for s, t in v["seconds"].items()}
                               for k, v in stats["devices"].items()},
+            # a batch's trip, hop by hop (evalstats.Trips: medians over the row's batches and the warm-up's)
+            "trip_ms": {k: v["trip_ms"] for k, v in stats["devices"].items()},
             "how": f"{'submit_batch' if minibatches else 'submit_many'} in chunks of the batch size from one thread, "
                    f"{in_flight} batches a device in flight (the Evaluator's {ev.pipeline_depth} slots + {IN_FLIGHT_QUEUED} queued)"}
 
@@ -224,6 +226,9 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
             if r.get("stage_seconds"):
                 first = next(iter(r["stage_seconds"].values()))
                 notes.append("stages (s, first device) " + ", ".join(f"{k} {v:.2f}" for k, v in first.items()))
+            trip = next(iter(r.get("trip_ms", {}).values()), None)
+            if trip:
+                notes.append("trip (median ms) " + ", ".join(f"{k} {v:.1f}" for k, v in trip.items() if k != "batches"))
             if "wall_nps" in r:
                 notes.append(f"whole command {r['wall_nps']:,.0f}/s ({r['wall_s']:.1f} s: reading+checking "
                              f"{r['read_seconds']:.1f} s, start-up {r['startup_seconds']:.1f} s)")

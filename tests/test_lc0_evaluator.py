@@ -93,6 +93,17 @@ def test_matches_net_evaluate(net_file, cpu_net):
     assert set(seconds) == {"slot_wait", "queue_wait", "host_wait", "launch", "gpu_wait", "decode"}
     assert seconds["launch"] > 0
     assert all(v >= 0 for v in seconds.values())
+    _check_trips(stats["devices"]["cpu"]["trip_ms"], stats["batches"])
+
+
+def _check_trips(trip: dict, batches: int) -> None:
+    """Every batch's trip was stamped at each hand-over, in order (a hop of negative length
+    would be stamps out of order, or clocks that differ between processes)."""
+    from fusedenc.lc0.evalstats import HOPS
+
+    assert set(trip) == {*HOPS, "trip", "batches"} and trip["batches"] == batches
+    assert all(trip[h] >= 0 for h in HOPS), trip
+    assert trip["worker"] > 0 and trip["launch"] > 0 and trip["trip"] >= max(trip[h] for h in HOPS), trip
 
 
 def test_given_network_and_temperature(cpu_net):
@@ -281,6 +292,8 @@ def test_host_worker_processes(net_file, cpu_net):
         assert ev.host_workers == 2 and ev.pipeline_depth >= 3
         futures = ev.submit_many(positions[:70] + ["not a fen", ("startpos", ["e2e5"])] + positions[70:])
         results = [f.result() if i not in (70, 71) else f.exception() for i, f in enumerate(futures)]
+        stats = ev.stats()
+    _check_trips(stats["devices"]["cpu"]["trip_ms"], stats["batches"])  # stamps from the workers' processes too
     assert isinstance(results[70], ValueError) and "FEN" in str(results[70])
     assert isinstance(results[71], ValueError) and "e2e5" in str(results[71])
     for got, want in zip(results[:70] + results[72:], expected, strict=True):

@@ -59,7 +59,6 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
@@ -75,6 +74,7 @@ from .policy import decode_arrays
 from .requests import Minibatch, Part, Submission, locate
 from .switch_interval import SWITCH_INTERVAL as _SWITCH_INTERVAL
 from .switch_interval import SwitchInterval as _SwitchInterval  # noqa: F401 - tests reach it here
+from .evalstats import EvaluatorStats, Trips
 
 __all__ = ["DEFAULT_BATCH_SIZES", "Evaluator"]
 
@@ -107,25 +107,7 @@ class _Slot:
         self.job: Any = None  # the batch's host work: result() gives its hostwork.HostBatch
         self.host: Optional[hostwork.HostBatch] = None
         self.error: Optional[BaseException] = None
-
-
-@dataclass
-class EvaluatorStats:
-    """Counts since the Evaluator started: positions evaluated (futures given a result),
-    positions failed (futures given an exception), batches run, and their mean size; per
-    device the same."""
-
-    positions: int = 0
-    failed: int = 0
-    batches: int = 0
-
-    @property
-    def mean_batch(self) -> float:
-        return self.positions / self.batches if self.batches else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"positions": self.positions, "failed": self.failed, "batches": self.batches,
-                "mean_batch": self.mean_batch}  # fmt: skip
+        self.sent = self.read = self.launched = 0.0  # time.perf_counter() at those hand-overs (evalstats.Trips)
 
 
 class _Replica:
@@ -140,6 +122,7 @@ class _Replica:
         # waiting for the GPU and decoding (softmax, Evaluations, futures).
         self.seconds = {"slot_wait": 0.0, "queue_wait": 0.0, "host_wait": 0.0, "launch": 0.0, "gpu_wait": 0.0,
                         "decode": 0.0}
+        self.trips = Trips()  # and where each batch's trip waits
         dtype = owner.dtype
         if net is None:
             net = Lc0Network(file, dtype=dtype, device=device)
@@ -200,6 +183,7 @@ class _Replica:
                 slot.parts, slot.host, slot.error = parts, None, None
                 positions = parts[0].positions if len(parts) == 1 else [p for part in parts for p in part.positions]
                 slot.n = len(positions)
+                slot.sent = time.perf_counter()
                 slot.job = owner._host_job(positions, slot.shared, self.workers)
                 self.launch_q.put(slot)
         finally:
@@ -237,11 +221,12 @@ class _Replica:
             try:
                 t0 = time.perf_counter()
                 self._take_host_batch(slot)
-                t1 = time.perf_counter()
+                slot.read = t1 = time.perf_counter()
                 if len(slot.host.kept):
                     self._launch(slot)
+                slot.launched = time.perf_counter()
                 self.seconds["host_wait"] += t1 - t0
-                self.seconds["launch"] += time.perf_counter() - t1
+                self.seconds["launch"] += slot.launched - t1
             except BaseException as exc:  # noqa: BLE001 - goes to the batch's futures
                 slot.error = exc
             self.finish_q.put(slot)
@@ -300,7 +285,9 @@ class _Replica:
             failed = sum(part.fail(slot.error) for part in parts)
             owner._count(self.stats, failed=failed)
             return
-        self.seconds["decode"] += time.perf_counter() - t1
+        decoded = time.perf_counter()
+        self.seconds["decode"] += decoded - t1
+        self.trips.record(slot.sent, *slot.host.work, slot.read, slot.launched, t1, decoded)
         owner._count(self.stats, positions=n, batches=1)
 
 
@@ -587,11 +574,13 @@ class Evaluator:
     def stats(self) -> dict[str, Any]:
         """``{"positions", "failed", "batches", "mean_batch", "devices": {device: the same, and
         "seconds": wall time per stage (slot_wait and queue_wait: the gather thread waiting for
-        a free slot and for positions; host_wait, launch, gpu_wait, decode)}}``: a stage busy
-        for most of the wall time is the one that limits."""
+        a free slot and for positions; host_wait, launch, gpu_wait, decode), "trip_ms": where a
+        batch's trip waits (``evalstats.Trips.medians_ms``)}}``: a stage busy for most of the wall
+        time is the one that limits."""
         with self._lock:
             out = self._stats.as_dict()
-            out["devices"] = {str(r.device): {**r.stats.as_dict(), "seconds": dict(r.seconds)} for r in self._replicas}
+            out["devices"] = {str(r.device): {**r.stats.as_dict(), "seconds": dict(r.seconds),
+                                              "trip_ms": r.trips.medians_ms()} for r in self._replicas}
         return out
 
     def __repr__(self) -> str:

@@ -25,6 +25,7 @@ import mmap
 import multiprocessing
 import pickle
 import signal
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -44,7 +45,8 @@ class HostBatch:
     others are in ``errors`` with the exception each raised), ``masks`` / ``values`` /
     ``transforms`` (``encode_masks``; all three None where they were written into shared
     rows instead), and the legal ``moves`` with their policy ``indices``, ``counts[b]`` of
-    them for kept position ``b``."""
+    them for kept position ``b``; ``work``: ``time.perf_counter()`` when the work began and
+    ended (``evalstats.Trips``)."""
 
     kept: np.ndarray
     masks: Optional[np.ndarray]
@@ -54,6 +56,7 @@ class HostBatch:
     indices: np.ndarray
     counts: np.ndarray
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
+    work: tuple[float, float] = (0.0, 0.0)
 
 
 def portable(position: Any) -> Any:
@@ -118,6 +121,7 @@ def prepare_batch(positions: Any, input_format: Any, rows: Optional[tuple[int, i
     splitting the batch in halves).  ``rows``: ``(token, index)`` of a ``SharedRows`` buffer
     to write the packed encoding into (one row a kept position, in order) instead of
     returning it."""
+    began = time.perf_counter()
     positions = unpack(positions)
     errors: list[tuple[int, BaseException]] = []
     try:
@@ -143,7 +147,7 @@ def prepare_batch(positions: Any, input_format: Any, rows: Optional[tuple[int, i
     if batch is None:
         empty = np.zeros(0, np.int64)
         return HostBatch(kept, np.zeros((0, 112), np.uint64), np.zeros((0, 112), np.float32), empty, empty, empty,
-                         empty, errors)
+                         empty, errors, (began, time.perf_counter()))
     masks, values, transforms = encode_masks(batch, input_format)
     if rows is not None:
         from .encoded import input_views
@@ -155,7 +159,7 @@ def prepare_batch(positions: Any, input_format: Any, rows: Optional[tuple[int, i
         masks = values = transforms = None
     moves, indices, _, counts = policy_indices(batch, input_format)
     return HostBatch(kept, masks, values, transforms, moves.astype(np.int32), indices.astype(np.int16),
-                     counts.astype(np.int32), errors)
+                     counts.astype(np.int32), errors, (began, time.perf_counter()))
 
 
 def _renamed(exc: ValueError, index: int) -> ValueError:
