@@ -9,10 +9,12 @@ Rows, per batch size (``--batch-sizes``, default 256,1024), one process, one net
   (a) graph          ``Lc0GraphRunner`` on ready planes on the GPU (the positions' own planes,
                      encoded beforehand): the network's ceiling, positions/s from device events
                      (median of ``--reps`` calls); on the CPU the eager network, wall time
+  (a2) graph, sustained  the same replayed back to back as many times as (b) runs batches
+                     (GPU only; a GPU at its power limit clocks down under long load)
   (b) evaluator      ``Evaluator`` (one device, ``max_batch`` = the batch size, graphs of that
                      bucket) from positions to decoded moves: every position (a FEN plus a short
                      random legal history) submitted with ``submit_many`` in chunks of the batch
-                     size from one thread that keeps 8 batches a device in flight (a chunk
+                     size from one thread that keeps the Evaluator's slots + 4 batches a device in flight (a chunk
                      submitted, then the oldest results read); wall time from the first
                      submission to the last result, after a warm-up round (the inputs are built
                      first and frozen with gc.freeze(), as long-lived data)
@@ -118,8 +120,11 @@ def random_positions(n: int, seed: int, plies: int = 40, max_history: int = 7) -
     return positions[:n], current[:n]
 
 
-def _graph_row(file, device, dtype, positions, b: int, reps: int) -> dict[str, Any]:
-    """(a): the network on ready planes (graph runner on a GPU, eager on the CPU)."""
+def _graph_rows(file, device, dtype, positions, b: int, reps: int, batches: int) -> list[dict[str, Any]]:
+    """(a): the network on ready planes (graph runner on a GPU, eager on the CPU); on a GPU
+    also ``batches`` replays back to back, as long as an Evaluator row keeps the GPU busy:
+    a GPU near its power limit clocks down under sustained load, which a median of short
+    bursts does not see."""
     net = Lc0Network(file, dtype=dtype, device=device)
     planes = encode_planes(positions[:b], net.input_format).to(device=device, dtype=dtype)
     if device.type == "cuda":
@@ -130,8 +135,22 @@ def _graph_row(file, device, dtype, positions, b: int, reps: int) -> dict[str, A
         fn = net
     with torch.inference_mode():
         t = time_calls(lambda x: fn(x), [planes], reps=reps, device=device)
-    return {"row": "graph" if device.type == "cuda" else "eager", "batch": b, "ms": t.ms, "nps": b / (t.ms * 1e-3),
-            "how": f"{'Lc0GraphRunner' if device.type == 'cuda' else 'Lc0Network'}, {t.method}, median of {reps}"}
+    rows = [{"row": "graph" if device.type == "cuda" else "eager", "batch": b, "ms": t.ms, "nps": b / (t.ms * 1e-3),
+             "how": f"{'Lc0GraphRunner' if device.type == 'cuda' else 'Lc0Network'}, {t.method}, median of {reps}"}]
+    if device.type == "cuda":
+        n = max(reps, batches)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.inference_mode():
+            torch.cuda.synchronize(device)
+            start.record()
+            for _ in range(n):
+                fn(planes)
+            end.record()
+            end.synchronize()
+        ms = start.elapsed_time(end) / n
+        rows.append({"row": "graph, sustained", "batch": b, "ms": ms, "nps": b / (ms * 1e-3),
+                     "how": f"Lc0GraphRunner, {n} replays back to back, events around them"})
+    return rows
 
 
 def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibatches: bool = False,
@@ -312,8 +331,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             f.write("\n".join([head, *report(rows)]) + "\n")
 
     for b in batches:
-        rows.append(_graph_row(file, device, dtype, positions, b, args.reps))
-        print(report(rows)[-1], flush=True)
+        rows.extend(_graph_rows(file, device, dtype, positions, b, args.reps, batches=args.rounds * n_pos // b))
+        print("\n".join(report(rows)[-(2 if device.type == "cuda" else 1):]), flush=True)
         rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds))
         print(report(rows)[-1], flush=True)
         rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds, minibatches=True))
