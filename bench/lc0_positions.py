@@ -15,7 +15,8 @@ Rows, per batch size (``--batch-sizes``, default 256,1024), one process, one net
                      bucket) from positions to decoded moves: every position (a FEN plus a short
                      random legal history) submitted with ``submit_many`` in chunks of the batch
                      size from one thread that keeps the Evaluator's slots + 4 batches a device in flight (a chunk
-                     submitted, then the oldest results read); wall time from the first
+                     submitted, then the oldest results read), at least 256 batches (the
+                     positions again, in rounds); wall time from the first
                      submission to the last result, after a warm-up round (the inputs are built
                      first and frozen with gc.freeze(), as long-lived data)
   (b2) evaluator, minibatches  the same with ``submit_batch``: one future a chunk, as an engine
@@ -71,6 +72,10 @@ SCHEMA = "fusedenc.bench.lc0_positions/1"
 #: position at once (a burst of 65k submissions holds the GIL for a second).  With fewer in
 #: flight than slots, the host workers' latency is exposed: the GPU waits for encodings.
 IN_FLIGHT_QUEUED = 4
+#: Batches an Evaluator row runs at least on a GPU (the positions submitted again, in rounds, where
+#: they make fewer): the pipeline's fill (the first encoding) and drain (the last decode) are
+#: ~50 ms, 2-3% of a 64-batch row at 1024 positions a batch; a search runs for minutes.
+MIN_BATCHES = 256
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -265,7 +270,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="default 256,1024 (8,32 on the CPU)")  # fmt: skip
     ap.add_argument("--positions", type=int, default=None,
                     help="positions for the Evaluator rows (default 65536 on a GPU, 256 on the CPU)")
-    ap.add_argument("--rounds", type=int, default=1, help="times the Evaluator rows submit every position")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help=f"times the Evaluator rows submit every position (on a GPU at least enough for {MIN_BATCHES} batches)")
     ap.add_argument("--epd-positions", type=int, default=None,
                     help="positions in the CLI row's EPD file (default 100000; 256 on the CPU; 0: no CLI row)")
     ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
@@ -331,22 +337,23 @@ def main(argv: Optional[list[str]] = None) -> int:
             f.write("\n".join([head, *report(rows)]) + "\n")
 
     for b in batches:
-        rows.extend(_graph_rows(file, device, dtype, positions, b, args.reps, batches=args.rounds * n_pos // b))
+        rounds = max(args.rounds, -(-MIN_BATCHES * b // n_pos)) if gpu else args.rounds
+        rows.extend(_graph_rows(file, device, dtype, positions, b, args.reps, batches=rounds * n_pos // b))
         print("\n".join(report(rows)[-(2 if device.type == "cuda" else 1):]), flush=True)
-        rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds))
+        rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, rounds))
         print(report(rows)[-1], flush=True)
-        rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds, minibatches=True))
+        rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, rounds, minibatches=True))
         print(report(rows)[-1], flush=True)
         if args.compare_switch:
-            rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds,
+            rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, rounds,
                                        switch_interval=0.0002))
             print(report(rows)[-1], flush=True)
         if args.compare_depth:
-            rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, args.rounds,
+            rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, rounds,
                                        pipeline_depth=args.compare_depth))
             print(report(rows)[-1], flush=True)
         if multi:
-            rows.append(_evaluator_row(file, multi, dtype, positions[:n_pos], b, args.rounds))
+            rows.append(_evaluator_row(file, multi, dtype, positions[:n_pos], b, rounds))
             print(report(rows)[-1], flush=True)
         if epd:
             rows.append(_cli_row(net_path, epd, str(device), dtype_name, b, args.out_dir))
