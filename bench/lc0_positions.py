@@ -338,8 +338,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     for b in batches:
         rounds = max(args.rounds, -(-MIN_BATCHES * b // n_pos)) if gpu else args.rounds
-        rows.extend(_graph_rows(file, device, dtype, positions, b, args.reps, batches=rounds * n_pos // b))
-        print("\n".join(report(rows)[-(2 if device.type == "cuda" else 1):]), flush=True)
+        graph_rows = _graph_rows(file, device, dtype, positions, b, args.reps, batches=rounds * n_pos // b)
+        rows.extend(graph_rows)
+        print("\n".join(report(rows)[-len(graph_rows):]), flush=True)
         rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, rounds))
         print(report(rows)[-1], flush=True)
         rows.append(_evaluator_row(file, [device], dtype, positions[:n_pos], b, rounds, minibatches=True))

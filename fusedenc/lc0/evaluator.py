@@ -67,6 +67,7 @@ from ..device import DeviceSpec, check_dtype, parse_devices
 from . import hostwork
 from .encoded import ROW_BYTES, EncodedRunner, input_views
 from .encoding import resolve_input_format
+from .evalstats import EvaluatorStats, Trips
 from .evaluate import Evaluation, evaluations
 from .netfile import NetFile, read_net
 from .network import Lc0Network
@@ -74,7 +75,6 @@ from .policy import decode_arrays
 from .requests import Minibatch, Part, Submission, locate
 from .switch_interval import SWITCH_INTERVAL as _SWITCH_INTERVAL
 from .switch_interval import SwitchInterval as _SwitchInterval  # noqa: F401 - tests reach it here
-from .evalstats import EvaluatorStats, Trips
 
 __all__ = ["DEFAULT_BATCH_SIZES", "Evaluator"]
 
@@ -398,8 +398,9 @@ class Evaluator:
             gpus = sum(d.type == "cuda" for d in self.devices)
             host_workers = min(8 * gpus, max(1, (os.cpu_count() or 2) - 2 - 2 * len(self.devices))) if gpus else 0
         self.host_workers = host_workers
+        per_device = -(-host_workers // len(self.devices))  # each replica its own workers
         if pipeline_depth is None:
-            pipeline_depth = max(3, 2 * -(-host_workers // len(self.devices)) + 2)
+            pipeline_depth = max(3, 2 * per_device + 2)
         self.pipeline_depth = pipeline_depth
         self._workers: list[hostwork.Workers] = []  # one set a replica: each waits on its own in order
         self._shared: Optional[hostwork.SharedRows] = None  # made before the workers are forked
@@ -409,7 +410,7 @@ class Evaluator:
                 self._shared = hostwork.SharedRows(pipeline_depth * len(self.devices), max_batch)
             try:
                 for _ in self.devices:
-                    self._workers.append(hostwork.Workers(max(1, -(-host_workers // len(self.devices)))))
+                    self._workers.append(hostwork.Workers(per_device))
             except BaseException:
                 self._stop_workers()
                 raise
