@@ -66,12 +66,6 @@ from fusedenc.lc0.positions import board_fen, parse_fens  # noqa: E402
 from fusedenc.tune.timing import MIN_REPS, time_calls  # noqa: E402
 
 SCHEMA = "fusedenc.bench.lc0_positions/1"
-#: Batches a device the Evaluator rows keep submitted and unanswered beyond what the device's
-#: pipeline holds (``Evaluator.pipeline_depth`` slots: batches being encoded, run, decoded), as
-#: an engine's search does: enough that the queue never runs dry, without queueing every
-#: position at once (a burst of 65k submissions holds the GIL for a second).  With fewer in
-#: flight than slots, the host workers' latency is exposed: the GPU waits for encodings.
-IN_FLIGHT_QUEUED = 4
 #: Batches an Evaluator row runs at least on a GPU (the positions submitted again, in rounds, where
 #: they make fewer): the pipeline's fill (the first encoding) and drain (the last decode) are
 #: ~50 ms, 2-3% of a 64-batch row at 1024 positions a batch; a search runs for minutes.
@@ -169,8 +163,8 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibat
         n = 0
         t0, cpu0 = time.perf_counter(), time.process_time()
         pending: collections.deque = collections.deque()
-        in_flight = ev.pipeline_depth + IN_FLIGHT_QUEUED
-        window = in_flight * b * len(devices)
+        in_flight = ev.batches_in_flight  # all devices' slots + 4 batches a device, as an engine's search keeps
+        window = in_flight * b
         if minibatches:  # one future a chunk: ``window`` counts chunks
             window //= b
 
@@ -210,7 +204,7 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibat
             # a batch's trip, hop by hop (evalstats.Trips: medians over the row's batches and the warm-up's)
             "trip_ms": {k: v["trip_ms"] for k, v in stats["devices"].items()},
             "how": f"{'submit_batch' if minibatches else 'submit_many'} in chunks of the batch size from one thread, "
-                   f"{in_flight} batches a device in flight (the Evaluator's {ev.pipeline_depth} slots + {IN_FLIGHT_QUEUED} queued)"}
+                   f"{in_flight} batches in flight (Evaluator.batches_in_flight: {ev.pipeline_depth} slots + 4 queued a device)"}
 
 
 def _cli_row(net_path: str, epd: str, device_arg: str, dtype_name: str, b: int, out_dir: str) -> dict[str, Any]:

@@ -82,6 +82,13 @@ def test_cpu_launch_equals_forward_on_planes(net_file):
     assert set(runner.layout) == set(want) and runner.width == sum(v.shape[1] for v in want.values())
 
 
+@pytest.mark.parametrize("sizes", [[], [0, 8], [8, -1], [8.0], [True]])
+def test_bad_bucket_sizes_are_refused_without_graphs_too(net_file, sizes):
+    net = Lc0Network(net_file, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="batch_sizes must be positive ints"):
+        EncodedRunner(net, sizes, graphs=False)
+
+
 def test_head_layout_without_wdl_or_moves_left(tmp_path):
     path = tmp_path / "value.pb.gz"
     write_preset(str(path), "tiny", wdl=False, moves_left=False)

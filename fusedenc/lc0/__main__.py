@@ -406,10 +406,8 @@ def _eval_file(args, file: NetFile, devices: list[torch.device], dtype: torch.dt
 
             # Submitted a chunk of a batch at a time (submit_batch: one future a chunk), a few
             # batches ahead of what is written: a burst of 100k submissions would hold the GIL
-            # while the GPU waits, and every result would live until the end.  Enough ahead
-            # to fill every replica's pipeline (its slots) with a few batches queued behind:
-            # fewer leave the host workers' latency exposed (the GPU waits for encodings).
-            chunk, ahead = max_batch, (ev.pipeline_depth + 4) * len(devices)
+            # while the GPU waits, and every result would live until the end.
+            chunk, ahead = max_batch, ev.batches_in_flight
             pending: collections.deque = collections.deque()
             for start in range(0, len(positions), chunk):
                 pending.append((start, ev.submit_batch(positions[start:start + chunk])))

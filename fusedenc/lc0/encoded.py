@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ..graphs import BucketedGraphs
 from .encoding import PLANES, expand_planes
 from .network import Lc0GraphRunner, Lc0Network
 
@@ -81,8 +82,9 @@ class EncodedRunner(Lc0GraphRunner):
         self.graphs = graphs and p.device.type == "cuda"
         if self.graphs:
             super().__init__(net, batch_sizes)
-        else:  # no graphs: nothing of the runner but the net
-            self.net, self.device, self.batch_sizes = net, p.device, tuple(sorted(set(batch_sizes)))
+        else:  # no graphs: nothing of the runner but the net (and the same check of the sizes)
+            BucketedGraphs.__init__(self, net, batch_sizes, p.device)
+            self.net = net
         self.layout = head_layout(net)
         # The graphs' function holds the net and layout, not this runner: a bound method kept
         # on the runner would make a reference cycle, left (graphs and all) to the cycle
@@ -96,10 +98,9 @@ class EncodedRunner(Lc0GraphRunner):
 
     def launch(self, host_in: torch.Tensor, host_out: torch.Tensor, n: int) -> None:
         if self.graphs:
-            bucket = next((s for s in self.batch_sizes if s >= n), None)
-            if bucket is None:
+            if n > self.batch_sizes[-1]:
                 raise ValueError(f"a batch of {n} is larger than the largest bucket, {self.batch_sizes[-1]}")
-            g = self._graphs.get(bucket) or self._capture(bucket)
+            g = self._graph(n)
             g.inputs[0][:n].copy_(host_in[:n], non_blocking=True)
             g.graph.replay()
             host_out[:n].copy_(g.out[:n], non_blocking=True)

@@ -566,6 +566,12 @@ class Evaluator:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def batches_in_flight(self) -> int:
+        """Full batches to keep submitted and unanswered so that no device waits: each device's
+        slots and 4 queued behind them (fewer expose the host workers' latency)."""
+        return (self.pipeline_depth + 4) * len(self.devices)
+
     def __enter__(self) -> "Evaluator":
         return self
 
