@@ -130,7 +130,10 @@ class PaddingFreeEncoder(nn.Module):
     def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
         state = self._fusedenc_padding_free
         try:
-            if self._fusedenc_may_pack(hidden_states, attention_mask, args, kwargs):
+            # A call a patched layer refuses takes the padded path, where the first layer raises
+            # before any block runs (here the stack would run first).
+            if not self._fusedenc_refused(kwargs) and self._fusedenc_may_pack(hidden_states, attention_mask, args,
+                                                                                kwargs):  # fmt: skip
                 # Every host-only decision comes before the mask is read: that read is a sync, and
                 # from it to the stack's launch the GPU has nothing to do.
                 stack = self._fusedenc_as_stack()
@@ -239,17 +242,17 @@ class PaddingFreeEncoder(nn.Module):
         loop must run: an argument a patched layer refuses (``HFEncoderLayer._refuse``: the
         loop runs, and raises), or something transformers' output capture collects."""
         config = self.config
-        if getattr(config, "output_attentions", False) or _collected():
+        if getattr(config, "output_attentions", False) or _collected() or self._fusedenc_refused(kwargs):
             return None
-        for name in _FLAGS_REFUSED:
-            v = kwargs.get(name)
-            if v is not None and v is not False:
-                return None
-        for name in _ARGS_REFUSED:
-            v = kwargs.get(name)
-            if v is not None and not (type(v) in (list, tuple) and all(x is None for x in v)):
-                return None
         return (getattr(config, "return_dict", None), *((name, _kind(v)) for name, v in kwargs.items()))
+
+    @staticmethod
+    def _fusedenc_refused(kwargs) -> bool:
+        """Whether the call passes an argument a patched layer refuses (``HFEncoderLayer._refuse``)."""
+        if any(kwargs.get(name) not in (None, False) for name in _FLAGS_REFUSED):
+            return True
+        return any(v is not None and not (type(v) in (list, tuple) and all(x is None for x in v))
+                   for v in (kwargs.get(name) for name in _ARGS_REFUSED))  # fmt: skip
 
     def _fusedenc_wants_hidden_states(self, args, kwargs) -> bool:
         if kwargs.get("output_hidden_states") or getattr(self.config, "output_hidden_states", False):

@@ -597,6 +597,30 @@ def test_skipped_layer_loop_gives_hf_output_types(return_dict, gen, monkeypatch)
                 torch.testing.assert_close(got[0][real], hf_out[0][real], **TOL)
 
 
+@pytest.mark.parametrize("refused", ["head_mask", "output_attentions"])
+def test_a_refused_call_runs_no_block_before_the_error(gen, monkeypatch, refused):
+    """A call a patched layer refuses raises before any block runs: the padding-free encoder
+    does not run its stack first (it did, for head_mask, before the refusal was checked here)."""
+    model, _ = _hf(gen, "eager")
+    ids, mask = _ids_mask(gen)
+    _run(model, ids, mask)  # the stack built and its output kind recorded: the fast path is warm
+    ran = []
+    for name in ("forward_packed", "forward"):
+        real = getattr(fusedenc.EncoderBlock, name)
+        monkeypatch.setattr(fusedenc.EncoderBlock, name, lambda self, *a, _real=real, **k: (ran.append(self), _real(self, *a, **k))[1])
+    real_stack = fusedenc.EncoderStack.forward_packed
+    monkeypatch.setattr(fusedenc.EncoderStack, "forward_packed",
+                        lambda self, *a, **k: (ran.append(self), real_stack(self, *a, **k))[1])  # fmt: skip
+    _run(model, ids, mask)
+    assert ran, "the spies see a normal call"
+    ran.clear()
+    kw = {"head_mask": torch.ones(SMALL["num_hidden_layers"], SMALL["num_attention_heads"])} if refused == "head_mask" \
+        else {"output_attentions": True}
+    with pytest.raises(ValueError, match=refused):
+        _run(model, ids, mask, **kw)
+    assert not ran, f"{len(ran)} block or stack calls before the refusal"
+
+
 def test_skipped_layer_loop_still_refuses(gen, monkeypatch):
     """Once HF's loop is skipped, what a patched layer refuses is still refused, as before."""
     model, ref = _hf(gen, "eager")  # transformers 5 itself refuses config.output_attentions with sdpa
