@@ -249,7 +249,7 @@ class PaddingFreeEncoder(nn.Module):
     @staticmethod
     def _fusedenc_refused(kwargs) -> bool:
         """Whether the call passes an argument a patched layer refuses (``HFEncoderLayer._refuse``)."""
-        if any(kwargs.get(name) not in (None, False) for name in _FLAGS_REFUSED):
+        if any(v is not None and v is not False for v in (kwargs.get(name) for name in _FLAGS_REFUSED)):
             return True
         return any(v is not None and not (type(v) in (list, tuple) and all(x is None for x in v))
                    for v in (kwargs.get(name) for name in _ARGS_REFUSED))  # fmt: skip
