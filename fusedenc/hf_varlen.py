@@ -130,10 +130,7 @@ class PaddingFreeEncoder(nn.Module):
     def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
         state = self._fusedenc_padding_free
         try:
-            # A call a patched layer refuses takes the padded path, where the first layer raises
-            # before any block runs (here the stack would run first).
-            if not self._fusedenc_refused(kwargs) and self._fusedenc_may_pack(hidden_states, attention_mask, args,
-                                                                                kwargs):  # fmt: skip
+            if self._fusedenc_may_pack(hidden_states, attention_mask, args, kwargs):
                 # Every host-only decision comes before the mask is read: that read is a sync, and
                 # from it to the stack's launch the GPU has nothing to do.
                 stack = self._fusedenc_as_stack()
@@ -220,7 +217,9 @@ class PaddingFreeEncoder(nn.Module):
             return False
         if self.training or not may_sync(hidden_states) or hidden_states.shape[0] * hidden_states.shape[1] == 0:
             return False
-        return not self._fusedenc_wants_hidden_states(args, kwargs)
+        # A call a patched layer refuses takes the padded path, where the first layer raises
+        # before any block runs (the packed path would run the stack first).
+        return not self._fusedenc_refused(kwargs) and not self._fusedenc_wants_hidden_states(args, kwargs)
 
     def _fusedenc_packing(self, hidden_states, attention_mask) -> Optional[varlen.Packing]:
         """This forward's packing, or None where the padded path must run (module docstring):
@@ -239,10 +238,10 @@ class PaddingFreeEncoder(nn.Module):
     def _fusedenc_call_key(self, kwargs) -> Optional[tuple]:
         """The kind of this call (what could change HF's output type: each keyword argument's
         None-ness, a flag's value, a type; the config's ``return_dict``), or None where HF's
-        loop must run: an argument a patched layer refuses (``HFEncoderLayer._refuse``: the
-        loop runs, and raises), or something transformers' output capture collects."""
+        loop must run: something transformers' output capture collects (a call with an
+        argument a patched layer refuses never packs: ``_fusedenc_may_pack``)."""
         config = self.config
-        if getattr(config, "output_attentions", False) or _collected() or self._fusedenc_refused(kwargs):
+        if getattr(config, "output_attentions", False) or _collected():
             return None
         return (getattr(config, "return_dict", None), *((name, _kind(v)) for name, v in kwargs.items()))
 
