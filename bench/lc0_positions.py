@@ -204,7 +204,8 @@ def _evaluator_row(file, devices, dtype, positions, b: int, rounds: int, minibat
             # a batch's trip, hop by hop (evalstats.Trips: medians over the row's batches and the warm-up's)
             "trip_ms": {k: v["trip_ms"] for k, v in stats["devices"].items()},
             "how": f"{'submit_batch' if minibatches else 'submit_many'} in chunks of the batch size from one thread, "
-                   f"{in_flight} batches in flight (Evaluator.batches_in_flight: {ev.pipeline_depth} slots + 4 queued a device)"}
+                   f"{in_flight} batches in flight (Evaluator.batches_in_flight: {ev.pipeline_depth} slots + "
+                   f"{in_flight // len(devices) - ev.pipeline_depth} queued a device)"}
 
 
 def _cli_row(net_path: str, epd: str, device_arg: str, dtype_name: str, b: int, out_dir: str) -> dict[str, Any]:
