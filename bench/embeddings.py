@@ -85,7 +85,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fusedenc  # noqa: E402
-from fusedenc import hf_varlen, real_models, varlen, varlen_graphs  # noqa: E402
+from fusedenc import auto_graphs, hf_embedded, hf_varlen, real_models, varlen, varlen_graphs  # noqa: E402
 from fusedenc.attention import varlen as varlen_attention  # noqa: E402
 
 SENTENCES = Path(__file__).resolve().parent.parent / "tests" / "data" / "real_sentences" / "sentences.txt.gz"
@@ -276,7 +276,9 @@ def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int, i
     elif impl == "fusedenc":
         patched = fusedenc.patch_hf(model)
         run = hf_runner(patched)
-        run.graph_stats = lambda: hf_varlen.stack_of(patched.encoder).auto_graphs.stats()
+        # A BertModel's embeddings and encoder share one graph, held by the model (hf_embedded).
+        run.graph_stats = lambda: (auto_graphs.cache_of(patched) if isinstance(patched, hf_embedded.EmbeddedModel)
+                                   else hf_varlen.stack_of(patched.encoder).auto_graphs).stats()
     elif impl == "fusedenc-graph":
         run, runner = graph_runner(fusedenc.patch_hf(model), batches, batch)
         note = f"{len(runner.token_buckets)} token buckets"

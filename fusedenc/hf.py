@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import dtypes, hf_varlen
+from . import dtypes, hf_embedded, hf_varlen
 from .activations import HF_ACTIVATIONS
 from .encoder import EncoderBlock
 from .ops import pack_qkv
@@ -541,7 +541,8 @@ def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = Tru
     Padding-free (``padding_free=True``, the default): when HF passes a mask with
     padding, each encoder packs the batch's real tokens once, every layer computes only
     those, and the output is scattered back to HF's padded shape with **zeros at padding
-    positions** (``fusedenc.hf_varlen`` says when the padded path runs instead).
+    positions** (``fusedenc.hf_varlen`` says when the padded path runs instead); a
+    ``BertModel``'s plain call runs its embeddings in the same graph (``fusedenc.hf_embedded``).
     ``padding_free=False`` keeps every layer on the padded batch.
 
     A model already patched is left as it is.  ``inplace=False`` patches a
@@ -549,8 +550,7 @@ def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = Tru
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    # What the model is comes before what state it is in: a module with no encoder is
-    # told so, whatever its mode.
+    # What the model is comes before its state: a module with no encoder is told so, whatever its mode.
     encoders = _find_encoders(model)
     if not encoders:
         raise TypeError(
@@ -580,9 +580,8 @@ def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = Tru
             _check_layer(layer, f"{name}.layer.{i}", config)
             plans.append(_LayerPlan(encoder, i, layer, config, activation, masks))
 
-    returns_tuple = _transformers_major() < 5
     with torch.no_grad():
-        fused = [_build(plan, returns_tuple) for plan in plans]
+        fused = [_build(plan, _transformers_major() < 5) for plan in plans]
     for plan, layer in zip(plans, fused):
         plan.encoder.layer[plan.index] = layer
     if padding_free:
@@ -590,6 +589,7 @@ def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = Tru
             if all(isinstance(layer, HFEncoderLayer) for layer in encoder.layer):
                 hf_varlen.install(encoder)
         hf_varlen.pass_masks_through(model)
+        hf_embedded.install(model)
 
     # transformers 5 records output_hidden_states with forward hooks that it installs
     # once per model, lazily, on every module of the layer class.  Hooks installed

@@ -54,7 +54,7 @@ from torch import nn
 from . import varlen
 from .encoder import EncoderBlock, EncoderStack
 
-__all__ = ["PaddingFree", "PaddingFreeEncoder", "install", "stack_of"]
+__all__ = ["PaddingFree", "PaddingFreeEncoder", "collected_outputs", "global_forward_hooks", "install", "stack_of"]
 
 #: Automatic graphs a patched encoder's stack keeps (token count x sequence-count x longest-sequence buckets).
 PACKED_MAX_GRAPHS = 32
@@ -72,7 +72,7 @@ _CAPTURE_MODULE = "transformers.utils.output_capturing"
 _capture_module = None  # transformers.utils.output_capturing once looked up; False where there is none
 
 
-def _collected() -> Optional[dict]:
+def collected_outputs() -> Optional[dict]:
     """What transformers 5's output capture collects now (``output_hidden_states``,
     ``output_attentions``: hooks on the layers record their outputs), or None.
     transformers keeps this in a context variable of ``transformers.utils.output_capturing``."""
@@ -93,7 +93,7 @@ def _collecting_hidden_states() -> bool:
     """Whether transformers 5's output capture is collecting every layer's hidden states now
     (they must then be padded).  Versions without it pass the flag to the encoder instead
     (checked by the caller)."""
-    active = _collected()
+    active = collected_outputs()
     return active is not None and "hidden_states" in active
 
 
@@ -185,7 +185,7 @@ class PaddingFreeEncoder(nn.Module):
             if not mine or layer.training:
                 return None
             hooked = hooked or bool("forward" in layer.__dict__ or layer._forward_hooks or layer._forward_pre_hooks)
-        if _global_forward_hooks() or (hooked and any(_watched(layer) for layer in layers)):
+        if global_forward_hooks() or (hooked and any(_watched(layer) for layer in layers)):
             return None
         if stack is None:
             if any(b.training for b in blocks):  # EncoderStack() puts its blocks in eval mode: leave them be
@@ -241,7 +241,7 @@ class PaddingFreeEncoder(nn.Module):
         loop must run: something transformers' output capture collects (a call with an
         argument a patched layer refuses never packs: ``_fusedenc_may_pack``)."""
         config = self.config
-        if getattr(config, "output_attentions", False) or _collected():
+        if getattr(config, "output_attentions", False) or collected_outputs():
             return None
         return (getattr(config, "return_dict", None), *((name, _kind(v)) for name, v in kwargs.items()))
 
@@ -327,11 +327,11 @@ def _watched(layer: nn.Module) -> bool:
     hooks = [*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]
     if not hooks:
         return False
-    collecting = bool(_collected())
+    collecting = bool(collected_outputs())
     return any(collecting or getattr(h, "__module__", None) != _CAPTURE_MODULE for h in hooks)
 
 
-def _global_forward_hooks() -> bool:
+def global_forward_hooks() -> bool:
     """Whether a global module forward hook or pre-hook is registered (it sees every layer call)."""
     m = torch.nn.modules.module
     return bool(getattr(m, "_global_forward_hooks", None) or getattr(m, "_global_forward_pre_hooks", None))

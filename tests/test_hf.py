@@ -450,7 +450,7 @@ def test_the_model_hands_its_2d_mask_to_the_padding_free_encoder(impl, gen):
     model, ref = _build(gen, impl=impl)
     patch_hf(model)
     calls = []
-    modeling = sys.modules[type(model).__module__]
+    modeling = sys.modules[type(ref).__module__]  # HF's (a patched BertModel's class is fusedenc's)
     original = modeling.create_bidirectional_mask
 
     def counted(*args, **kwargs):

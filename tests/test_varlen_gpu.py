@@ -290,8 +290,9 @@ def _bert_base_shape(gen, seq):
 
 
 def test_patched_bert_replays_one_graph_per_forward(gen, graphs_on):
-    """A plain padded call of a patched BERT: the encoder runs its blocks as one stack, one
-    graph replay per forward, matching the layer-by-layer path and the fp32 model."""
+    """A plain padded call of a patched BERT: its embeddings and the encoder's blocks as one
+    stack in one graph (``hf_embedded``), one replay per forward, matching the
+    layer-by-layer path and the fp32 model."""
     ref, model, same, ids, mask = _bert_base_shape(gen, seq=48)
     real = mask.bool()
     with torch.inference_mode():
@@ -302,8 +303,9 @@ def test_patched_bert_replays_one_graph_per_forward(gen, graphs_on):
         per_layer = model(input_ids=ids, attention_mask=mask)
         hook.remove()
     stack = hf_varlen.stack_of(model.encoder)
-    c = _counts(stack)
+    c = auto_graphs.cache_of(model).stats()["counts"]
     assert c["captures"] == 1 and c["replays"] == 2 and c["eager: first calls"] == 1, c
+    assert _counts(stack) == {}, "the stack runs inside the model's graph, not through its own"
     assert blocks == [{}] * len(blocks), "the blocks' own graphs are not used by the one-stack path"
     assert all(x is layer.block for x, layer in zip(stack.blocks, model.encoder.layer))
     assert torch.equal(outs[1].last_hidden_state, outs[2].last_hidden_state), "two replays of one graph"
@@ -314,6 +316,40 @@ def test_patched_bert_replays_one_graph_per_forward(gen, graphs_on):
                           f"forward {i} seed={gen.seed_value}")  # fmt: skip
         assert_close_rule(got.pooler_output, want.pooler_output, base.pooler_output, torch.float16, f"pooler {i}")
         torch.testing.assert_close(last[real], per_layer.last_hidden_state[real], rtol=1e-2, atol=1e-2)
+
+
+def test_patched_bert_embeddings_in_the_graph_follow_each_batch(gen, graphs_on):
+    """The short path's graph on batches of other token counts, sequence counts and token
+    types in one bucket, with poisoned statics (slack rows hold another batch's ids, the
+    offsets nonsense, the output NaN): each replay is its own batch's forward."""
+    ref, model, same, ids, mask = _bert_base_shape(gen, seq=40)
+    cache = auto_graphs.cache_of(model)
+    types = torch.randint(0, 2, ids.shape, generator=gen).cuda()
+    batches = [(ids, mask, None), (ids, mask, types)]
+    for _ in range(4):  # fewer tokens and sequences, same buckets (their keys: with and without token types)
+        keep = torch.randperm(ids.shape[0], generator=gen)[: ids.shape[0] - 5].cuda()
+        shorter = mask[keep].clone()
+        shorter[:, 30:] = 0
+        batches.append((ids[keep], shorter, types[keep] if len(batches) % 2 else None))
+    with torch.inference_mode():
+        for i, (b_ids, b_mask, b_types) in enumerate(batches):
+            kw = dict(input_ids=b_ids, attention_mask=b_mask, token_type_ids=b_types)
+            model(**kw)  # the first call at a key runs eagerly; the second captures and replays
+            for entry in cache.entries():
+                tokens, cu = entry.inputs
+                tokens.fill_(29999)
+                cu.fill_(1 << 30)
+                entry.out.fill_(float("nan"))
+            replays = cache.counts["replays"]
+            got, want, base = model(**kw), ref(**kw), same(**kw)
+            assert cache.counts["replays"] == replays + 1, (i, dict(cache.counts))
+            real = b_mask.bool()
+            last = got.last_hidden_state
+            assert torch.isfinite(last).all() and torch.equal(last[~real], torch.zeros_like(last[~real]))
+            assert_close_rule(last[real], want.last_hidden_state[real], base.last_hidden_state[real], torch.float16,
+                              f"batch {i} seed={gen.seed_value}")  # fmt: skip
+            assert_close_rule(got.pooler_output, want.pooler_output, base.pooler_output, torch.float16, f"pooler {i}")
+    assert cache.stats()["graphs"] >= 2, cache.stats()
 
 
 # ------------------------------------------------------------ real sentences ----

@@ -1,0 +1,196 @@
+"""A patched ``BertModel``'s plain call from token ids: embeddings and every layer in one graph.
+
+At small batches of real sentences (32-128 of ~25 tokens) a padding-free BERT call is
+bound by the host, not the GPU: HF's model forward (its decorators, the embeddings
+module's Python and launches, the mask hand-off, the encoder's checks) costs about as much
+as the GPU work of a MiniLM-sized model.  ``install(model)`` gives a patched ``BertModel``
+(the class of BERT, MiniLM, e5, bge, ... checkpoints) a shorter path for the call such
+services make, ``model(input_ids, attention_mask[, token_type_ids])``:
+
+1. the mask is read once on the host (a sync; a mask already on the CPU costs none) and
+   the packing built with numpy (``varlen.packing_from_host``: one host-to-device copy);
+2. the real tokens' ids and token types are gathered into packed ``[T, 2]`` rows (one
+   gather);
+3. one automatic CUDA graph (``fusedenc.auto_graphs``, bucketed by token count, sequence
+   count and longest sequence as the encoder's own) runs HF's three embedding lookups,
+   their sum and LayerNorm in HF's order, then every layer's block, on the packed rows.
+   A token's position is its index in its sequence, found in the graph from the offsets
+   (HF's ``position_ids`` buffer is that index for a prefix mask);
+4. the rows are scattered back to ``[B, S, D]`` (zeros at padding, as the encoder's
+   padding-free path) and HF's pooler runs on them eagerly.
+
+The output is HF's ``BaseModelOutputWithPoolingAndCrossAttentions``.  Everything else
+takes HF's forward (and from there the encoder's padding-free or padded path): positional
+arguments beyond ``input_ids``, any other argument that is not None / False
+(``position_ids``, ``inputs_embeds``, ``head_mask``, ``output_hidden_states``, a cache, ...),
+``return_dict=False`` or a config that returns tuples or collects outputs; masks without
+padding, with left padding, holes or an all-padding sequence; sequences longer than the
+position embeddings; ``torch.compile`` tracing or a caller's graph capture; a hook on the
+model, its embeddings or their modules (or a global one); layers the encoder would run one
+by one (``hf_varlen``); a subclass of HF's ``BertModel`` or ``BertEmbeddings``.  On a CPU the
+same path runs eagerly (no graph).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import auto_graphs, core, hf_varlen, varlen
+from .attention.varlen import BACKEND_ENV
+from .graph_feeds import PackedFeed
+
+__all__ = ["EmbeddedModel", "install"]
+
+_HF_MODULE = "transformers.models.bert.modeling_bert"
+#: Keyword arguments the short path accepts when None or False (what a task head passes on).
+_NEUTRAL = frozenset((
+    "position_ids", "head_mask", "inputs_embeds", "encoder_hidden_states", "encoder_attention_mask",
+    "past_key_values", "use_cache", "output_attentions", "output_hidden_states", "cache_position",
+))  # fmt: skip
+_EMBEDDING_PARTS = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout")
+_output_class = None  # transformers' BaseModelOutputWithPoolingAndCrossAttentions, once imported
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks)
+
+
+class EmbeddedModel(nn.Module):
+    """Mixed into a patched ``BertModel``'s class (``install``): the short path of its plain call."""
+
+    def forward(self, *args, **kwargs):
+        out = self._fusedenc_embedded_call(args, kwargs)
+        return super().forward(*args, **kwargs) if out is None else out
+
+    def _apply(self, fn, *args, **kwargs):
+        # Graphs keep the weights they captured alive: drop them with the old weights.
+        auto_graphs.cache_of(self).clear()
+        return super()._apply(fn, *args, **kwargs)
+
+    def _fusedenc_embedded_call(self, args, kwargs):
+        """The short path's output, or None where HF's forward must run (module docstring)."""
+        if len(args) > 1 or self.training:
+            return None
+        ids = args[0] if args else kwargs.get("input_ids")
+        mask, types = kwargs.get("attention_mask"), kwargs.get("token_type_ids")
+        for name, value in kwargs.items():
+            if name in ("input_ids", "attention_mask", "token_type_ids"):
+                continue
+            if name == "return_dict" and value in (None, True):
+                continue
+            if name not in _NEUTRAL or (value is not None and value is not False):
+                return None
+        if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)) or ids.dim() != 2:
+            return None
+        if mask.shape != ids.shape or (types is not None and (not isinstance(types, torch.Tensor)
+                                                             or types.shape != ids.shape)):  # fmt: skip
+            return None
+        if ids.dtype not in (torch.int64, torch.int32) or (types is not None and types.dtype != ids.dtype):
+            return None
+        emb, encoder = self.embeddings, self.encoder
+        if ids.shape[1] > emb.position_embeddings.num_embeddings or ids.numel() == 0 or not self._fusedenc_plain():
+            return None
+        device = emb.word_embeddings.weight.device
+        if ids.device != device or (types is not None and types.device != device) or not hf_varlen.may_sync(ids):
+            return None
+        stack = encoder._fusedenc_as_stack()
+        if stack is None:
+            return None
+        # The one read of the mask (a sync where it is on the GPU): HF's convention, 0 = padding.
+        padding = mask.cpu().numpy() == 0
+        if not padding.any() or padding[:, 0].any():
+            return None  # no padding, or left padding / an all-padding sequence: HF's forward
+        packing = varlen.packing_from_host(padding, device=device)
+        if not packing.prefix:
+            return None  # holes: HF's positions are not the packed index
+        flat = ids.reshape(-1) if types is None else torch.stack((ids.reshape(-1), types.reshape(-1)), 1)
+        tokens = flat.index_select(0, packing.indices)
+        tokens = tokens[:, None] if tokens.dim() == 1 else tokens
+        native = core.active_on(device) and not auto_graphs.observing(stack)  # FP8 calibration: eager
+        # The forced varlen backend is read when a graph is captured: a graph per setting.
+        rows = auto_graphs.call(self, self._fusedenc_embedded_rows(stack), (tokens, packing.cu_seqlens,
+                                packing.max_seqlen), key=("embedded", os.environ.get(BACKEND_ENV)),
+                                native=native, feed=PackedFeed.of)  # fmt: skip
+        hidden = varlen.unpack(rows, packing)
+        pooled = self.pooler(hidden) if self.pooler is not None else None
+        return _output(hidden, pooled)
+
+    def _fusedenc_plain(self) -> bool:
+        """Whether nothing would see or change the embeddings' call, and HF returns its
+        ModelOutput without collecting anything."""
+        config = self.config
+        if (getattr(config, "is_decoder", False) or getattr(config, "output_hidden_states", False)
+                or getattr(config, "output_attentions", False) or getattr(config, "return_dict", True) is False):
+            return False  # fmt: skip
+        if hf_varlen.global_forward_hooks() or hf_varlen.collected_outputs() or _hooked(self):
+            return False
+        emb = self.embeddings
+        if type(emb).__module__ != _HF_MODULE or emb.training or _hooked(emb):
+            return False
+        return not any(_hooked(getattr(emb, name)) for name in _EMBEDDING_PARTS)
+
+    def _fusedenc_embedded_rows(self, stack):
+        """The graph's function: packed ``[T, 1 or 2]`` ids (and token types) and the offsets
+        to every layer's output rows ``[T, D]``."""
+        emb = self.embeddings
+
+        def rows(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+            t = tokens.shape[0]
+            index = torch.arange(t, dtype=torch.int32, device=tokens.device)
+            # Rows past the last offset (a bucket's slack) get a clamped position: no sequence reads them.
+            start = cu_seqlens[(torch.searchsorted(cu_seqlens, index, right=True) - 1).clamp_(0, cu_seqlens.numel() - 1)]
+            positions = (index - start).clamp_(0, emb.position_embeddings.num_embeddings - 1)
+            types = tokens[:, 1] if tokens.shape[1] > 1 else torch.zeros_like(tokens[:, 0])
+            # HF's order: (words + token types) + positions, then the LayerNorm (dropout: eval).
+            x = emb.word_embeddings(tokens[:, 0]) + emb.token_type_embeddings(types)
+            x = emb.LayerNorm(x + emb.position_embeddings(positions))
+            return stack._packed_rows(x, cu_seqlens, max_seqlen)
+
+        return rows
+
+
+def _output(hidden: torch.Tensor, pooled: Optional[torch.Tensor]):
+    global _output_class
+    if _output_class is None:
+        from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+
+        _output_class = BaseModelOutputWithPoolingAndCrossAttentions
+    return _output_class(last_hidden_state=hidden, pooler_output=pooled)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def install(model: nn.Module) -> None:
+    """Give every HF ``BertModel`` in ``model`` whose encoder is padding-free the short path
+    (its class becomes a subclass that also derives from ``EmbeddedModel``); others, and
+    models already given it, are left alone."""
+    for module in model.modules():
+        cls = type(module)
+        if (isinstance(module, EmbeddedModel) or cls.__name__ != "BertModel" or cls.__module__ != _HF_MODULE
+                or not isinstance(module.__dict__["_modules"].get("encoder"), hf_varlen.PaddingFreeEncoder)):
+            continue  # fmt: skip
+        fused = _CLASSES.get(cls)
+        if fused is None:
+            # HF's class name kept: save_pretrained writes it into the config's "architectures".
+            fused = _CLASSES[cls] = type(cls.__name__, (EmbeddedModel, cls), {"__module__": __name__})
+        module.__class__ = fused
+        _keep_output_recording(module)
+        # A new token count nearly every call: as many graphs as the encoder's own stack keeps.
+        auto_graphs.cache_of(module).max_graphs = hf_varlen.PACKED_MAX_GRAPHS
+
+
+def _keep_output_recording(model: nn.Module) -> None:
+    """transformers 5 looks up what a model can record (``output_hidden_states``, ...) by its
+    class's name, registered when the model is made: register the new class alike."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # transformers 4.x: outputs are returned by the forward itself
+        return
+    recordable = getattr(model, "_can_record_outputs", None)
+    if recordable is not None:
+        _CAN_RECORD_REGISTRY[model] = recordable

@@ -1,0 +1,231 @@
+"""A patched BertModel's short path (``fusedenc.hf_embedded``) on the CPU: which calls take
+it, that they give the unpatched model's outputs, and that every other call takes HF's
+forward with HF's results.
+
+The oracle is the unpatched fp32 model: on real tokens the short path gives its numbers
+(summation order aside), padding positions come out zero (as the encoder's padding-free
+path), the pooler's output is HF's.  Which path ran is seen by replacing HF's
+``BertModel.forward`` with a counting wrapper.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fusedenc
+from fusedenc import auto_graphs, hf_embedded
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.bert import modeling_bert  # noqa: E402
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+SMALL = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+             max_position_embeddings=40, type_vocab_size=2, pad_token_id=0)  # fmt: skip
+
+
+def _models(gen, cls=None, impl="sdpa"):
+    """(patched, unpatched fp32 copy) of a small BERT with weights drawn from ``gen``."""
+    config = transformers.BertConfig(attn_implementation=impl, **SMALL)
+    with torch.random.fork_rng():
+        torch.manual_seed(gen.seed_value)
+        model = (cls or transformers.BertModel)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape) if name.endswith("LayerNorm.weight") else 0.2 * torch.randn(p.shape))
+    ref = copy.deepcopy(model)
+    return fusedenc.patch_hf(model), ref
+
+
+def _batch(gen, b=6, s=14):
+    """Token ids, token types and a right-padded mask (one sequence full, one of one token)."""
+    ids = torch.randint(1, SMALL["vocab_size"], (b, s), generator=gen)
+    lengths = torch.randint(1, s + 1, (b,), generator=gen)
+    lengths[0], lengths[-1] = s, 1
+    mask = (torch.arange(s)[None] < lengths[:, None]).long()
+    types = torch.randint(0, 2, (b, s), generator=gen)
+    return ids, types, mask
+
+
+@pytest.fixture
+def hf_calls(monkeypatch):
+    """Calls of HF's own BertModel.forward (the path every call but the short one takes)."""
+    calls = []
+    original = modeling_bert.BertModel.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_bert.BertModel, "forward", counted)
+    return calls
+
+
+def _assert_packed_like(got, want, mask, what):
+    real = mask.bool()
+    last = got.last_hidden_state
+    assert type(got) is type(want), what
+    torch.testing.assert_close(last[real], want.last_hidden_state[real], **TOL, msg=what)
+    assert torch.equal(last[~real], torch.zeros_like(last[~real])), f"{what}: padding positions are zero"
+    torch.testing.assert_close(got.pooler_output, want.pooler_output, **TOL, msg=what)
+
+
+@pytest.mark.parametrize("how", ["keywords", "ids positional", "token types", "neutral arguments", "int32 ids"])
+def test_a_plain_call_takes_the_short_path(how, gen, hf_calls):
+    model, ref = _models(gen)
+    assert isinstance(model, hf_embedded.EmbeddedModel) and type(model).__name__ == "BertModel"
+    ids, types, mask = _batch(gen)
+    kw = {"attention_mask": mask}
+    if how == "token types":
+        kw["token_type_ids"] = types
+    if how == "neutral arguments":  # what a task head passes on
+        kw.update(token_type_ids=types, position_ids=None, head_mask=None, inputs_embeds=None,
+                  output_attentions=False, output_hidden_states=None, return_dict=True)  # fmt: skip
+    if how == "int32 ids":
+        ids, kw["token_type_ids"] = ids.int(), types.int()
+    args = (ids,) if how == "ids positional" else ()
+    if not args:
+        kw["input_ids"] = ids
+    with torch.no_grad():
+        want = ref(*args, **kw)
+        hf_calls.clear()  # the reference's own call
+        got = model(*args, **kw)
+    assert hf_calls == [], "HF's forward must not run on the short path"
+    _assert_packed_like(got, want, mask, f"{how} seed={gen.seed_value}")
+    assert auto_graphs.cache_of(model).counts["eager: no native core"] == 1, "on the CPU: eagerly, no graph"
+
+
+def _case(case, gen):
+    """(args, keyword arguments, mask, whether HF's padded values are expected everywhere)."""
+    ids, types, mask = _batch(gen)
+    kw = {"attention_mask": mask}
+    padded = False
+    if case == "no padding":
+        mask[:] = 1
+        padded = True
+    elif case == "left padding":
+        mask = kw["attention_mask"] = mask.flip(1)
+        padded = True
+    elif case == "an all-padding sequence":
+        mask[2] = 0
+        padded = True
+    elif case == "holes":
+        mask[0, 3] = 0  # position 0 real: the encoder packs, but HF's positions are not the packed index
+    elif case == "position_ids":
+        kw["position_ids"] = torch.arange(ids.shape[1]).flip(0)[None].expand_as(ids)
+    elif case == "output_hidden_states":
+        kw["output_hidden_states"] = True
+        padded = True
+    elif case == "return_dict=False":
+        kw["return_dict"] = False
+    elif case == "two positional":
+        return (ids, mask), {}, mask, False
+    return (ids,), kw, mask, padded
+
+
+@pytest.mark.parametrize("case", ["no padding", "left padding", "an all-padding sequence", "holes", "position_ids",
+                                  "output_hidden_states", "return_dict=False", "two positional"])  # fmt: skip
+def test_other_calls_take_hf_forward(case, gen, hf_calls):
+    model, ref = _models(gen)
+    args, kw, mask, padded = _case(case, gen)
+    with torch.no_grad():
+        want = ref(*args, **kw)
+        hf_calls.clear()
+        got = model(*args, **kw)
+    assert hf_calls == [1], f"{case}: HF's forward, once"
+    if case == "return_dict=False":
+        assert type(got) is tuple and type(want) is tuple
+        got, want = modeling_bert.BaseModelOutputWithPoolingAndCrossAttentions(*got[:2]), \
+            modeling_bert.BaseModelOutputWithPoolingAndCrossAttentions(*want[:2])  # fmt: skip
+    if padded:  # the padded path: HF's values at every position
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, **TOL)
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, **TOL)
+    else:
+        _assert_packed_like(got, want, mask, f"{case} seed={gen.seed_value}")
+    if case == "output_hidden_states":
+        assert len(got.hidden_states) == len(want.hidden_states) == SMALL["num_hidden_layers"] + 1
+
+
+@pytest.mark.parametrize("where", ["model", "embeddings", "word_embeddings", "LayerNorm", "a layer", "global"])
+def test_a_hook_sees_its_call(where, gen, hf_calls):
+    """A hook on the model, its embeddings (or their parts) or a layer must see the call it
+    hooks: HF's forward runs."""
+    model, ref = _models(gen)
+    ids, _, mask = _batch(gen)
+    seen = []
+    target = {"model": model, "embeddings": model.embeddings, "word_embeddings": model.embeddings.word_embeddings,
+              "LayerNorm": model.embeddings.LayerNorm, "a layer": model.encoder.layer[1]}.get(where)  # fmt: skip
+    if target is None:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: seen.append(m) if m is model.embeddings else None)
+        target = model.embeddings
+    else:
+        handle = target.register_forward_hook(lambda m, a, o: seen.append(m))
+    try:
+        with torch.no_grad():
+            got = model(ids, attention_mask=mask)
+    finally:
+        handle.remove()
+    assert seen == [target] and hf_calls == [1], where
+    with torch.no_grad():
+        _assert_packed_like(got, ref(ids, attention_mask=mask), mask, where)
+        hf_calls.clear()
+        model(ids, attention_mask=mask)
+    assert hf_calls == [], "unhooked again: the short path"
+
+
+def test_a_task_head_model_runs_its_bert_on_the_short_path(gen, hf_calls):
+    model, ref = _models(gen, transformers.BertForSequenceClassification)
+    assert isinstance(model.bert, hf_embedded.EmbeddedModel)
+    ids, types, mask = _batch(gen)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+        hf_calls.clear()
+        got = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    assert hf_calls == []
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_only_bert_models_get_it(gen):
+    config = transformers.RobertaConfig(attn_implementation="sdpa", **{**SMALL, "pad_token_id": 1})
+    roberta = fusedenc.patch_hf(transformers.RobertaModel(config).eval())
+    assert not isinstance(roberta, hf_embedded.EmbeddedModel), "RoBERTa's positions follow its ids: HF's forward"
+    unpacked = fusedenc.patch_hf(transformers.BertModel(transformers.BertConfig(**SMALL)).eval(), padding_free=False)
+    assert not isinstance(unpacked, hf_embedded.EmbeddedModel), "no padding-free encoder: nothing to join"
+
+
+def test_bad_input_gets_hf_errors(gen):
+    """Inputs the short path does not take reach HF's forward, which raises as unpatched."""
+    model, ref = _models(gen)
+    ids, _, mask = _batch(gen)
+    long_ids = torch.randint(1, SMALL["vocab_size"], (2, SMALL["max_position_embeddings"] + 1), generator=gen)
+    long_mask = torch.ones_like(long_ids)
+    long_mask[1, 5:] = 0
+    cases = [((ids.float(),), {"attention_mask": mask}), ((ids,), {"attention_mask": mask[:, :-1]}),
+             ((long_ids,), {"attention_mask": long_mask})]  # fmt: skip
+    for args, kw in cases:
+        for m in (ref, model):
+            with pytest.raises((IndexError, RuntimeError, ValueError, TypeError)), torch.no_grad():
+                m(*args, **kw)
+    with torch.no_grad():  # an empty batch: HF's forward (HF's own layers refuse it; the patched ones return it)
+        got = model(ids[:0], attention_mask=mask[:0])
+    assert got.last_hidden_state.shape == (0, ids.shape[1], SMALL["hidden_size"])
+
+
+def test_moved_model_drops_its_graphs_and_copies_keep_the_path(gen, hf_calls):
+    model, ref = _models(gen)
+    ids, _, mask = _batch(gen)
+    cache = auto_graphs.cache_of(model)
+    model.double()  # graphs (none on a CPU) are dropped with the old weights
+    assert cache.stats()["graphs"] == 0
+    model.float()
+    clone = copy.deepcopy(model)
+    assert type(clone) is type(model)
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask)
+        hf_calls.clear()
+        for m in (model, clone):
+            _assert_packed_like(m(ids, attention_mask=mask), want, mask, "after .double().float() / deepcopy")
+    assert hf_calls == []
