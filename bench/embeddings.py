@@ -4,6 +4,7 @@
     python3 bench/embeddings.py --model tiny          # CPU smoke run (the default without a GPU)
     python3 bench/embeddings.py --model minilm --batch-sizes 128 --impl hf-sdpa,fusedenc,fusedenc-graph
     python3 bench/embeddings.py --io device           # inputs on the device before timing, outputs left there
+    python3 bench/embeddings.py --full-length 128     # no padding: every sequence 128 tokens
 
 The sentences are ``tests/data/real_sentences`` (English prose of the Python 3.11
 documentation, in a seeded random order), taken in file order and batched as a service
@@ -14,6 +15,11 @@ mean-pools the last hidden state over the attention mask (sentence-transformers'
 for all-MiniLM-L6-v2; the same pooling for bert-base).  The table reports sentences/s and
 tokens/s (real tokens), the median of ``--reps`` passes (default 10), with the ratio to the
 best peer.
+
+``--full-length N`` measures batches with no padding instead (where the padding-free path
+must be no slower than the padded one): every sequence is exactly N tokens, its sentence cut
+to N or followed by [PAD] tokens that the mask marks real (all ones), so every
+implementation computes all B x N tokens.
 
 Where the inputs and outputs live (``--io``, the same for every implementation):
 
@@ -75,7 +81,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -147,8 +153,10 @@ def tokenizer_for(model: str):
         return None, "word-level stand-in (real-models extra not installed)"
 
 
-def make_batches(sentences, tokenizer, batch: int, max_length: int, device=None) -> list[dict[str, torch.Tensor]]:
-    """The tokenized batches: CPU tensors, or moved to ``device`` (``--io device``)."""
+def make_batches(sentences, tokenizer, batch: int, max_length: int, device=None,
+                 full_length: Optional[int] = None) -> list[dict[str, torch.Tensor]]:
+    """The tokenized batches: CPU tensors, or moved to ``device`` (``--io device``);
+    ``full_length``: every sequence that many tokens, none of them padding (module docstring)."""
     out = []
     for start in range(0, len(sentences) - batch + 1, batch):  # whole batches only
         chunk = sentences[start:start + batch]
@@ -157,7 +165,20 @@ def make_batches(sentences, tokenizer, batch: int, max_length: int, device=None)
         else:
             enc = dict(tokenizer(chunk, padding=True, truncation=True, max_length=max_length, pad_to_multiple_of=8,
                                  return_tensors="pt"))  # fmt: skip
+        if full_length is not None:
+            enc = _full_length(enc, full_length)
         out.append(enc if device is None else {k: v.to(device) for k, v in enc.items()})
+    return out
+
+
+def _full_length(enc: dict, n: int) -> dict[str, torch.Tensor]:
+    """``enc`` cut or padded to ``n`` tokens, the mask all ones (pad tokens count as real)."""
+    out = {}
+    for k, v in enc.items():
+        v = v[:, :n]
+        out[k] = torch.ones_like(v) if k == "attention_mask" else torch.nn.functional.pad(v, (0, n - v.shape[1]))
+    if out["attention_mask"].shape[1] < n:
+        out["attention_mask"] = torch.ones(out["input_ids"].shape, dtype=out["attention_mask"].dtype)
     return out
 
 
@@ -342,6 +363,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                     help="default float16 on a GPU, float32 on CPU")  # fmt: skip
     ap.add_argument("--max-length", type=int, default=256, help="truncation (sentence-transformers' 256)")
+    ap.add_argument("--full-length", type=int, default=None, metavar="N",
+                    help="batches with no padding: every sequence exactly N tokens (see above)")
     ap.add_argument("--reps", type=int, default=REPS, help=f"timed passes, median taken (default {REPS})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
@@ -366,6 +389,8 @@ def main(argv=None) -> int:
         ap.error("fusedenc-graph needs a GPU (CUDA graphs)")
     if args.reps < 1:
         ap.error("--reps must be at least 1")
+    if args.full_length is not None and not 1 <= args.full_length <= args.max_length:
+        ap.error(f"--full-length must be in [1, --max-length={args.max_length}], got {args.full_length}")
     io = args.io
     dtype = getattr(torch, args.dtype or ("float16" if gpu else "float32"))
     dtype_name = str(dtype).replace("torch.", "")
@@ -381,7 +406,8 @@ def main(argv=None) -> int:
         return 2
     env["varlen_attention"] = varlen_attention.choose(dtype, 64, device)
 
-    tag = args.tag or "_".join(("-".join(models), dtype_name, common.slug(env["device_name"])))
+    shape = [f"full{args.full_length}"] if args.full_length else []
+    tag = args.tag or "_".join(("-".join(models), *shape, dtype_name, common.slug(env["device_name"])))
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, f"embeddings_{tag}")
     records: list[dict] = []
@@ -395,13 +421,15 @@ def main(argv=None) -> int:
         tokenizer = tokenizer or WordTokenizer()
         ref_model = load_model(name, device, torch.float32, "sdpa", args.seed)
         for batch in sizes:
-            batches = make_batches(sentences, tokenizer, batch, args.max_length, device if io == "device" else None)
+            batches = make_batches(sentences, tokenizer, batch, args.max_length, device if io == "device" else None,
+                                   args.full_length)  # fmt: skip
             if not batches:
                 print(f"skip {name} batch {batch}: fewer than {batch} sentences", file=sys.stderr)
                 continue
             hist = length_histogram(batches)
             ref = embed_all(with_io(hf_runner(ref_model), device, io), batches)
             record = {"model": name, "batch": batch, "dtype": dtype_name, "io": io, "tokenizer": tok_note,
+                      "full_length": args.full_length,
                       "lengths": hist, "results": [], "complete": False}  # fmt: skip
             records.append(record)
             for impl in impls:
@@ -470,7 +498,8 @@ def write_results(base: str, result: dict) -> None:
 
 def table(record: dict) -> list[str]:
     h = record["lengths"]
-    out = [f"{record['model']}, batch {record['batch']}, {record['dtype']}, io {record['io']}: {h['sentences']} sentences, "
+    full = f", every sequence {record['full_length']} tokens (no padding)" if record.get("full_length") else ""
+    out = [f"{record['model']}, batch {record['batch']}, {record['dtype']}, io {record['io']}{full}: {h['sentences']} sentences, "
            f"tokens per sentence min {h['min']} / p10 {h['p10']:.0f} / median {h['median']:.0f} / mean {h['mean']:.1f} / "
            f"p90 {h['p90']:.0f} / p99 {h['p99']:.0f} / max {h['max']}; {100 * h['padding_fraction']:.0f}% of the "
            f"padded batches' tokens are padding",

@@ -713,3 +713,15 @@ def test_embeddings_bench_smoke(tmp_path):
         assert "error" not in r, f"{name}: {r.get('error')}"
         assert r["min_cosine"] > 0.99999 and r["sentences_per_s"] > 0, name
     assert (tmp_path / "embeddings_smoke.txt").read_text().strip()
+
+
+def test_embeddings_bench_full_length_has_no_padding(tmp_path):
+    run_bench("embeddings.py", ["--device", "cpu", "--model", "tiny", "--batch-sizes", "4", "--sentences", "8",
+                                "--reps", "1", "--full-length", "12", "--impl", "hf-sdpa,fusedenc",
+                                "--out-dir", str(tmp_path), "--tag", "full"], timeout=300)  # fmt: skip
+    [record] = json.loads((tmp_path / "embeddings_full.json").read_text())["records"]
+    h = record["lengths"]
+    assert record["full_length"] == 12 and h["min"] == h["max"] == 12 and h["padding_fraction"] == 0
+    for r in record["results"]:
+        assert "error" not in r and r["min_cosine"] > 0.99999, r
+    assert "every sequence 12 tokens (no padding)" in (tmp_path / "embeddings_full.txt").read_text()
