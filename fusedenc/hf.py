@@ -542,7 +542,7 @@ def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = Tru
     padding, each encoder packs the batch's real tokens once, every layer computes only
     those, and the output is scattered back to HF's padded shape with **zeros at padding
     positions** (``fusedenc.hf_varlen`` says when the padded path runs instead); a
-    ``BertModel``'s plain call runs its embeddings in the same graph (``fusedenc.hf_embedded``).
+    BERT/RoBERTa/XLM-R model's plain call runs its embeddings there too (``fusedenc.hf_embedded``).
     ``padding_free=False`` keeps every layer on the padded batch.
 
     A model already patched is left as it is.  ``inplace=False`` patches a

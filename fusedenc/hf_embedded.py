@@ -1,11 +1,12 @@
-"""A patched ``BertModel``'s plain call from token ids: embeddings and every layer in one graph.
+"""A patched BERT or RoBERTa model's plain call from token ids: embeddings and every layer in one graph.
 
 At small batches of real sentences (32-128 of ~25 tokens) a padding-free BERT call is
 bound by the host, not the GPU: HF's model forward (its decorators, the embeddings
 module's Python and launches, the mask hand-off, the encoder's checks) costs about as much
 as the GPU work of a MiniLM-sized model.  ``install(model)`` gives a patched ``BertModel``
-(the class of BERT, MiniLM, e5, bge, ... checkpoints) a shorter path for the call such
-services make, ``model(input_ids, attention_mask[, token_type_ids])``:
+(the class of BERT, MiniLM, e5, bge, ... checkpoints), ``RobertaModel`` or ``XLMRobertaModel``
+(multilingual e5, bge-m3, ...) a shorter path for the call such services make,
+``model(input_ids, attention_mask[, token_type_ids])``:
 
 1. the mask is read once on the host (a sync; a mask already on the CPU costs none) and
    the packing built with numpy (``varlen.packing_from_host``: one host-to-device copy);
@@ -14,8 +15,10 @@ services make, ``model(input_ids, attention_mask[, token_type_ids])``:
 3. one automatic CUDA graph (``fusedenc.auto_graphs``, bucketed by token count, sequence
    count and longest sequence as the encoder's own) runs HF's three embedding lookups,
    their sum and LayerNorm in HF's order, then every layer's block, on the packed rows.
-   A token's position is its index in its sequence, found in the graph from the offsets
-   (HF's ``position_ids`` buffer is that index for a prefix mask);
+   Positions are found in the graph: BERT's is the token's index in its sequence (HF's
+   ``position_ids`` buffer, for a prefix mask); RoBERTa's counts the sequence's tokens that
+   are not ``padding_idx`` up to it, from ``padding_idx + 1`` (``padding_idx`` for such a
+   token), as HF's ``create_position_ids_from_input_ids`` does on the padded row;
 4. the rows are scattered back to ``[B, S, D]`` (zeros at padding, as the encoder's
    padding-free path) and HF's pooler runs on them eagerly.
 
@@ -27,8 +30,8 @@ arguments beyond ``input_ids``, any other argument that is not None / False
 padding, with left padding, holes or an all-padding sequence; sequences longer than the
 position embeddings; ``torch.compile`` tracing or a caller's graph capture; a hook on the
 model, its embeddings or their modules (or a global one); layers the encoder would run one
-by one (``hf_varlen``); a subclass of HF's ``BertModel`` or ``BertEmbeddings``.  On a CPU the
-same path runs eagerly (no graph).
+by one (``hf_varlen``); a subclass of those model classes or of their embeddings.  On a CPU
+the same path runs eagerly (no graph).
 """
 
 from __future__ import annotations
@@ -45,7 +48,13 @@ from .graph_feeds import PackedFeed
 
 __all__ = ["EmbeddedModel", "install"]
 
-_HF_MODULE = "transformers.models.bert.modeling_bert"
+#: The model classes given the short path: (module, model class) -> (embeddings class, whether
+#: positions follow the ids as RoBERTa's, from padding_idx + 1).
+_MODELS = {
+    ("transformers.models.bert.modeling_bert", "BertModel"): ("BertEmbeddings", False),
+    ("transformers.models.roberta.modeling_roberta", "RobertaModel"): ("RobertaEmbeddings", True),
+    ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaModel"): ("XLMRobertaEmbeddings", True),
+}
 #: Keyword arguments the short path accepts when None or False (what a task head passes on).
 _NEUTRAL = frozenset((
     "position_ids", "head_mask", "inputs_embeds", "encoder_hidden_states", "encoder_attention_mask",
@@ -60,7 +69,9 @@ def _hooked(module: nn.Module) -> bool:
 
 
 class EmbeddedModel(nn.Module):
-    """Mixed into a patched ``BertModel``'s class (``install``): the short path of its plain call."""
+    """Mixed into a patched model's class (``install``): the short path of its plain call."""
+
+    _fusedenc_hf_class: type  # the HF model class it was made from
 
     def forward(self, *args, **kwargs):
         out = self._fusedenc_embedded_call(args, kwargs)
@@ -92,8 +103,10 @@ class EmbeddedModel(nn.Module):
         if ids.dtype not in (torch.int64, torch.int32) or (types is not None and types.dtype != ids.dtype):
             return None
         emb, encoder = self.embeddings, self.encoder
-        if ids.shape[1] > emb.position_embeddings.num_embeddings or ids.numel() == 0 or not self._fusedenc_plain():
+        if ids.numel() == 0 or not self._fusedenc_plain():
             return None
+        if ids.shape[1] + self._fusedenc_first_position() > emb.position_embeddings.num_embeddings:
+            return None  # more positions than embeddings: HF's forward raises
         device = emb.word_embeddings.weight.device
         if ids.device != device or (types is not None and types.device != device) or not hf_varlen.may_sync(ids):
             return None
@@ -129,21 +142,39 @@ class EmbeddedModel(nn.Module):
         if hf_varlen.global_forward_hooks() or hf_varlen.collected_outputs() or _hooked(self):
             return False
         emb = self.embeddings
-        if type(emb).__module__ != _HF_MODULE or emb.training or _hooked(emb):
+        cls = self._fusedenc_hf_class
+        expected = _MODELS.get((cls.__module__, cls.__name__))
+        if expected is None or (type(emb).__module__, type(emb).__name__) != (cls.__module__, expected[0]):
+            return False
+        if emb.training or _hooked(emb) or getattr(emb, "position_embedding_type", "absolute") != "absolute":
             return False
         return not any(_hooked(getattr(emb, name)) for name in _EMBEDDING_PARTS)
+
+    def _fusedenc_first_position(self) -> int:
+        """The position of a sequence's first token: 0 (BERT), ``padding_idx + 1`` (RoBERTa)."""
+        cls = self._fusedenc_hf_class
+        return self.embeddings.padding_idx + 1 if _MODELS[(cls.__module__, cls.__name__)][1] else 0
 
     def _fusedenc_embedded_rows(self, stack):
         """The graph's function: packed ``[T, 1 or 2]`` ids (and token types) and the offsets
         to every layer's output rows ``[T, D]``."""
         emb = self.embeddings
+        from_ids = self._fusedenc_first_position() > 0
+        last = emb.position_embeddings.num_embeddings - 1
 
         def rows(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
             t = tokens.shape[0]
             index = torch.arange(t, dtype=torch.int32, device=tokens.device)
-            # Rows past the last offset (a bucket's slack) get a clamped position: no sequence reads them.
+            # The first row of each row's sequence.  Rows past the last offset (a bucket's slack)
+            # get clamped positions: no sequence reads them.
             start = cu_seqlens[(torch.searchsorted(cu_seqlens, index, right=True) - 1).clamp_(0, cu_seqlens.numel() - 1)]
-            positions = (index - start).clamp_(0, emb.position_embeddings.num_embeddings - 1)
+            if from_ids:  # RoBERTa: padding_idx + the count of non-padding ids so far in the sequence
+                real = tokens[:, 0].ne(emb.padding_idx).int()
+                counted = torch.cumsum(real, 0)
+                before = torch.where(start > 0, counted[(start - 1).clamp_(min=0)], 0)
+                positions = ((counted - before) * real + emb.padding_idx).clamp_(0, last)
+            else:
+                positions = (index - start).clamp_(0, last)
             types = tokens[:, 1] if tokens.shape[1] > 1 else torch.zeros_like(tokens[:, 0])
             # HF's order: (words + token types) + positions, then the LayerNorm (dropout: eval).
             x = emb.word_embeddings(tokens[:, 0]) + emb.token_type_embeddings(types)
@@ -166,18 +197,19 @@ _CLASSES: dict[type, type] = {}
 
 
 def install(model: nn.Module) -> None:
-    """Give every HF ``BertModel`` in ``model`` whose encoder is padding-free the short path
-    (its class becomes a subclass that also derives from ``EmbeddedModel``); others, and
-    models already given it, are left alone."""
+    """Give every HF ``BertModel``, ``RobertaModel`` and ``XLMRobertaModel`` in ``model`` whose
+    encoder is padding-free the short path (its class becomes a subclass that also derives
+    from ``EmbeddedModel``); others, and models already given it, are left alone."""
     for module in model.modules():
         cls = type(module)
-        if (isinstance(module, EmbeddedModel) or cls.__name__ != "BertModel" or cls.__module__ != _HF_MODULE
+        if (isinstance(module, EmbeddedModel) or (cls.__module__, cls.__name__) not in _MODELS
                 or not isinstance(module.__dict__["_modules"].get("encoder"), hf_varlen.PaddingFreeEncoder)):
             continue  # fmt: skip
         fused = _CLASSES.get(cls)
         if fused is None:
             # HF's class name kept: save_pretrained writes it into the config's "architectures".
-            fused = _CLASSES[cls] = type(cls.__name__, (EmbeddedModel, cls), {"__module__": __name__})
+            fused = _CLASSES[cls] = type(cls.__name__, (EmbeddedModel, cls),
+                                         {"__module__": __name__, "_fusedenc_hf_class": cls})  # fmt: skip
         module.__class__ = fused
         _keep_output_recording(module)
         # A new token count nearly every call: as many graphs as the encoder's own stack keeps.

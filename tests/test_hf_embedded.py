@@ -1,11 +1,11 @@
-"""A patched BertModel's short path (``fusedenc.hf_embedded``) on the CPU: which calls take
-it, that they give the unpatched model's outputs, and that every other call takes HF's
-forward with HF's results.
+"""A patched BERT / RoBERTa / XLM-R model's short path (``fusedenc.hf_embedded``) on the CPU:
+which calls take it, that they give the unpatched model's outputs, and that every other call
+takes HF's forward with HF's results.
 
 The oracle is the unpatched fp32 model: on real tokens the short path gives its numbers
 (summation order aside), padding positions come out zero (as the encoder's padding-free
 path), the pooler's output is HF's.  Which path ran is seen by replacing HF's
-``BertModel.forward`` with a counting wrapper.
+model ``forward`` with a counting wrapper.
 """
 
 from __future__ import annotations
@@ -21,17 +21,20 @@ from fusedenc import auto_graphs, hf_embedded
 transformers = pytest.importorskip("transformers")
 from transformers.models.bert import modeling_bert  # noqa: E402
 
+MODEL_TYPES = ["bert", "roberta", "xlm-roberta"]
+
 TOL = dict(rtol=2e-5, atol=2e-5)
 SMALL = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
              max_position_embeddings=40, type_vocab_size=2, pad_token_id=0)  # fmt: skip
 
 
-def _models(gen, cls=None, impl="sdpa"):
-    """(patched, unpatched fp32 copy) of a small BERT with weights drawn from ``gen``."""
-    config = transformers.BertConfig(attn_implementation=impl, **SMALL)
+def _models(gen, model_type="bert", head=None, impl="sdpa"):
+    """(patched, unpatched fp32 copy) of a small model of ``model_type`` (its base model, or
+    ``head``: an ``AutoModelFor...`` class) with weights drawn from ``gen``."""
+    config = transformers.AutoConfig.for_model(model_type, attn_implementation=impl, **SMALL)
     with torch.random.fork_rng():
         torch.manual_seed(gen.seed_value)
-        model = (cls or transformers.BertModel)(config).eval()
+        model = (head or transformers.AutoModel).from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn(p.shape) if name.endswith("LayerNorm.weight") else 0.2 * torch.randn(p.shape))
@@ -40,27 +43,34 @@ def _models(gen, cls=None, impl="sdpa"):
 
 
 def _batch(gen, b=6, s=14):
-    """Token ids, token types and a right-padded mask (one sequence full, one of one token)."""
-    ids = torch.randint(1, SMALL["vocab_size"], (b, s), generator=gen)
+    """Token ids (the pad id at padding, as a tokenizer gives them), token types and a
+    right-padded mask (one sequence full, one of one token)."""
+    ids = torch.randint(2, SMALL["vocab_size"], (b, s), generator=gen)
     lengths = torch.randint(1, s + 1, (b,), generator=gen)
     lengths[0], lengths[-1] = s, 1
     mask = (torch.arange(s)[None] < lengths[:, None]).long()
     types = torch.randint(0, 2, (b, s), generator=gen)
-    return ids, types, mask
+    return ids.masked_fill(mask == 0, SMALL["pad_token_id"]), types, mask
 
 
 @pytest.fixture
 def hf_calls(monkeypatch):
-    """Calls of HF's own BertModel.forward (the path every call but the short one takes)."""
-    calls = []
-    original = modeling_bert.BertModel.forward
+    """``count(model)``: from then on, calls of HF's own forward of ``model``'s class (the path
+    every call but the short one takes) are appended to the list it returns."""
 
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
+    def count(model):
+        calls = []
+        hf_class = getattr(type(model), "_fusedenc_hf_class", type(model))
+        original = hf_class.forward
 
-    monkeypatch.setattr(modeling_bert.BertModel, "forward", counted)
-    return calls
+        def counted(self, *args, **kwargs):
+            calls.append(1)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(hf_class, "forward", counted)
+        return calls
+
+    return count
 
 
 def _assert_packed_like(got, want, mask, what):
@@ -72,10 +82,12 @@ def _assert_packed_like(got, want, mask, what):
     torch.testing.assert_close(got.pooler_output, want.pooler_output, **TOL, msg=what)
 
 
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
 @pytest.mark.parametrize("how", ["keywords", "ids positional", "token types", "neutral arguments", "int32 ids"])
-def test_a_plain_call_takes_the_short_path(how, gen, hf_calls):
-    model, ref = _models(gen)
-    assert isinstance(model, hf_embedded.EmbeddedModel) and type(model).__name__ == "BertModel"
+def test_a_plain_call_takes_the_short_path(how, model_type, gen, hf_calls):
+    model, ref = _models(gen, model_type)
+    assert isinstance(model, hf_embedded.EmbeddedModel) and type(model).__name__ == type(ref).__name__
+    calls = hf_calls(model)
     ids, types, mask = _batch(gen)
     kw = {"attention_mask": mask}
     if how == "token types":
@@ -90,10 +102,10 @@ def test_a_plain_call_takes_the_short_path(how, gen, hf_calls):
         kw["input_ids"] = ids
     with torch.no_grad():
         want = ref(*args, **kw)
-        hf_calls.clear()  # the reference's own call
+        calls.clear()  # the reference's own call
         got = model(*args, **kw)
-    assert hf_calls == [], "HF's forward must not run on the short path"
-    _assert_packed_like(got, want, mask, f"{how} seed={gen.seed_value}")
+    assert calls == [], "HF's forward must not run on the short path"
+    _assert_packed_like(got, want, mask, f"{model_type} {how} seed={gen.seed_value}")
     assert auto_graphs.cache_of(model).counts["eager: no native core"] == 1, "on the CPU: eagerly, no graph"
 
 
@@ -129,12 +141,13 @@ def _case(case, gen):
                                   "output_hidden_states", "return_dict=False", "two positional"])  # fmt: skip
 def test_other_calls_take_hf_forward(case, gen, hf_calls):
     model, ref = _models(gen)
+    calls = hf_calls(model)
     args, kw, mask, padded = _case(case, gen)
     with torch.no_grad():
         want = ref(*args, **kw)
-        hf_calls.clear()
+        calls.clear()
         got = model(*args, **kw)
-    assert hf_calls == [1], f"{case}: HF's forward, once"
+    assert calls == [1], f"{case}: HF's forward, once"
     if case == "return_dict=False":
         assert type(got) is tuple and type(want) is tuple
         got, want = modeling_bert.BaseModelOutputWithPoolingAndCrossAttentions(*got[:2]), \
@@ -153,6 +166,7 @@ def test_a_hook_sees_its_call(where, gen, hf_calls):
     """A hook on the model, its embeddings (or their parts) or a layer must see the call it
     hooks: HF's forward runs."""
     model, ref = _models(gen)
+    calls = hf_calls(model)
     ids, _, mask = _batch(gen)
     seen = []
     target = {"model": model, "embeddings": model.embeddings, "word_embeddings": model.embeddings.word_embeddings,
@@ -168,30 +182,48 @@ def test_a_hook_sees_its_call(where, gen, hf_calls):
             got = model(ids, attention_mask=mask)
     finally:
         handle.remove()
-    assert seen == [target] and hf_calls == [1], where
+    assert seen == [target] and calls == [1], where
     with torch.no_grad():
         _assert_packed_like(got, ref(ids, attention_mask=mask), mask, where)
-        hf_calls.clear()
+        calls.clear()
         model(ids, attention_mask=mask)
-    assert hf_calls == [], "unhooked again: the short path"
+    assert calls == [], "unhooked again: the short path"
 
 
-def test_a_task_head_model_runs_its_bert_on_the_short_path(gen, hf_calls):
-    model, ref = _models(gen, transformers.BertForSequenceClassification)
-    assert isinstance(model.bert, hf_embedded.EmbeddedModel)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_a_task_head_model_runs_its_base_model_on_the_short_path(model_type, gen, hf_calls):
+    model, ref = _models(gen, model_type, transformers.AutoModelForSequenceClassification)
+    base = model.base_model
+    assert isinstance(base, hf_embedded.EmbeddedModel)
+    calls = hf_calls(base)
     ids, types, mask = _batch(gen)
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
-        hf_calls.clear()
+        calls.clear()
         got = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
-    assert hf_calls == []
+    assert calls == []
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_only_bert_models_get_it(gen):
-    config = transformers.RobertaConfig(attn_implementation="sdpa", **{**SMALL, "pad_token_id": 1})
-    roberta = fusedenc.patch_hf(transformers.RobertaModel(config).eval())
-    assert not isinstance(roberta, hf_embedded.EmbeddedModel), "RoBERTa's positions follow its ids: HF's forward"
+@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta"])
+def test_roberta_positions_follow_the_ids(model_type, gen, hf_calls):
+    """RoBERTa counts positions over the ids that are not the pad id: a real token with the
+    pad id keeps position padding_idx and does not advance the count, as in HF."""
+    model, ref = _models(gen, model_type)
+    calls = hf_calls(model)
+    ids, _, mask = _batch(gen)
+    ids[0, 3] = ids[1, 0] = SMALL["pad_token_id"]  # real tokens with the pad id (mask 1)
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask)
+        calls.clear()
+        got = model(ids, attention_mask=mask)
+    assert calls == []
+    _assert_packed_like(got, want, mask, f"{model_type} seed={gen.seed_value}")
+
+
+def test_which_models_get_it(gen):
+    electra = fusedenc.patch_hf(transformers.ElectraModel(transformers.ElectraConfig(**SMALL)).eval())
+    assert not isinstance(electra, hf_embedded.EmbeddedModel), "ELECTRA (its embedding projection): HF's forward"
     unpacked = fusedenc.patch_hf(transformers.BertModel(transformers.BertConfig(**SMALL)).eval(), padding_free=False)
     assert not isinstance(unpacked, hf_embedded.EmbeddedModel), "no padding-free encoder: nothing to join"
 
@@ -216,6 +248,7 @@ def test_bad_input_gets_hf_errors(gen):
 
 def test_moved_model_drops_its_graphs_and_copies_keep_the_path(gen, hf_calls):
     model, ref = _models(gen)
+    calls = hf_calls(model)
     ids, _, mask = _batch(gen)
     cache = auto_graphs.cache_of(model)
     model.double()  # graphs (none on a CPU) are dropped with the old weights
@@ -225,7 +258,7 @@ def test_moved_model_drops_its_graphs_and_copies_keep_the_path(gen, hf_calls):
     assert type(clone) is type(model)
     with torch.no_grad():
         want = ref(ids, attention_mask=mask)
-        hf_calls.clear()
+        calls.clear()
         for m in (model, clone):
             _assert_packed_like(m(ids, attention_mask=mask), want, mask, "after .double().float() / deepcopy")
-    assert hf_calls == []
+    assert calls == []

@@ -273,14 +273,16 @@ def test_forward_packed_graphs_follow_weights_and_keep_memory_bounded(gen, graph
     assert mem["graphs"] <= 3 and mem["static_bytes"] > 0
 
 
-def _bert_base_shape(gen, seq):
-    """A 4-layer bert-base-shaped BertModel (fp32 reference on the GPU), its patched and its
-    unpatched fp16 copies, and 32 sequences of ``seq`` token ids with random right padding."""
+def _bert_base_shape(gen, seq, model_type="bert"):
+    """A 4-layer bert-base-shaped BertModel (or ``model_type``'s model: RoBERTa's positions
+    follow its ids) as the fp32 reference on the GPU, its patched and its unpatched fp16
+    copies, and 32 sequences of ``seq`` token ids with random right padding."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=4, num_attention_heads=12,
-                                     intermediate_size=3072, attn_implementation="sdpa")  # fmt: skip
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=30522, hidden_size=768, num_hidden_layers=4,
+                                               num_attention_heads=12, intermediate_size=3072,
+                                               attn_implementation="sdpa")  # fmt: skip
     torch.manual_seed(gen.seed_value)
-    ref = transformers.BertModel(config).cuda().eval()
+    ref = transformers.AutoModel.from_config(config).cuda().eval()
     model = fusedenc.patch_hf(copy.deepcopy(ref).half())
     same = copy.deepcopy(ref).half()
     b = 32
@@ -318,11 +320,14 @@ def test_patched_bert_replays_one_graph_per_forward(gen, graphs_on):
         torch.testing.assert_close(last[real], per_layer.last_hidden_state[real], rtol=1e-2, atol=1e-2)
 
 
-def test_patched_bert_embeddings_in_the_graph_follow_each_batch(gen, graphs_on):
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_patched_bert_embeddings_in_the_graph_follow_each_batch(model_type, gen, graphs_on):
     """The short path's graph on batches of other token counts, sequence counts and token
     types in one bucket, with poisoned statics (slack rows hold another batch's ids, the
     offsets nonsense, the output NaN): each replay is its own batch's forward."""
-    ref, model, same, ids, mask = _bert_base_shape(gen, seq=40)
+    ref, model, same, ids, mask = _bert_base_shape(gen, 40, model_type)
+    if model_type == "roberta":  # real tokens with the pad id: positions that do not advance (HF's rule)
+        ids[0, 5] = ids[3, 1] = ref.config.pad_token_id
     cache = auto_graphs.cache_of(model)
     types = torch.randint(0, 2, ids.shape, generator=gen).cuda()
     batches = [(ids, mask, None), (ids, mask, types)]
@@ -347,7 +352,7 @@ def test_patched_bert_embeddings_in_the_graph_follow_each_batch(gen, graphs_on):
             last = got.last_hidden_state
             assert torch.isfinite(last).all() and torch.equal(last[~real], torch.zeros_like(last[~real]))
             assert_close_rule(last[real], want.last_hidden_state[real], base.last_hidden_state[real], torch.float16,
-                              f"batch {i} seed={gen.seed_value}")  # fmt: skip
+                              f"{model_type} batch {i} seed={gen.seed_value}")  # fmt: skip
             assert_close_rule(got.pooler_output, want.pooler_output, base.pooler_output, torch.float16, f"pooler {i}")
     assert cache.stats()["graphs"] >= 2, cache.stats()
 
