@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import dtypes, hf_embedded, hf_varlen
+from . import dtypes, hf_embedded, hf_varlen, patched_classes
 from .activations import HF_ACTIVATIONS
 from .encoder import EncoderBlock
 from .ops import pack_qkv
@@ -274,6 +274,8 @@ class HFEncoderLayer(nn.Module):
     ``output_hidden_states``, still find the layers.
     """
 
+    name_prefix = "Fused"  # patched_classes: the class is "Fused" + the HF layer class's name
+
     def __init__(
         self,
         block: EncoderBlock,
@@ -339,16 +341,9 @@ class HFEncoderLayer(nn.Module):
         return f"num_heads={self.num_heads}, returns_tuple={self._returns_tuple}"
 
 
-_FUSED_CLASSES: dict[type, type] = {}
-
-
 def _fused_class(layer_cls: type) -> type:
     """``HFEncoderLayer`` mixed with the layer class it replaces (one class per HF class)."""
-    cls = _FUSED_CLASSES.get(layer_cls)
-    if cls is None:
-        cls = type(f"Fused{layer_cls.__name__}", (HFEncoderLayer, layer_cls), {"__module__": __name__})
-        _FUSED_CLASSES[layer_cls] = cls
-    return cls
+    return patched_classes.subclass(HFEncoderLayer, layer_cls)
 
 
 # ------------------------------------------------------------ patching ----
@@ -525,7 +520,7 @@ def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = Tru
     memory briefly holds both).  The patched model is for inference: the
     layers run without autograd and raise in training mode.  Save the
     original model's weights, not the patched model's (its state-dict keys
-    are fusedenc's, and the layer classes are created at patch time).
+    are fusedenc's); the patched model pickles whole (``patched_classes``).
 
     Refused with ``TypeError``/``ValueError`` naming the problem, before
     anything is changed: no BERT-style encoder found; a model type other than

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import auto_graphs, core, hf_varlen, varlen
+from . import auto_graphs, core, hf_varlen, patched_classes, varlen
 from .attention.varlen import BACKEND_ENV
 from .graph_feeds import PackedFeed
 
@@ -71,7 +71,7 @@ def _hooked(module: nn.Module) -> bool:
 class EmbeddedModel(nn.Module):
     """Mixed into a patched model's class (``install``): the short path of its plain call."""
 
-    _fusedenc_hf_class: type  # the HF model class it was made from
+    _fusedenc_hf_class: type  # the HF model class it was made from (patched_classes)
 
     def forward(self, *args, **kwargs):
         out = self._fusedenc_embedded_call(args, kwargs)
@@ -193,9 +193,6 @@ def _output(hidden: torch.Tensor, pooled: Optional[torch.Tensor]):
     return _output_class(last_hidden_state=hidden, pooler_output=pooled)
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def install(model: nn.Module) -> None:
     """Give every HF ``BertModel``, ``RobertaModel`` and ``XLMRobertaModel`` in ``model`` whose
     encoder is padding-free the short path (its class becomes a subclass that also derives
@@ -205,12 +202,7 @@ def install(model: nn.Module) -> None:
         if (isinstance(module, EmbeddedModel) or (cls.__module__, cls.__name__) not in _MODELS
                 or not isinstance(module.__dict__["_modules"].get("encoder"), hf_varlen.PaddingFreeEncoder)):
             continue  # fmt: skip
-        fused = _CLASSES.get(cls)
-        if fused is None:
-            # HF's class name kept: save_pretrained writes it into the config's "architectures".
-            fused = _CLASSES[cls] = type(cls.__name__, (EmbeddedModel, cls),
-                                         {"__module__": __name__, "_fusedenc_hf_class": cls})  # fmt: skip
-        module.__class__ = fused
+        module.__class__ = patched_classes.subclass(EmbeddedModel, cls)  # HF's class name kept
         _keep_output_recording(module)
         # A new token count nearly every call: as many graphs as the encoder's own stack keeps.
         auto_graphs.cache_of(module).max_graphs = hf_varlen.PACKED_MAX_GRAPHS

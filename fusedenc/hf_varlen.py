@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import varlen
+from . import patched_classes, varlen
 from .encoder import EncoderBlock, EncoderStack
 
 __all__ = ["PaddingFree", "PaddingFreeEncoder", "collected_outputs", "global_forward_hooks", "install", "stack_of"]
@@ -126,6 +126,7 @@ class PaddingFreeEncoder(nn.Module):
     """Mixed into a patched encoder's class (``install``): its forward packs, runs, unpacks."""
 
     _fusedenc_padding_free: PaddingFree
+    name_prefix = "PaddingFree"  # patched_classes: "PaddingFree" + the HF encoder class's name
 
     def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
         state = self._fusedenc_padding_free
@@ -366,22 +367,14 @@ def _with_last_hidden_state(out, value: torch.Tensor):
     return (value,) + tuple(out[1:])
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def install(encoder: nn.Module) -> None:
     """Give a patched HF encoder (every layer already an ``HFEncoderLayer``) the padding-free
     forward: its class becomes a subclass that also derives from ``PaddingFreeEncoder``, and
     it and its layers share one ``PaddingFree``.  Installed once; later calls do nothing."""
     if isinstance(encoder, PaddingFreeEncoder):
         return
-    cls = type(encoder)
-    fused = _CLASSES.get(cls)
-    if fused is None:
-        fused = type(f"PaddingFree{cls.__name__}", (PaddingFreeEncoder, cls), {"__module__": __name__})
-        _CLASSES[cls] = fused
     state = PaddingFree()
-    encoder.__class__ = fused
+    encoder.__class__ = patched_classes.subclass(PaddingFreeEncoder, type(encoder))
     encoder._fusedenc_padding_free = state
     for layer in encoder.layer:
         layer._padding_free = state
@@ -403,22 +396,26 @@ def pass_masks_through(model: nn.Module) -> None:
         if (not isinstance(encoder, PaddingFreeEncoder) or create is None or config is None
                 or getattr(config, "is_decoder", False) or "_create_attention_masks" in module.__dict__):
             continue
-        module._create_attention_masks = _passing(create, encoder._fusedenc_padding_free)
+        module._create_attention_masks = _MaskPassThrough(module, encoder._fusedenc_padding_free)
 
 
-def _passing(create, state: PaddingFree):
-    """``_create_attention_masks`` handing a plain 2-D padding mask through, with itself and
-    its arguments left in ``state.deferred`` for a padded forward (see above)."""
+class _MaskPassThrough:
+    """``_create_attention_masks`` handing a plain 2-D padding mask through, with HF's own
+    mask building and its arguments left in ``state.deferred`` for a padded forward (see
+    above).  An object, not a closure, so a patched model pickles whole."""
 
-    def create_attention_masks(*args, **kwargs):
+    def __init__(self, module: nn.Module, state: PaddingFree):
+        self.module, self.state = module, state
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        create = type(module)._create_attention_masks.__get__(module)  # HF's, under this instance attribute
         mask = kwargs.get("attention_mask")
         embedding = kwargs.get("embedding_output")
         if (not args and isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(embedding, torch.Tensor)
                 and kwargs.get("encoder_attention_mask") is None and kwargs.get("encoder_hidden_states") is None
                 and kwargs.get("past_key_values") is None and mask.shape == embedding.shape[:2]):
             mask = mask.to(embedding.device)
-            state.deferred = (mask, create, kwargs)
+            self.state.deferred = (mask, create, kwargs)
             return mask, None
         return create(*args, **kwargs)
-
-    return create_attention_masks

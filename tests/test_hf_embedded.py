@@ -262,3 +262,38 @@ def test_moved_model_drops_its_graphs_and_copies_keep_the_path(gen, hf_calls):
         for m in (model, clone):
             _assert_packed_like(m(ids, attention_mask=mask), want, mask, "after .double().float() / deepcopy")
     assert calls == []
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_a_patched_model_pickles_whole(model_type, gen, tmp_path):
+    """``torch.save(model)`` of a patched model (its classes are made at patch time) loads in
+    a new process, where those classes do not exist yet, and gives the same outputs."""
+    import subprocess
+    import sys
+
+    model, _ = _models(gen, model_type, transformers.AutoModelForSequenceClassification)
+    ids, types, mask = _batch(gen)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    path = tmp_path / "patched.pt"
+    torch.save({"model": model, "inputs": (ids, types, mask), "want": want}, path)
+    code = (
+        "import sys, torch\n"
+        "d = torch.load(sys.argv[1], weights_only=False)\n"
+        "m = d['model']; ids, types, mask = d['inputs']\n"
+        "from fusedenc import hf_embedded, hf_varlen\n"
+        "assert isinstance(m.base_model, hf_embedded.EmbeddedModel)\n"
+        "assert isinstance(m.base_model.encoder, hf_varlen.PaddingFreeEncoder)\n"
+        "with torch.no_grad():\n"
+        "    got = m(input_ids=ids, attention_mask=mask, token_type_ids=types).logits\n"
+        "torch.testing.assert_close(got, d['want'], rtol=0, atol=0)\n"
+        "print('ok', type(m.base_model).__name__, type(m.base_model.encoder.layer[0]).__name__)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["ok", type(model.base_model).__name__, type(model.base_model.encoder.layer[0]).__name__]
+    clone = copy.deepcopy(model)
+    assert type(clone.base_model) is type(model.base_model)
+    with torch.no_grad():
+        torch.testing.assert_close(clone(input_ids=ids, attention_mask=mask, token_type_ids=types).logits, want,
+                                   rtol=0, atol=0)  # fmt: skip

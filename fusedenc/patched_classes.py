@@ -1,0 +1,44 @@
+"""The classes ``patch_hf`` gives patched modules: a fusedenc mixin over HF's own class.
+
+A patched layer, encoder or model keeps being an instance of its HF class (``isinstance``,
+its methods, transformers' class-keyed registries) by becoming an instance of a subclass
+made at patch time, one per (mixin, HF class).  Such a class has no importable name, so
+pickle could not find it: ``subclass`` makes classes whose instances pickle as "an instance
+of ``subclass(mixin, base)``" plus their state, which rebuilds the class on load (the mixin
+and the HF class are importable), so ``torch.save(model)`` / ``torch.load`` and
+``copy.deepcopy`` work on patched models.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["subclass"]
+
+_CLASSES: dict[tuple[type, type], type] = {}
+_LOCK = threading.Lock()
+
+
+def subclass(mixin: type, base: type) -> type:
+    """The class ``(mixin, base)``, made once and reused, named ``mixin.name_prefix`` + the
+    base's name (``save_pretrained`` writes it into a config's "architectures")."""
+    key = (mixin, base)
+    cls = _CLASSES.get(key)
+    if cls is None:
+        with _LOCK:
+            cls = _CLASSES.get(key)
+            if cls is None:
+                body = {"__module__": mixin.__module__, "__reduce_ex__": _reduce_ex,
+                        "_fusedenc_mixin": mixin, "_fusedenc_hf_class": base}  # fmt: skip
+                cls = _CLASSES[key] = type(getattr(mixin, "name_prefix", "") + base.__name__, (mixin, base), body)
+    return cls
+
+
+def _reduce_ex(self, protocol):
+    return _new, (self._fusedenc_mixin, self._fusedenc_hf_class), self.__getstate__()
+
+
+def _new(mixin: type, base: type) -> Any:
+    """An empty instance of ``subclass(mixin, base)`` (pickle then restores its state)."""
+    return object.__new__(subclass(mixin, base))
