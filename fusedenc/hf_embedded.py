@@ -64,10 +64,6 @@ _EMBEDDING_PARTS = ("word_embeddings", "position_embeddings", "token_type_embedd
 _output_class = None  # transformers' BaseModelOutputWithPoolingAndCrossAttentions, once imported
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks)
-
-
 class EmbeddedModel(nn.Module):
     """Mixed into a patched model's class (``install``): the short path of its plain call."""
 
@@ -139,21 +135,20 @@ class EmbeddedModel(nn.Module):
         if (getattr(config, "is_decoder", False) or getattr(config, "output_hidden_states", False)
                 or getattr(config, "output_attentions", False) or getattr(config, "return_dict", True) is False):
             return False  # fmt: skip
-        if hf_varlen.global_forward_hooks() or hf_varlen.collected_outputs() or _hooked(self):
+        if hf_varlen.global_forward_hooks() or hf_varlen.collected_outputs() or hf_varlen.forward_hooked(self):
             return False
         emb = self.embeddings
         cls = self._fusedenc_hf_class
-        expected = _MODELS.get((cls.__module__, cls.__name__))
-        if expected is None or (type(emb).__module__, type(emb).__name__) != (cls.__module__, expected[0]):
+        if (type(emb).__module__, type(emb).__name__) != (cls.__module__, _model_kind(cls)[0]):
             return False
-        if emb.training or _hooked(emb) or getattr(emb, "position_embedding_type", "absolute") != "absolute":
+        hooked = hf_varlen.forward_hooked
+        if emb.training or hooked(emb) or getattr(emb, "position_embedding_type", "absolute") != "absolute":
             return False
-        return not any(_hooked(getattr(emb, name)) for name in _EMBEDDING_PARTS)
+        return not any(hooked(getattr(emb, name)) for name in _EMBEDDING_PARTS)
 
     def _fusedenc_first_position(self) -> int:
         """The position of a sequence's first token: 0 (BERT), ``padding_idx + 1`` (RoBERTa)."""
-        cls = self._fusedenc_hf_class
-        return self.embeddings.padding_idx + 1 if _MODELS[(cls.__module__, cls.__name__)][1] else 0
+        return self.embeddings.padding_idx + 1 if _model_kind(self._fusedenc_hf_class)[1] else 0
 
     def _fusedenc_embedded_rows(self, stack):
         """The graph's function: packed ``[T, 1 or 2]`` ids (and token types) and the offsets
@@ -184,6 +179,11 @@ class EmbeddedModel(nn.Module):
         return rows
 
 
+def _model_kind(cls: type) -> Optional[tuple[str, bool]]:
+    """``_MODELS``' entry for HF model class ``cls`` (None: not given the short path)."""
+    return _MODELS.get((cls.__module__, cls.__name__))
+
+
 def _output(hidden: torch.Tensor, pooled: Optional[torch.Tensor]):
     global _output_class
     if _output_class is None:
@@ -199,22 +199,10 @@ def install(model: nn.Module) -> None:
     from ``EmbeddedModel``); others, and models already given it, are left alone."""
     for module in model.modules():
         cls = type(module)
-        if (isinstance(module, EmbeddedModel) or (cls.__module__, cls.__name__) not in _MODELS
+        if (isinstance(module, EmbeddedModel) or _model_kind(cls) is None
                 or not isinstance(module.__dict__["_modules"].get("encoder"), hf_varlen.PaddingFreeEncoder)):
             continue  # fmt: skip
-        module.__class__ = patched_classes.subclass(EmbeddedModel, cls)  # HF's class name kept
-        _keep_output_recording(module)
+        patched_classes.mix_in(module, EmbeddedModel)  # HF's class name kept
         # A new token count nearly every call: as many graphs as the encoder's own stack keeps.
         auto_graphs.cache_of(module).max_graphs = hf_varlen.PACKED_MAX_GRAPHS
 
-
-def _keep_output_recording(model: nn.Module) -> None:
-    """transformers 5 looks up what a model can record (``output_hidden_states``, ...) by its
-    class's name, registered when the model is made: register the new class alike."""
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-    except ImportError:  # transformers 4.x: outputs are returned by the forward itself
-        return
-    recordable = getattr(model, "_can_record_outputs", None)
-    if recordable is not None:
-        _CAN_RECORD_REGISTRY[model] = recordable

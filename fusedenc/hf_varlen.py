@@ -54,7 +54,8 @@ from torch import nn
 from . import patched_classes, varlen
 from .encoder import EncoderBlock, EncoderStack
 
-__all__ = ["PaddingFree", "PaddingFreeEncoder", "collected_outputs", "global_forward_hooks", "install", "stack_of"]
+__all__ = ["PaddingFree", "PaddingFreeEncoder", "collected_outputs", "forward_hooked", "global_forward_hooks", "install",
+           "stack_of"]  # fmt: skip
 
 #: Automatic graphs a patched encoder's stack keeps (token count x sequence-count x longest-sequence buckets).
 PACKED_MAX_GRAPHS = 32
@@ -185,7 +186,7 @@ class PaddingFreeEncoder(nn.Module):
             mine = layer.__dict__.get("_padding_free") is state and isinstance(block, EncoderBlock)
             if not mine or layer.training:
                 return None
-            hooked = hooked or bool("forward" in layer.__dict__ or layer._forward_hooks or layer._forward_pre_hooks)
+            hooked = hooked or forward_hooked(layer)
         if global_forward_hooks() or (hooked and any(_watched(layer) for layer in layers)):
             return None
         if stack is None:
@@ -332,6 +333,12 @@ def _watched(layer: nn.Module) -> bool:
     return any(collecting or getattr(h, "__module__", None) != _CAPTURE_MODULE for h in hooks)
 
 
+def forward_hooked(module: nn.Module) -> bool:
+    """Whether ``module``'s call could be seen or changed from outside: a forward hook or
+    pre-hook on it, or a ``forward`` set on the instance."""
+    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks)
+
+
 def global_forward_hooks() -> bool:
     """Whether a global module forward hook or pre-hook is registered (it sees every layer call)."""
     m = torch.nn.modules.module
@@ -374,7 +381,7 @@ def install(encoder: nn.Module) -> None:
     if isinstance(encoder, PaddingFreeEncoder):
         return
     state = PaddingFree()
-    encoder.__class__ = patched_classes.subclass(PaddingFreeEncoder, type(encoder))
+    patched_classes.mix_in(encoder, PaddingFreeEncoder)
     encoder._fusedenc_padding_free = state
     for layer in encoder.layer:
         layer._padding_free = state

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["subclass"]
+__all__ = ["mix_in", "subclass"]
 
 _CLASSES: dict[tuple[type, type], type] = {}
 _LOCK = threading.Lock()
@@ -35,10 +35,32 @@ def subclass(mixin: type, base: type) -> type:
     return cls
 
 
+def mix_in(module, mixin: type) -> None:
+    """Make ``module`` an instance of ``subclass(mixin, type(module))``."""
+    module.__class__ = subclass(mixin, type(module))
+    _register_recordable(module)
+
+
+def _register_recordable(module) -> None:
+    """transformers 5 looks up what a model can record (``output_hidden_states``, ...) by its
+    class's name, registered when the model is made: a model given a new class here (or
+    loaded as one) is registered alike."""
+    recordable = getattr(module, "_can_record_outputs", None)
+    if recordable is None:
+        return
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # transformers 4.x: outputs are returned by the forward itself
+        return
+    _CAN_RECORD_REGISTRY[module] = recordable
+
+
 def _reduce_ex(self, protocol):
     return _new, (self._fusedenc_mixin, self._fusedenc_hf_class), self.__getstate__()
 
 
 def _new(mixin: type, base: type) -> Any:
     """An empty instance of ``subclass(mixin, base)`` (pickle then restores its state)."""
-    return object.__new__(subclass(mixin, base))
+    module = object.__new__(subclass(mixin, base))
+    _register_recordable(module)  # reads a class attribute: no state needed
+    return module

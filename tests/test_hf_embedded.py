@@ -287,6 +287,9 @@ def test_a_patched_model_pickles_whole(model_type, gen, tmp_path):
         "with torch.no_grad():\n"
         "    got = m(input_ids=ids, attention_mask=mask, token_type_ids=types).logits\n"
         "torch.testing.assert_close(got, d['want'], rtol=0, atol=0)\n"
+        "with torch.no_grad():  # transformers 5 finds what the loaded class records by its name\n"
+        "    hidden = m(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states\n"
+        "assert hidden is not None and len(hidden) == m.config.num_hidden_layers + 1, hidden\n"
         "print('ok', type(m.base_model).__name__, type(m.base_model.encoder.layer[0]).__name__)\n"
     )
     run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
