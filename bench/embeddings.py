@@ -173,12 +173,8 @@ def make_batches(sentences, tokenizer, batch: int, max_length: int, device=None,
 
 def _full_length(enc: dict, n: int) -> dict[str, torch.Tensor]:
     """``enc`` cut or padded to ``n`` tokens, the mask all ones (pad tokens count as real)."""
-    out = {}
-    for k, v in enc.items():
-        v = v[:, :n]
-        out[k] = torch.ones_like(v) if k == "attention_mask" else torch.nn.functional.pad(v, (0, n - v.shape[1]))
-    if out["attention_mask"].shape[1] < n:
-        out["attention_mask"] = torch.ones(out["input_ids"].shape, dtype=out["attention_mask"].dtype)
+    out = {k: F.pad(v[:, :n], (0, n - min(n, v.shape[1]))) for k, v in enc.items()}
+    out["attention_mask"] = torch.ones_like(out["attention_mask"])
     return out
 
 
