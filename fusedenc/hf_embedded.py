@@ -10,6 +10,8 @@ as the GPU work of a MiniLM-sized model.  ``install(model)`` gives a patched ``B
 
 1. the mask is read once on the host (a sync; a mask already on the CPU costs none) and
    the packing built with numpy (``varlen.packing_from_host``: one host-to-device copy);
+   a batch without padding, or a call without a mask (HF: every token real), is one
+   sequence per row with nothing to read, gather or scatter (``varlen.full_packing``);
 2. the real tokens' ids and token types are gathered into packed ``[T, 2]`` rows (one
    gather);
 3. one automatic CUDA graph (``fusedenc.auto_graphs``, bucketed by token count, sequence
@@ -26,8 +28,8 @@ The output is HF's ``BaseModelOutputWithPoolingAndCrossAttentions``.  Everything
 takes HF's forward (and from there the encoder's padding-free or padded path): positional
 arguments beyond ``input_ids``, any other argument that is not None / False
 (``position_ids``, ``inputs_embeds``, ``head_mask``, ``output_hidden_states``, a cache, ...),
-``return_dict=False`` or a config that returns tuples or collects outputs; masks without
-padding, with left padding, holes or an all-padding sequence; sequences longer than the
+``return_dict=False`` or a config that returns tuples or collects outputs; masks with
+left padding, holes or an all-padding sequence; sequences longer than the
 position embeddings; ``torch.compile`` tracing or a caller's graph capture; a hook on the
 model, its embeddings or their modules (or a global one); layers the encoder would run one
 by one (``hf_varlen``); a subclass of those model classes or of their embeddings.  On a CPU
@@ -91,10 +93,10 @@ class EmbeddedModel(nn.Module):
                 continue
             if name not in _NEUTRAL or (value is not None and value is not False):
                 return None
-        if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)) or ids.dim() != 2:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not (mask is None or isinstance(mask, torch.Tensor)):
             return None
-        if mask.shape != ids.shape or (types is not None and (not isinstance(types, torch.Tensor)
-                                                             or types.shape != ids.shape)):  # fmt: skip
+        if (mask is not None and mask.shape != ids.shape) or (types is not None and (
+                not isinstance(types, torch.Tensor) or types.shape != ids.shape)):  # fmt: skip
             return None
         if ids.dtype not in (torch.int64, torch.int32) or (types is not None and types.dtype != ids.dtype):
             return None
@@ -110,21 +112,24 @@ class EmbeddedModel(nn.Module):
         if stack is None:
             return None
         # The one read of the mask (a sync where it is on the GPU): HF's convention, 0 = padding.
-        padding = mask.cpu().numpy() == 0
-        if not padding.any() or padding[:, 0].any():
-            return None  # no padding, or left padding / an all-padding sequence: HF's forward
-        packing = varlen.packing_from_host(padding, device=device)
-        if not packing.prefix:
-            return None  # holes: HF's positions are not the packed index
-        flat = ids.reshape(-1) if types is None else torch.stack((ids.reshape(-1), types.reshape(-1)), 1)
-        tokens = flat.index_select(0, packing.indices)
-        tokens = tokens[:, None] if tokens.dim() == 1 else tokens
+        # No mask (HF: every token real) or one without padding: every row, in order.
+        padding = None if mask is None else mask.cpu().numpy() == 0
+        if padding is None or not padding.any():
+            packing = varlen.full_packing(*ids.shape, device=device)
+        elif padding[:, 0].any():
+            return None  # left padding or an all-padding sequence: HF's forward
+        else:
+            packing = varlen.packing_from_host(padding, device=device)
+            if not packing.prefix:
+                return None  # holes: HF's positions are not the packed index
+        flat = ids.reshape(-1, 1) if types is None else torch.stack((ids.reshape(-1), types.reshape(-1)), 1)
+        tokens = flat.index_select(0, packing.indices) if packing.has_padding else flat
         native = core.active_on(device) and not auto_graphs.observing(stack)  # FP8 calibration: eager
         # The forced varlen backend is read when a graph is captured: a graph per setting.
         rows = auto_graphs.call(self, self._fusedenc_embedded_rows(stack), (tokens, packing.cu_seqlens,
                                 packing.max_seqlen), key=("embedded", os.environ.get(BACKEND_ENV)),
                                 native=native, feed=PackedFeed.of)  # fmt: skip
-        hidden = varlen.unpack(rows, packing)
+        hidden = varlen.unpack(rows, packing) if packing.has_padding else rows.view(*ids.shape, rows.shape[1])
         pooled = self.pooler(hidden) if self.pooler is not None else None
         return _output(hidden, pooled)
 

@@ -323,8 +323,9 @@ def test_patched_bert_replays_one_graph_per_forward(gen, graphs_on):
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
 def test_patched_bert_embeddings_in_the_graph_follow_each_batch(model_type, gen, graphs_on):
     """The short path's graph on batches of other token counts, sequence counts and token
-    types in one bucket, with poisoned statics (slack rows hold another batch's ids, the
-    offsets nonsense, the output NaN): each replay is its own batch's forward."""
+    types in one bucket, and on batches without padding (an all-ones mask, no mask), with
+    poisoned statics (slack rows hold ids of no batch, the offsets nonsense, the output
+    NaN): each replay is its own batch's forward."""
     ref, model, same, ids, mask = _bert_base_shape(gen, 40, model_type)
     if model_type == "roberta":  # real tokens with the pad id: positions that do not advance (HF's rule)
         ids[0, 5] = ids[3, 1] = ref.config.pad_token_id
@@ -336,20 +337,24 @@ def test_patched_bert_embeddings_in_the_graph_follow_each_batch(model_type, gen,
         shorter = mask[keep].clone()
         shorter[:, 30:] = 0
         batches.append((ids[keep], shorter, types[keep] if len(batches) % 2 else None))
+    # Batches without padding: every row in order, with an all-ones mask or none at all.
+    batches += [(ids, torch.ones_like(mask), types), (ids[:20], None, None)]
     with torch.inference_mode():
         for i, (b_ids, b_mask, b_types) in enumerate(batches):
             kw = dict(input_ids=b_ids, attention_mask=b_mask, token_type_ids=b_types)
             model(**kw)  # the first call at a key runs eagerly; the second captures and replays
             for entry in cache.entries():
                 tokens, cu = entry.inputs
-                tokens.fill_(29999)
+                tokens[:, 0].fill_(29999)  # ids of no batch here; a valid token type (there are two)
+                tokens[:, 1:].fill_(1)
                 cu.fill_(1 << 30)
                 entry.out.fill_(float("nan"))
             replays = cache.counts["replays"]
             got, want, base = model(**kw), ref(**kw), same(**kw)
             assert cache.counts["replays"] == replays + 1, (i, dict(cache.counts))
-            real = b_mask.bool()
+            real = b_mask.bool() if b_mask is not None else torch.ones_like(b_ids, dtype=torch.bool)
             last = got.last_hidden_state
+            assert last.shape == (*b_ids.shape, ref.config.hidden_size)
             assert torch.isfinite(last).all() and torch.equal(last[~real], torch.zeros_like(last[~real]))
             assert_close_rule(last[real], want.last_hidden_state[real], base.last_hidden_state[real], torch.float16,
                               f"{model_type} batch {i} seed={gen.seed_value}")  # fmt: skip
