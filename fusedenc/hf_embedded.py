@@ -10,8 +10,8 @@ as the GPU work of a MiniLM-sized model.  ``install(model)`` gives a patched ``B
 
 1. the mask is read once on the host (a sync; a mask already on the CPU costs none) and
    the packing built with numpy (``varlen.packing_from_host``: one host-to-device copy);
-   a batch without padding, or a call without a mask (HF: every token real), is one
-   sequence per row with nothing to read, gather or scatter (``varlen.full_packing``);
+   a batch without padding, or a call without a mask (HF: every token real), skips the
+   packing: its graph runs the rows as they are, with the encoder's dense attention;
 2. the real tokens' ids and token types are gathered into packed ``[T, 2]`` rows (one
    gather);
 3. one automatic CUDA graph (``fusedenc.auto_graphs``, bucketed by token count, sequence
@@ -111,25 +111,29 @@ class EmbeddedModel(nn.Module):
         stack = encoder._fusedenc_as_stack()
         if stack is None:
             return None
+        native = core.active_on(device) and not auto_graphs.observing(stack)  # FP8 calibration: eager
+        flat = ids.reshape(-1, 1) if types is None else torch.stack((ids.reshape(-1), types.reshape(-1)), 1)
         # The one read of the mask (a sync where it is on the GPU): HF's convention, 0 = padding.
-        # No mask (HF: every token real) or one without padding: every row, in order.
         padding = None if mask is None else mask.cpu().numpy() == 0
         if padding is None or not padding.any():
-            packing = varlen.full_packing(*ids.shape, device=device)
-        elif padding[:, 0].any():
+            # No mask (HF: every token real) or none of it padding: the batch as it is, with
+            # the encoder's dense attention (at equal lengths faster than the varlen kernel).
+            return self._fusedenc_finish(auto_graphs.call(
+                self, self._fusedenc_dense_rows(stack), (flat.view(*ids.shape, -1),), key="embedded dense",
+                rows_per_item=ids.shape[1], native=native))  # fmt: skip
+        if padding[:, 0].any():
             return None  # left padding or an all-padding sequence: HF's forward
-        else:
-            packing = varlen.packing_from_host(padding, device=device)
-            if not packing.prefix:
-                return None  # holes: HF's positions are not the packed index
-        flat = ids.reshape(-1, 1) if types is None else torch.stack((ids.reshape(-1), types.reshape(-1)), 1)
-        tokens = flat.index_select(0, packing.indices) if packing.has_padding else flat
-        native = core.active_on(device) and not auto_graphs.observing(stack)  # FP8 calibration: eager
+        packing = varlen.packing_from_host(padding, device=device)
+        if not packing.prefix:
+            return None  # holes: HF's positions are not the packed index
         # The forced varlen backend is read when a graph is captured: a graph per setting.
-        rows = auto_graphs.call(self, self._fusedenc_embedded_rows(stack), (tokens, packing.cu_seqlens,
-                                packing.max_seqlen), key=("embedded", os.environ.get(BACKEND_ENV)),
+        rows = auto_graphs.call(self, self._fusedenc_embedded_rows(stack), (flat.index_select(0, packing.indices),
+                                packing.cu_seqlens, packing.max_seqlen), key=("embedded", os.environ.get(BACKEND_ENV)),
                                 native=native, feed=PackedFeed.of)  # fmt: skip
-        hidden = varlen.unpack(rows, packing) if packing.has_padding else rows.view(*ids.shape, rows.shape[1])
+        return self._fusedenc_finish(varlen.unpack(rows, packing))
+
+    def _fusedenc_finish(self, hidden: torch.Tensor):
+        """HF's output of last hidden state ``hidden`` ``[B, S, D]``: HF's pooler runs eagerly."""
         pooled = self.pooler(hidden) if self.pooler is not None else None
         return _output(hidden, pooled)
 
@@ -180,6 +184,27 @@ class EmbeddedModel(nn.Module):
             x = emb.word_embeddings(tokens[:, 0]) + emb.token_type_embeddings(types)
             x = emb.LayerNorm(x + emb.position_embeddings(positions))
             return stack._packed_rows(x, cu_seqlens, max_seqlen)
+
+        return rows
+
+    def _fusedenc_dense_rows(self, stack):
+        """The graph's function for batches without padding: ids (and token types) ``[B, S, 1 or 2]``
+        to every layer's output ``[B, S, D]`` (positions: BERT's index, RoBERTa's count)."""
+        emb = self.embeddings
+        from_ids = self._fusedenc_first_position() > 0
+
+        def rows(tokens: torch.Tensor) -> torch.Tensor:
+            b, s = tokens.shape[:2]
+            ids = tokens[..., 0]
+            if from_ids:  # HF's create_position_ids_from_input_ids
+                real = ids.ne(emb.padding_idx).int()
+                positions = torch.cumsum(real, 1) * real + emb.padding_idx
+            else:
+                positions = torch.arange(s, device=tokens.device).expand(b, s)
+            types = tokens[..., 1] if tokens.shape[2] > 1 else torch.zeros_like(ids)
+            x = emb.word_embeddings(ids) + emb.token_type_embeddings(types)
+            x = emb.LayerNorm(x + emb.position_embeddings(positions))
+            return stack._eager_rows(x.reshape(b * s, -1), b, s, None, None).view(b, s, -1)
 
         return rows
 

@@ -22,7 +22,6 @@ mask, and the indices and offsets go to the device in one copy (views of one buf
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -34,7 +33,6 @@ __all__ = [
     "Packing",
     "check_packed_rows",
     "cu_seqlens_from_lengths",
-    "full_packing",
     "mean_pool",
     "pack",
     "packing_from_host",
@@ -141,26 +139,6 @@ def packing_from_host(padding: np.ndarray, *, device=None) -> Packing:
     indices = both[:total]
     cu_seqlens = both.view(torch.int32)[2 * total : 2 * total + b + 1]
     return Packing(b, s, lengths, indices, cu_seqlens, bool(prefix), first_real)
-
-
-def full_packing(batch: int, seq: int, *, device=None) -> Packing:
-    """The packing of a ``[batch, seq]`` batch without padding: each row one sequence of
-    ``seq`` tokens, the packed rows the batch's rows in order (``pack`` is a reshape's copy;
-    callers that know it skip the gather and the scatter, see ``Packing.has_padding``).
-    Kept per (batch, seq, device): a call makes no new tensors and reads nothing."""
-    if isinstance(batch, bool) or isinstance(seq, bool) or not (isinstance(batch, int) and isinstance(seq, int)):
-        raise TypeError(f"batch and seq must be ints, got {batch!r} and {seq!r}")
-    if batch < 0 or seq < 0:
-        raise ValueError(f"batch and seq must be >= 0, got {batch} and {seq}")
-    return _full_packing(batch, seq, _device_of(device, _CPU))
-
-
-@functools.lru_cache(maxsize=64)
-def _full_packing(batch: int, seq: int, device: torch.device) -> Packing:
-    total = batch * seq
-    indices = torch.arange(total, dtype=torch.int64, device=device)
-    cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq
-    return Packing(batch, seq, [seq] * batch, indices, cu_seqlens, True, seq > 0 or batch == 0)
 
 
 def packing_from_lengths(lengths: Union[Sequence[int], torch.Tensor], seq_len: int, *, device=None) -> Packing:

@@ -115,23 +115,6 @@ def test_packing_from_mask_and_host_match_a_plain_reference(kind, gen):
         torch.testing.assert_close(varlen.unpack(varlen.pack(x, p), p), x.masked_fill(pad[..., None], 0.0))
 
 
-@pytest.mark.parametrize("b, s", [(6, 11), (1, 1), (3, 0), (0, 7)])
-def test_full_packing_is_the_packing_of_a_mask_without_padding(b, s, gen):
-    """``full_packing`` (no mask read) against ``packing_from_host`` of an all-real mask: every
-    field; one object per shape (nothing made per call); pack / unpack are the identity."""
-    import numpy as np
-
-    want, got = varlen.packing_from_host(np.zeros((b, s), dtype=bool)), varlen.full_packing(b, s)
-    for field in ("batch", "seq", "lengths", "total", "max_seqlen", "prefix", "first_real", "has_padding"):
-        assert getattr(got, field) == getattr(want, field), field
-    for field in ("indices", "cu_seqlens"):
-        a, w = getattr(got, field), getattr(want, field)
-        assert a.dtype == w.dtype and a.device == w.device and a.tolist() == w.tolist(), field
-    assert varlen.full_packing(b, s) is got and not got.has_padding
-    x = torch.randn(b, s, 4, generator=gen)
-    assert torch.equal(varlen.unpack(varlen.pack(x, got), got), x)
-
-
 def test_packing_from_host_bad_input():
     import numpy as np
 
@@ -146,9 +129,6 @@ def test_packing_from_host_bad_input():
         (lambda: varlen.packing_from_mask(torch.zeros(2, 3)), TypeError, "bool"),
         (lambda: varlen.packing_from_mask(torch.zeros(2, 3, 1, dtype=torch.bool)), ValueError, r"\[B, S\]"),
         (lambda: varlen.packing_from_mask([[True]]), TypeError, "torch.Tensor"),
-        (lambda: varlen.full_packing(2, -1), ValueError, ">= 0"),
-        (lambda: varlen.full_packing(2.0, 3), TypeError, "ints"),
-        (lambda: varlen.full_packing(True, 3), TypeError, "ints"),
         (lambda: varlen.packing_from_lengths([2, 5], 4), ValueError, r"lengths\[1\]=5 is outside \[0, seq_len=4\]"),
         (lambda: varlen.packing_from_lengths([-1], 4), ValueError, r"lengths\[0\]=-1"),
         (lambda: varlen.packing_from_lengths([1.5], 4), TypeError, r"lengths\[0\]"),
