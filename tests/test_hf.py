@@ -446,7 +446,8 @@ def test_layer_interface(gen):
 def test_the_model_hands_its_2d_mask_to_the_padding_free_encoder(impl, gen):
     """A patched transformers 5 model builds no 4-D mask where the encoder runs padding-free
     (that building is host work and a sync of its own); where the padded path runs (here: a
-    sequence all padding, or no padding) HF's own mask is built then, and every output is HF's."""
+    sequence all padding) HF's own mask is built then, and every output is HF's.  A batch
+    without padding takes the model's short path (``hf_embedded``): nothing is built."""
     model, ref = _build(gen, impl=impl)
     patch_hf(model)
     calls = []
@@ -462,7 +463,7 @@ def test_the_model_hands_its_2d_mask_to_the_padding_free_encoder(impl, gen):
     all_padding[1] = 0
     with mock.patch.object(modeling, "create_bidirectional_mask", counted), torch.no_grad():
         assert "_create_attention_masks" in model.__dict__  # the pass-through, installed by patch_hf
-        for m, builds in ((mask, 0), (all_padding, 1), (torch.ones_like(mask), 1), (mask, 0)):
+        for m, builds in ((mask, 0), (all_padding, 1), (torch.ones_like(mask), 0), (mask, 0)):
             calls.clear()
             _assert_same(model(ids, attention_mask=m), ref(ids, attention_mask=m), f"{impl} seed={gen.seed_value}", m)
             assert len(calls) == builds + 1  # the reference's own call, and the patched model's where it builds
