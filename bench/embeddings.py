@@ -84,11 +84,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import peers  # noqa: E402
 
 import fusedenc  # noqa: E402
 from fusedenc import auto_graphs, hf_embedded, hf_varlen, real_models, varlen, varlen_graphs  # noqa: E402
@@ -286,6 +288,11 @@ def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int, i
     if impl in ("hf-eager", "hf-sdpa"):
         run = hf_runner(model)
     elif impl in ("compile", "compile-ro"):
+        # A fresh dynamo cache per row, with room for every padded length: models of one class
+        # (MiniLM and bert-base are both BertModel) share its entries and its recompile limit,
+        # and past the limit a compiled model silently runs eagerly.
+        torch._dynamo.reset()
+        peers.raise_recompile_limits()
         mode = "reduce-overhead" if impl == "compile-ro" else None
         run = hf_runner(torch.compile(model, mode=mode))
     elif impl == "fusedenc-padded":

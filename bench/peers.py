@@ -300,7 +300,7 @@ def make_fastpath(model: TorchEncoder, run: Run, device: torch.device, check_x: 
     return impl
 
 
-def _raise_recompile_limits(limit: int = 256) -> None:
+def raise_recompile_limits(limit: int = 256) -> None:
     """Every (preset, batch size) is its own static graph; dynamo's default cap (8) would fall back to eager."""
     import torch._dynamo
 
@@ -314,7 +314,7 @@ def make_compile(model: nn.Module, mode: str, dynamic: bool, name: str = "torch-
     """``torch.compile(model)`` in ``mode``: row ``name`` (default mode) or ``name:mode``."""
     import torch._dynamo
 
-    _raise_recompile_limits()
+    raise_recompile_limits()
     compiled = torch.compile(model, mode=None if mode == "default" else mode, dynamic=True if dynamic else False)
     # Modes that replay CUDA graphs (cudagraph trees) need each call marked as a new step,
     # and their outputs are overwritten by the next call.
@@ -399,7 +399,7 @@ def make_fusedenc_compile(model: TorchEncoder, run: Run, device: torch.device, d
     a model holding one gets (the stack is one fusedenc op in the graph)."""
     import torch._dynamo
 
-    _raise_recompile_limits()
+    raise_recompile_limits()
     stack = load_fusedenc_stack(model, run, device)
     compiled = torch.compile(stack, fullgraph=True, dynamic=True if dynamic else False)
     impl = Impl("fusedenc-compile", compiled, cleanup=torch._dynamo.reset)

@@ -125,14 +125,8 @@ def packing_from_host(padding: np.ndarray, *, device=None) -> Packing:
     b, s = real.shape
     flat = real.ravel().nonzero()[0]  # b * S + s of each real token, in order
     total = flat.shape[0]
-    # int64 [T] indices, then int32 [B + 1] offsets in the int64 words after them: one copy,
-    # for a GPU from pinned memory and asynchronous (a pageable copy waits for a staging
-    # copy: ~40 us of a ~0.8 ms MiniLM call on an H200 host).  torch's pinned-memory cache
-    # keeps the block until the copy is done.
-    device = _device_of(device, _CPU)
-    pinned = device.type == "cuda"
-    staged = torch.empty(total + (b + 2) // 2, dtype=torch.int64, pin_memory=pinned)
-    buf = staged.numpy()
+    # int64 [T] indices, then int32 [B + 1] offsets in the int64 words after them: one copy.
+    buf = np.empty(total + (b + 2) // 2, dtype=np.int64)
     buf[:total] = flat
     cu = buf[total:].view(np.int32)[: b + 1]
     cu[:] = flat.searchsorted(np.arange(0, (b + 1) * s, s)) if s > 0 else 0
@@ -141,7 +135,7 @@ def packing_from_host(padding: np.ndarray, *, device=None) -> Packing:
     # A sequence is a prefix when no real token follows a padding position.
     prefix = not (real[:, 1:] > real[:, :-1]).any() if s > 1 else True
     first_real = bool(real[:, 0].all()) if s > 0 else b == 0
-    both = staged.to(device, non_blocking=pinned)
+    both = torch.from_numpy(buf).to(_device_of(device, _CPU))
     indices = both[:total]
     cu_seqlens = both.view(torch.int32)[2 * total : 2 * total + b + 1]
     return Packing(b, s, lengths, indices, cu_seqlens, bool(prefix), first_real)
