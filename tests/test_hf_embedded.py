@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from hf_helpers import SMALL, small_models
 
 import fusedenc
 from fusedenc import auto_graphs, hf_embedded
@@ -24,22 +25,13 @@ from transformers.models.bert import modeling_bert  # noqa: E402
 MODEL_TYPES = ["bert", "roberta", "xlm-roberta"]
 
 TOL = dict(rtol=2e-5, atol=2e-5)
-SMALL = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-             max_position_embeddings=40, type_vocab_size=2, pad_token_id=0)  # fmt: skip
+PAD = 0  # the pad id of these tests' models
 
 
 def _models(gen, model_type="bert", head=None, impl="sdpa"):
     """(patched, unpatched fp32 copy) of a small model of ``model_type`` (its base model, or
     ``head``: an ``AutoModelFor...`` class) with weights drawn from ``gen``."""
-    config = transformers.AutoConfig.for_model(model_type, attn_implementation=impl, **SMALL)
-    with torch.random.fork_rng():
-        torch.manual_seed(gen.seed_value)
-        model = (head or transformers.AutoModel).from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn(p.shape) if name.endswith("LayerNorm.weight") else 0.2 * torch.randn(p.shape))
-    ref = copy.deepcopy(model)
-    return fusedenc.patch_hf(model), ref
+    return small_models(gen, model_type, impl=impl, pad_token_id=PAD, head=head)
 
 
 def _batch(gen, b=6, s=14):
@@ -50,7 +42,7 @@ def _batch(gen, b=6, s=14):
     lengths[0], lengths[-1] = s, 1
     mask = (torch.arange(s)[None] < lengths[:, None]).long()
     types = torch.randint(0, 2, (b, s), generator=gen)
-    return ids.masked_fill(mask == 0, SMALL["pad_token_id"]), types, mask
+    return ids.masked_fill(mask == 0, PAD), types, mask
 
 
 @pytest.fixture
@@ -213,7 +205,7 @@ def test_roberta_positions_follow_the_ids(model_type, gen, hf_calls):
     model, ref = _models(gen, model_type)
     calls = hf_calls(model)
     ids, _, mask = _batch(gen)
-    ids[0, 3] = ids[1, 0] = SMALL["pad_token_id"]  # real tokens with the pad id (mask 1)
+    ids[0, 3] = ids[1, 0] = PAD  # real tokens with the pad id (mask 1)
     with torch.no_grad():
         want = ref(ids, attention_mask=mask)
         calls.clear()

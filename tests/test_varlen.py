@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from bench_helpers import run_bench
+from hf_helpers import SMALL, small_models
 
 import fusedenc
 from fusedenc import auto_graphs, hf_varlen, packed_calls, varlen
@@ -288,22 +289,11 @@ def test_graph_runner_refuses_cpu_and_buckets():
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-             max_position_embeddings=40, type_vocab_size=2, pad_token_id=1)  # fmt: skip
+PAD = 1  # the pad id of these tests' models (RoBERTa's; the embeddings tests use 0)
 
 
 def _hf(gen, impl="sdpa", model_type="bert", padding_free=True):
-    import copy
-
-    config = transformers.AutoConfig.for_model(model_type, attn_implementation=impl, **SMALL)
-    with torch.random.fork_rng():
-        torch.manual_seed(gen.seed_value)
-        model = transformers.AutoModel.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn(p.shape) if name.endswith("LayerNorm.weight") else 0.2 * torch.randn(p.shape))
-    ref = copy.deepcopy(model)
-    return fusedenc.patch_hf(model, padding_free=padding_free), ref
+    return small_models(gen, model_type, impl=impl, pad_token_id=PAD, padding_free=padding_free)
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
