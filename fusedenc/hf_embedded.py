@@ -180,10 +180,7 @@ class EmbeddedModel(nn.Module):
             else:
                 positions = (index - start).clamp_(0, last)
             types = tokens[:, 1] if tokens.shape[1] > 1 else torch.zeros_like(tokens[:, 0])
-            # HF's order: (words + token types) + positions, then the LayerNorm (dropout: eval).
-            x = emb.word_embeddings(tokens[:, 0]) + emb.token_type_embeddings(types)
-            x = emb.LayerNorm(x + emb.position_embeddings(positions))
-            return stack._packed_rows(x, cu_seqlens, max_seqlen)
+            return stack._packed_rows(_embedded(emb, tokens[:, 0], types, positions), cu_seqlens, max_seqlen)
 
         return rows
 
@@ -202,11 +199,17 @@ class EmbeddedModel(nn.Module):
             else:
                 positions = torch.arange(s, device=tokens.device).expand(b, s)
             types = tokens[..., 1] if tokens.shape[2] > 1 else torch.zeros_like(ids)
-            x = emb.word_embeddings(ids) + emb.token_type_embeddings(types)
-            x = emb.LayerNorm(x + emb.position_embeddings(positions))
+            x = _embedded(emb, ids, types, positions)
             return stack._eager_rows(x.reshape(b * s, -1), b, s, None, None).view(b, s, -1)
 
         return rows
+
+
+def _embedded(emb: nn.Module, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """HF's embeddings in HF's order: (words + token types) + positions, then the LayerNorm
+    (its dropout: eval)."""
+    x = emb.word_embeddings(ids) + emb.token_type_embeddings(types)
+    return emb.LayerNorm(x + emb.position_embeddings(positions))
 
 
 def _model_kind(cls: type) -> Optional[tuple[str, bool]]:
