@@ -188,6 +188,8 @@ def test_varlen_attention_bad_input(gen):
         varlen_attention(q[None], k[None], v[None], cu, 4)
     with pytest.raises(ValueError, match="flash_varlen.*cannot serve"):
         varlen_attention(q, k, v, cu, 4, backend="flash_varlen")  # CPU
+    with pytest.raises(ValueError, match="triton_short.*cannot serve.*needs a GPU"):
+        varlen_attention(q, k, v, cu, 4, backend="triton_short")
     with pytest.raises(ValueError, match="not one of"):
         varlen_attention(q, k, v, cu, 4, backend="nested")
     assert attention_varlen.choose(torch.float32, 8, torch.device("cpu")) == "padded"

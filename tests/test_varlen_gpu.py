@@ -42,10 +42,21 @@ def _lengths(gen, n, longest):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 64])
-@pytest.mark.parametrize("backend", ["flash_varlen", "padded"])
+def _unusable(backend, dtype, head_dim, max_seqlen):
+    """Why ``backend`` cannot serve these calls on this GPU (a skip reason), or None."""
+    cuda = torch.device("cuda")
+    if backend == "flash_varlen":
+        return attention_varlen.flash_unusable(dtype, head_dim, cuda)
+    if backend == "triton_short":
+        return attention_varlen.triton_unusable(dtype, head_dim, cuda, max_seqlen)
+    return None
+
+
+@pytest.mark.parametrize("backend", ["flash_varlen", "triton_short", "padded"])
 def test_varlen_attention_backends(backend, head_dim, dtype, gen):
-    if backend == "flash_varlen" and attention_varlen.flash_unusable(dtype, head_dim, torch.device("cuda")):
-        pytest.skip(attention_varlen.flash_unusable(dtype, head_dim, torch.device("cuda")))
+    why = _unusable(backend, dtype, head_dim, 120)
+    if why:
+        pytest.skip(why)
     lengths = _lengths(gen, 37, 120)
     cu = varlen.cu_seqlens_from_lengths(lengths, "cuda")
     t, h = sum(lengths), 12
@@ -174,11 +185,11 @@ def _counts(module):
     return module.auto_graphs.stats()["counts"]
 
 
-@pytest.mark.parametrize("backend", ["flash_varlen", "padded"])
+@pytest.mark.parametrize("backend", ["flash_varlen", "triton_short", "padded"])
 def test_plain_forward_packed_replays_graphs_equal_to_eager(backend, gen, graphs_on, monkeypatch):
     dtype = torch.float16
-    why = attention_varlen.flash_unusable(dtype, 64, torch.device("cuda"))
-    if backend == "flash_varlen" and why:
+    why = _unusable(backend, dtype, 64, max(EXACT))
+    if why:
         pytest.skip(why)
     monkeypatch.setenv(attention_varlen.BACKEND_ENV, backend)
     ref_stack, stack = _stack(dtype)

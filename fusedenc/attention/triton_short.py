@@ -25,6 +25,13 @@ keys -inf) v``.  A query row whose keys are all ``-inf`` (all padding, or an
 ``-inf`` bias row) gives zeros, the convention of ``fusedenc.attention``; NaN
 in q, k, v or bias gives NaN where the formula does.
 
+``short_varlen_attention`` is the same one-tile kernel over packed variable-length
+sequences (``cu_seqlens`` offsets, ``fusedenc.attention.varlen``'s ``triton_short`` backend):
+one program per (query block, group of heads, sequence), each sequence's keys in one tile
+of ``key_block(max_seqlen)``, rows read from and written to the packed ``[T, ...]`` buffers
+at the sequence's offset; no bias or mask (the offsets are the mask).  Empty sequences
+write nothing; rows past ``cu_seqlens[-1]`` (a graph bucket's slack) are left unwritten.
+
 Importing this module imports Triton; ``fusedenc.attention`` imports it only
 when the ``triton_short`` backend is asked whether it is available.  Set
 ``TRITON_INTERPRET=1`` before the import to run the kernel on CPU tensors
@@ -41,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["HEAD_DIMS", "MAX_SEQ", "LaunchConfig", "key_block", "launch_config", "short_attention"]
+__all__ = ["HEAD_DIMS", "MAX_SEQ", "LaunchConfig", "key_block", "launch_config", "short_attention",
+           "short_varlen_attention"]
 
 #: Longest sequence served: every key of a sequence must fit one tile.
 MAX_SEQ = 128
@@ -211,6 +219,84 @@ def short_attention(
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=key_block(s), HEADS_PER_PROGRAM=cfg.heads_per_program,
         HAS_BIAS=has_bias, HAS_MASK=has_mask, HAS_OUT_SCALE=out_scale is not None,
         # fp32 inputs: full-precision products, not TF32; 16-bit inputs: the target's default
+        PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _short_varlen_kernel(
+    q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr,
+    heads, q_blocks, qk_scale,
+    q_ss, q_sh, k_ss, k_sh, v_ss, v_sh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Program order as the padded kernel's: query block fastest, then head group, then sequence.
+    pid = tl.program_id(0)
+    groups = heads // HEADS_PER_PROGRAM
+    q_block = pid % q_blocks
+    group = (pid // q_blocks) % groups
+    n = pid // (q_blocks * groups)
+    start = tl.load(cu_ptr + n).to(tl.int64)  # row offsets can pass 2**31 elements
+    seq = tl.load(cu_ptr + n + 1).to(tl.int64) - start
+
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    keys = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < seq  # query blocks past a shorter sequence's end store nothing
+    key_ok = keys < seq
+    out_row_stride = heads * HEAD_DIM
+    for i in tl.static_range(HEADS_PER_PROGRAM):
+        h = group * HEADS_PER_PROGRAM + i
+        q = tl.load(q_ptr + (start + rows)[:, None] * q_ss + h * q_sh + dims[None, :], mask=row_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + (start + keys)[:, None] * k_ss + h * k_sh + dims[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + (start + keys)[:, None] * v_ss + h * v_sh + dims[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        # Every real row has a key (its own), so its max is finite; rows outside the sequence
+        # are masked at the store, and their all -inf row is shifted by 0 instead of NaN.
+        m = tl.max(s, 1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.exp2(s - m[:, None])
+        denom = tl.sum(p, 1)
+        denom = tl.where(denom == 0.0, 1.0, denom)
+        o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / denom[:, None]
+        out_ptrs = out_ptr + (start + rows)[:, None] * out_row_stride + h * HEAD_DIM + dims[None, :]
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def short_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    config: Optional[LaunchConfig] = None,
+) -> torch.Tensor:
+    """``softmax(q k^T * scale) v`` within each sequence of packed rows, as a new ``[T, H*Dh]``.
+
+    q, k, v: ``[T, H, Dh]``, same dtype and device, unit last stride (views of a ``[T, 3D]``
+    QKV buffer); cu_seqlens: int32 ``[N + 1]`` on their device, checked by the caller, every
+    sequence at most ``max_seqlen`` <= ``MAX_SEQ`` rows; Dh in ``HEAD_DIMS``.  No host sync
+    (a CUDA graph captures it with a bound for ``max_seqlen``).  Rows past ``cu_seqlens[-1]``
+    are not written.  Arguments are not validated here: ``fusedenc.attention.varlen`` does that.
+    """
+    t, h, d = q.shape
+    out = torch.empty((t, h * d), dtype=q.dtype, device=q.device)
+    sequences = cu_seqlens.shape[0] - 1
+    if out.numel() == 0 or sequences <= 0 or max_seqlen <= 0:
+        return out
+    cfg = config or launch_config(max_seqlen, h, d)
+    q_blocks = triton.cdiv(max_seqlen, cfg.block_m)
+    grid = (q_blocks * (h // cfg.heads_per_program) * sequences,)
+    _short_varlen_kernel[grid](
+        q, k, v, cu_seqlens, out,
+        h, q_blocks, scale * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=key_block(max_seqlen), HEADS_PER_PROGRAM=cfg.heads_per_program,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=cfg.num_warps,
     )  # fmt: skip

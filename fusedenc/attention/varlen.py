@@ -17,6 +17,13 @@ or ``backend=`` forces one, for measuring):
     writes dense ``[T, H, Dh]``: the rows the output projection reads.  CUDA (not ROCm),
     sm80+, float16/bfloat16, head dim a multiple of 8 up to 256.  No host sync, so it can be
     captured in a CUDA graph (``max_seqlen`` is then fixed at capture: an upper bound).
+``triton_short``
+    fusedenc's one-tile Triton kernel (``attention/triton_short.py``) on offsets: one
+    program per (query block, group of heads, sequence), every key of a sequence in one
+    tile, so sequences of at most ``triton_short.MAX_SEQ`` (128) tokens; CUDA sm80+ or ROCm,
+    float16/bfloat16/float32, head dims 16/32/64/128, the triton package.  No host sync.
+    Forced only (``FUSEDENC_VARLEN_ATTENTION=triton_short``) until measured against
+    ``flash_varlen`` on the short sentences it is for.
 ``padded``
     Scatters the rows into a zero-filled ``[N, max_seqlen, H, Dh]`` layout, runs
     ``fusedenc.attention`` with the matching key padding mask, and gathers the real rows
@@ -50,8 +57,8 @@ __all__ = [
     "varlen_attention",
 ]
 
-VARLEN_BACKENDS = ("flash_varlen", "padded")
-#: Forces a varlen backend (``flash_varlen`` or ``padded``), e.g. to measure one against the other.
+VARLEN_BACKENDS = ("flash_varlen", "triton_short", "padded")
+#: Forces a varlen backend (one of ``VARLEN_BACKENDS``), e.g. to measure one against another.
 BACKEND_ENV = "FUSEDENC_VARLEN_ATTENTION"
 
 
@@ -95,18 +102,53 @@ def flash_unusable(dtype: torch.dtype, head_dim: int, device: torch.device) -> O
     return None
 
 
-def choose(dtype: torch.dtype, head_dim: int, device: torch.device, backend: Optional[str] = None) -> str:
-    """The varlen backend for q of this dtype, head dim and device: ``backend`` (or
-    ``$FUSEDENC_VARLEN_ATTENTION``) if given (``ValueError`` if it cannot serve), else
-    ``flash_varlen`` where it runs, else ``padded``."""
+@functools.lru_cache(maxsize=None)
+def _triton_module(device_type: str, index: int):
+    """``triton_short`` if its kernel can run on this device, else why not (a str)."""
+    if device_type != "cuda":
+        return f"needs a GPU (CUDA or ROCm), got {device_type}"
+    arch, cap, rocm = device_facts(torch.device("cuda", index))
+    if not rocm and (cap is None or cap < (8, 0)):
+        return f"needs sm80 or newer, got {arch}"
+    try:
+        from . import triton_short  # imports Triton: only when this backend is asked about
+    except ImportError as exc:
+        return f"needs the triton package ({exc})"
+    return triton_short
+
+
+def triton_unusable(dtype: torch.dtype, head_dim: int, device: torch.device, max_seqlen: Optional[int]) -> Optional[str]:
+    """None if ``triton_short`` can serve q of this dtype and head dim on ``device`` for
+    sequences of at most ``max_seqlen`` tokens (None: not known yet), else the reason."""
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    module = _triton_module(device.type, index)
+    if isinstance(module, str):
+        return module
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"float16/bfloat16/float32 only, got {dtype}"
+    if head_dim not in module.HEAD_DIMS:
+        return f"head dim must be one of {module.HEAD_DIMS}, got {head_dim}"
+    if max_seqlen is not None and max_seqlen > module.MAX_SEQ:
+        return f"sequences must be at most {module.MAX_SEQ} tokens (all keys in one tile), got {max_seqlen}"
+    return None
+
+
+def choose(dtype: torch.dtype, head_dim: int, device: torch.device, backend: Optional[str] = None,
+           max_seqlen: Optional[int] = None) -> str:  # fmt: skip
+    """The varlen backend for q of this dtype, head dim and device (and sequences of at most
+    ``max_seqlen``, where known): ``backend`` (or ``$FUSEDENC_VARLEN_ATTENTION``) if given
+    (``ValueError`` if it cannot serve), else ``flash_varlen`` where it runs, else ``padded``."""
     forced = backend if backend is not None else (os.environ.get(BACKEND_ENV) or None)
     if forced is not None:
         if forced not in VARLEN_BACKENDS:
             raise ValueError(f"varlen attention backend {forced!r} is not one of {VARLEN_BACKENDS}")
+        why = None
         if forced == "flash_varlen":
             why = flash_unusable(dtype, head_dim, device)
-            if why is not None:
-                raise ValueError(f"varlen attention backend 'flash_varlen' cannot serve this call: {why}")
+        elif forced == "triton_short":
+            why = triton_unusable(dtype, head_dim, device, max_seqlen)
+        if why is not None:
+            raise ValueError(f"varlen attention backend {forced!r} cannot serve this call: {why}")
         return forced
     return "flash_varlen" if flash_unusable(dtype, head_dim, device) is None else "padded"
 
@@ -199,7 +241,13 @@ def _padded(q, k, v, cu, max_seqlen, scale):
     return torch.cat([out, out.new_zeros((1, h * d))]).index_select(0, flat)
 
 
-_KERNELS = {"flash_varlen": _flash, "padded": _padded}
+def _triton(q, k, v, cu, max_seqlen, scale):
+    module = _triton_module(q.device.type, q.device.index)
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    return module.short_varlen_attention(q, k, v, cu, max_seqlen, scale)
+
+
+_KERNELS = {"flash_varlen": _flash, "triton_short": _triton, "padded": _padded}
 
 
 # ------------------------------------------------------------ public ----
@@ -233,7 +281,7 @@ def varlen_attention(
     _check(q, k, v, cu_seqlens, max_seqlen, scale)
     if check_values and _may_sync(cu_seqlens):
         check_offsets(cu_seqlens.tolist(), q.shape[0], max_seqlen)
-    name = choose(q.dtype, q.shape[2], q.device, backend)
+    name = choose(q.dtype, q.shape[2], q.device, backend, max_seqlen)
     return _KERNELS[name](q, k, v, cu_seqlens, max_seqlen, scale)
 
 
@@ -258,14 +306,15 @@ class VarlenPlan:
     def choose(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> "VarlenPlan":
         """This plan with its backend decided for q of this dtype, head dim and device
         (``ValueError`` before any launch if a forced backend cannot serve)."""
-        return VarlenPlan(self.cu_seqlens, self.max_seqlen, choose(dtype, head_dim, device, self.backend), self.scale)
+        backend = choose(dtype, head_dim, device, self.backend, self.max_seqlen)
+        return VarlenPlan(self.cu_seqlens, self.max_seqlen, backend, self.scale)
 
     def run(self, q, k, v, attn_bias=None, key_padding_mask=None):
         """q, k, v: ``[1, T, H, Dh]`` views (a block's packed rows as one "sequence" of T)."""
         if attn_bias is not None:
             raise ValueError("attn_bias is not supported on packed rows")
         q, k, v = q[0], k[0], v[0]
-        name = self.backend or choose(q.dtype, q.shape[2], q.device)
+        name = self.backend or choose(q.dtype, q.shape[2], q.device, None, self.max_seqlen)
         return _KERNELS[name](q, k, v, self.cu_seqlens, self.max_seqlen, self.scale)
 
 
