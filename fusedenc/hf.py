@@ -222,7 +222,7 @@ class _MaskCache:
         batch, seq = x.shape[0], x.shape[1]
         if not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling():
             return convert_mask(mask, batch, seq, heads, x.dtype, inspect_values=False)
-        key = (-1 if mask.is_inference() else mask._version, batch, seq, heads, x.dtype)
+        key = _mask_key(mask, x, heads)
         last = self._last
         if not refresh and last is not None and last[0]() is mask and last[1] == key:
             result = last[2]
@@ -246,9 +246,14 @@ class _MaskCache:
         if pad is not None and pad.shape[0] != batch:  # one row for every sequence
             pad = np.broadcast_to(pad, (batch, seq))
         # A padded forward's first layer makes its key padding from the host copy: no view of the mask kept.
-        key = (-1 if mask.is_inference() else mask._version, batch, seq, heads, x.dtype)
+        key = _mask_key(mask, x, heads)
         self._last = (weakref.ref(mask), key, pad if pad is not None else (_bias_from(mask, heads, seq, x.dtype), None))
         return pad
+
+
+def _mask_key(mask: torch.Tensor, x: torch.Tensor, heads: int) -> tuple:
+    """What a cached conversion of ``mask`` depends on besides the mask object itself."""
+    return (-1 if mask.is_inference() else mask._version, x.shape[0], x.shape[1], heads, x.dtype)
 
 
 # ------------------------------------------------------------ the layer ----
