@@ -40,8 +40,6 @@ def _lengths(gen, n, longest):
     return lengths
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [32, 64])
 def _unusable(backend, dtype, head_dim, max_seqlen):
     """Why ``backend`` cannot serve these calls on this GPU (a skip reason), or None."""
     cuda = torch.device("cuda")
@@ -52,6 +50,8 @@ def _unusable(backend, dtype, head_dim, max_seqlen):
     return None
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("backend", ["flash_varlen", "triton_short", "padded"])
 def test_varlen_attention_backends(backend, head_dim, dtype, gen):
     why = _unusable(backend, dtype, head_dim, 120)
