@@ -108,6 +108,21 @@ def launch_config(seq: int, heads: int, head_dim: int) -> LaunchConfig:
 
 
 @triton.jit
+def _one_tile_softmax_v(s, v, PRECISION: tl.constexpr):
+    """``softmax(s) @ v`` for fp32 base-2 scores ``s`` [BLOCK_M, BLOCK_N] (masked keys -inf)
+    holding every key: one pass, no online rescaling.  A row that is all -inf would give
+    -inf - -inf = NaN; shifting it by 0 instead makes its p all 0, so its sum is 0 and its
+    output 0 @ v / 1 = 0 (NaN in q, k, v or bias still reaches the sum or the product, and
+    the output)."""
+    m = tl.max(s, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp2(s - m[:, None])
+    denom = tl.sum(p, 1)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    return tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / denom[:, None]
+
+
+@triton.jit
 def _short_attention_kernel(
     q_ptr, k_ptr, v_ptr, bias_ptr, mask_ptr, out_ptr, out_scale_ptr,
     seq, heads, qk_scale,
@@ -148,18 +163,7 @@ def _short_attention_kernel(
             bias_ptrs = bias_ptr + b * bias_sb + h * bias_sh + rows[:, None] * bias_sm + keys[None, :] * bias_sn
             bias = tl.load(bias_ptrs, mask=row_ok[:, None] & key_in[None, :], other=0.0)
             s += bias.to(tl.float32) * _LOG2E_IN_KERNEL
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-
-        # All keys in the tile: one pass, no online rescaling.  A row that is all
-        # -inf would give -inf - -inf = NaN; shifting it by 0 instead makes its p
-        # all 0, so its sum is 0 and its output 0 @ v / 1 = 0 (NaN in q, k, v or
-        # bias still reaches the sum or the product, and the output).
-        m = tl.max(s, 1)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.exp2(s - m[:, None])
-        denom = tl.sum(p, 1)
-        denom = tl.where(denom == 0.0, 1.0, denom)
-        o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / denom[:, None]
+        o = _one_tile_softmax_v(tl.where(key_ok[None, :], s, float("-inf")), v, PRECISION)
 
         # e4m3 codes of o * out_scale[column], saturated at +-448 (NaN stays NaN): OCP codes
         # only (fusedenc.fp8.format_for; plans.Plan turns this off on FNUZ devices)
@@ -254,15 +258,8 @@ def _short_varlen_kernel(
         k = tl.load(k_ptr + (start + keys)[:, None] * k_ss + h * k_sh + dims[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_ptr + (start + keys)[:, None] * v_ss + h * v_sh + dims[None, :], mask=key_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-        # Every real row has a key (its own), so its max is finite; rows outside the sequence
-        # are masked at the store, and their all -inf row is shifted by 0 instead of NaN.
-        m = tl.max(s, 1)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.exp2(s - m[:, None])
-        denom = tl.sum(p, 1)
-        denom = tl.where(denom == 0.0, 1.0, denom)
-        o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / denom[:, None]
+        # Rows outside the sequence are all -inf (zeros out) and masked at the store.
+        o = _one_tile_softmax_v(tl.where(key_ok[None, :], s, float("-inf")), v, PRECISION)
         out_ptrs = out_ptr + (start + rows)[:, None] * out_row_stride + h * HEAD_DIM + dims[None, :]
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
