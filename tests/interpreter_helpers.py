@@ -2,8 +2,9 @@
 
 ``TRITON_INTERPRET=1`` must be set before triton is imported and would leak
 into every later test of the process, so a test module runs its own cases in a
-child process (the module re-executed as a script) and reads one JSON line per
-case: ``{"case": id, "error": null or a message}``.
+child process (the module re-executed as a script: ``report_cases``) and reads one
+JSON line per case: ``{"case": id, "error": null or a message}``
+(``run_cases_in_interpreter``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def run_cases_in_interpreter(script: str) -> tuple[int, dict, str]:
@@ -29,3 +31,20 @@ def run_cases_in_interpreter(script: str) -> tuple[int, dict, str]:
     if r.returncode != 0 and not found:
         pytest.fail(f"interpreter run failed (seed {seed}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return seed, found, r.stderr[-3000:]
+
+
+def report_cases(seed: int, cases, name_of, run) -> int:
+    """The child's side: ``run(case, gen)`` for every case, each with a generator seeded
+    ``seed`` + its index, one JSON line per case (its error, if it raised); the exit status."""
+    torch.set_num_threads(1)  # the interpreter's per-program numpy work gains nothing from threads
+    failed = 0
+    for i, case in enumerate(cases):
+        gen = torch.Generator().manual_seed(seed + i)
+        try:
+            run(case, gen)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, one case at a time
+            error = f"{type(exc).__name__}: {exc}"
+            failed += 1
+        print(json.dumps({"case": name_of(case), "error": error}), flush=True)
+    return 1 if failed else 0

@@ -14,14 +14,13 @@ tests/test_triton_attention_gpu.py covers those on a GPU.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import sys
 
 import pytest
 import torch
-from interpreter_helpers import run_cases_in_interpreter
+from interpreter_helpers import report_cases, run_cases_in_interpreter
 
 if __name__ != "__main__" and importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -166,18 +165,8 @@ def main(seed: int) -> int:
 
     from fusedenc.attention.triton_short import LaunchConfig, short_attention
 
-    torch.set_num_threads(1)  # the interpreter's per-program numpy work gains nothing from threads
-    failed = 0
-    for i, case in enumerate(CASES):
-        gen = torch.Generator().manual_seed(seed + i)
-        try:
-            run_case(case, gen, short_attention, LaunchConfig, assert_close_rule, attention_formula)
-            error = None
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, one case at a time
-            error = f"{type(exc).__name__}: {exc}"
-            failed += 1
-        print(json.dumps({"case": case_id(case), "error": error}), flush=True)
-    return 1 if failed else 0
+    return report_cases(seed, CASES, case_id, lambda case, gen: run_case(
+        case, gen, short_attention, LaunchConfig, assert_close_rule, attention_formula))
 
 
 if __name__ == "__main__":

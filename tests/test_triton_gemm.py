@@ -18,14 +18,13 @@ covers those on a GPU.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from interpreter_helpers import run_cases_in_interpreter
+from interpreter_helpers import report_cases, run_cases_in_interpreter
 
 if __name__ != "__main__" and importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -236,23 +235,13 @@ def main(seed: int) -> int:
 
     from fusedenc.triton_gemm import GemmConfig, linear_act
 
-    torch.set_num_threads(1)  # the interpreter's per-program numpy work gains nothing from threads
-    failed = 0
-    for i, case in enumerate(CASES + ["argument_checks"]):
-        gen = torch.Generator().manual_seed(seed + i)
-        try:
-            if case == "argument_checks":
-                check_arguments(linear_act)
-            else:
-                run_case(case, gen, linear_act, GemmConfig, assert_close_rule, linear_formula, same_dtype_torch,
-                         ref_dtype)  # fmt: skip
-            error = None
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, one case at a time
-            error = f"{type(exc).__name__}: {exc}"
-            failed += 1
-        name = case if isinstance(case, str) else case_id(case)
-        print(json.dumps({"case": name, "error": error}), flush=True)
-    return 1 if failed else 0
+    def run(case, gen):
+        if case == "argument_checks":
+            check_arguments(linear_act)
+        else:
+            run_case(case, gen, linear_act, GemmConfig, assert_close_rule, linear_formula, same_dtype_torch, ref_dtype)
+
+    return report_cases(seed, CASES + ["argument_checks"], lambda c: c if isinstance(c, str) else case_id(c), run)
 
 
 if __name__ == "__main__":
