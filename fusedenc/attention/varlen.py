@@ -89,10 +89,13 @@ def _flash_device_ok(device_type: str, index: int) -> Optional[str]:
     return None
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+
+
 def flash_unusable(dtype: torch.dtype, head_dim: int, device: torch.device) -> Optional[str]:
     """None if ``flash_varlen`` can serve q of this dtype, head dim and device, else the reason."""
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
-    why = _flash_device_ok(device.type, index)
+    why = _flash_device_ok(device.type, _device_index(device))
     if why is not None:
         return why
     if dtype not in (torch.float16, torch.bfloat16):
@@ -120,8 +123,7 @@ def _triton_module(device_type: str, index: int):
 def triton_unusable(dtype: torch.dtype, head_dim: int, device: torch.device, max_seqlen: Optional[int]) -> Optional[str]:
     """None if ``triton_short`` can serve q of this dtype and head dim on ``device`` for
     sequences of at most ``max_seqlen`` tokens (None: not known yet), else the reason."""
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
-    module = _triton_module(device.type, index)
+    module = _triton_module(device.type, _device_index(device))
     if isinstance(module, str):
         return module
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
