@@ -19,11 +19,18 @@ pool, counts) stays one cache whatever the call:
     lays the sequences out that long and masks the rest).  Rows past T belong to no
     sequence, and every op but attention is row-wise: they never reach the real rows.
 
+``PaddedIdsFeed``
+    a padded batch of token ids ``[B, S]`` (and token types) whose real tokens are each
+    row's prefix, with their host offsets: the graph packs the real tokens itself and
+    returns ``[B, S, D]`` (a patched BERT's short path, ``hf_embedded``).  Buckets: the
+    packed bucket of (T, B, ``max_seqlen``) and S up to a power of two; the offsets travel
+    in one host-to-device copy, the ids in one device copy each.
+
 ``Feed.of(inputs)`` is the call's feed, or a string saying why it runs eagerly (counted in
 ``stats()``).  ``key`` goes into the graph's key and ``bucket`` into ``stats()``;
 ``statics(inputs)`` makes a graph's buffers at capture and the arguments its function is
-captured with; ``fill(statics, inputs)`` copies a call's inputs in; ``rows`` is how many
-leading rows of the output are the call's.
+captured with; ``fill(statics, inputs)`` copies a call's inputs in; ``take(out)`` is the
+call's part of the static output (a view: the cache clones it or copies it out).
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .varlen_graphs import default_token_buckets
 
 __all__ = [
     "BUCKETS", "MAX_ROWS", "MIN_SEQLEN_BUCKET", "TOKEN_BUCKETS", "BatchFeed", "PackedBucket", "PackedFeed",
+    "PaddedIdsFeed",
     "bucket_for", "packed_bucket",
 ]  # fmt: skip
 
@@ -134,6 +143,9 @@ class BatchFeed:
                 src = _compact(given, lay[1])
                 static[: src.shape[0]].copy_(src)
 
+    def take(self, out):
+        return _leading(out, self.rows)
+
 
 # ------------------------------------------------------------ packed rows ----
 
@@ -197,3 +209,72 @@ class PackedFeed:
         static_cu[: n + 1].copy_(cu)
         if n < self.bucket.sequences:
             static_cu[n + 1 :].fill_(t)  # unused offsets: empty sequences ending at T
+
+    def take(self, out):
+        return _leading(out, self.rows)
+
+
+def _leading(out, n: int):
+    """The first ``n`` rows of a static output (a tensor or a dict of them)."""
+    return {k: v[:n] for k, v in out.items()} if isinstance(out, dict) else out[:n]
+
+
+# ------------------------------------------------------------ padded token ids ----
+
+
+def seq_bucket(seq: int) -> int:
+    """The padded length a graph of ``PaddedIdsFeed`` holds: a power of two, at least
+    ``MIN_SEQLEN_BUCKET`` (HF pads a batch to its longest sentence: S varies every call)."""
+    return max(MIN_SEQLEN_BUCKET, 1 << max(seq - 1, 0).bit_length())
+
+
+class PaddedIdsFeed:
+    """``(ids [B, S], token types [B, S] or None, offsets, T, max_seqlen)``: int ids on the
+    device, each sequence's real tokens the first ``offsets[i + 1] - offsets[i]`` of its row
+    (checked by the caller); ``offsets`` int32 ``[B + 1]`` on the host (numpy), ending at T;
+    ``max_seqlen`` the longest.  The graph's function is captured on ``[B', S']`` static ids
+    (stale past the call's ``[B, S]``: only real positions are read), offsets padded with
+    empty sequences ending at T, the token bucket and the bucket's ``max_seqlen``, and returns
+    ``[B', S', D]``; the call takes ``[:B, :S]``."""
+
+    __slots__ = ("batch", "seq", "tokens", "bucket", "seq_bucket", "key")
+
+    def __init__(self, batch, seq, tokens, bucket, padded_seq, key):
+        self.batch, self.seq, self.tokens, self.bucket, self.seq_bucket, self.key = (
+            batch, seq, tokens, bucket, padded_seq, key)  # fmt: skip
+
+    @classmethod
+    def of(cls, inputs) -> Union["PaddedIdsFeed", Why]:
+        ids, types, _, tokens, max_seqlen = inputs
+        batch, seq = ids.shape
+        bucket = packed_bucket(tokens, batch, max_seqlen)
+        if isinstance(bucket, str):
+            return bucket
+        padded_seq = seq_bucket(seq)
+        if bucket.sequences * padded_seq > MAX_ROWS:
+            return "eager: rows"
+        key = ("padded ids", bucket, padded_seq, ids.dtype, types is None)
+        return cls(batch, seq, tokens, bucket, padded_seq, key)
+
+    def statics(self, inputs) -> tuple[list, list]:
+        ids, types = inputs[0], inputs[1]
+        shape = (self.bucket.sequences, self.seq_bucket)
+        static_ids = torch.zeros(shape, dtype=ids.dtype, device=ids.device)
+        static_types = None if types is None else torch.zeros(shape, dtype=types.dtype, device=ids.device)
+        static_cu = torch.zeros(self.bucket.sequences + 1, dtype=torch.int32, device=ids.device)
+        statics = [static_ids, static_types, static_cu]
+        return statics, statics + [self.bucket.tokens, self.bucket.max_seqlen]
+
+    def fill(self, statics, inputs) -> None:
+        static_ids, static_types, static_cu = statics
+        ids, types, offsets = inputs[:3]
+        b, s = self.batch, self.seq
+        static_ids[:b, :s].copy_(ids)
+        if static_types is not None:
+            static_types[:b, :s].copy_(types)
+        padded = np.full(self.bucket.sequences + 1, self.tokens, dtype=np.int32)  # unused: empty, ending at T
+        padded[: b + 1] = offsets
+        static_cu.copy_(torch.from_numpy(padded))
+
+    def take(self, out):
+        return out[: self.batch, : self.seq]

@@ -8,21 +8,26 @@ as the GPU work of a MiniLM-sized model.  ``install(model)`` gives a patched ``B
 (multilingual e5, bge-m3, ...) a shorter path for the call such services make,
 ``model(input_ids, attention_mask[, token_type_ids])``:
 
-1. the mask is read once on the host (a sync; a mask already on the CPU costs none) and
-   the packing built with numpy (``varlen.packing_from_host``: one host-to-device copy);
-   a batch without padding, or a call without a mask (HF: every token real), skips the
-   packing: its graph runs the rows as they are, with the encoder's dense attention;
-2. the real tokens' ids and token types are gathered into packed ``[T, 2]`` rows (one
-   gather);
-3. one automatic CUDA graph (``fusedenc.auto_graphs``, bucketed by token count, sequence
-   count and longest sequence as the encoder's own) runs HF's three embedding lookups,
-   their sum and LayerNorm in HF's order, then every layer's block, on the packed rows.
-   Positions are found in the graph: BERT's is the token's index in its sequence (HF's
-   ``position_ids`` buffer, for a prefix mask); RoBERTa's counts the sequence's tokens that
-   are not ``padding_idx`` up to it, from ``padding_idx + 1`` (``padding_idx`` for such a
-   token), as HF's ``create_position_ids_from_input_ids`` does on the padded row;
-4. the rows are scattered back to ``[B, S, D]`` (zeros at padding, as the encoder's
-   padding-free path) and HF's pooler runs on them eagerly.
+1. the mask is read once on the host (a sync; a mask already on the CPU costs none): numpy
+   checks that every sequence is a prefix of its row and finds the offsets; a batch without
+   padding, or a call without a mask (HF: every token real), runs its rows as they are,
+   with the encoder's dense attention;
+2. one automatic CUDA graph (``fusedenc.auto_graphs`` with ``graph_feeds.PaddedIdsFeed``:
+   bucketed by token count, sequence count, longest sequence and padded length) takes the
+   padded ids and token types (one device copy each) and the offsets (one host-to-device
+   copy), and runs everything else: it packs the real tokens' ids, runs HF's three
+   embedding lookups, their sum and LayerNorm in HF's order, then every layer's block on
+   the packed rows, and scatters the last layer's rows back to ``[B, S, D]`` (zeros at
+   padding, as the encoder's padding-free path).  Positions are found in the graph: BERT's
+   is the token's index in its sequence (HF's ``position_ids`` buffer, for a prefix mask);
+   RoBERTa's counts the sequence's tokens that are not ``padding_idx`` up to it, from
+   ``padding_idx + 1`` (``padding_idx`` for such a token), as HF's
+   ``create_position_ids_from_input_ids`` does on the padded row;
+3. HF's pooler runs eagerly on the result.
+
+Everything between the mask's read and the graph's launch is host work the GPU waits for
+(at 32 sentences a MiniLM call's GPU work is ~0.35 ms), hence no host-side gather or
+index tensors.
 
 The output is HF's ``BaseModelOutputWithPoolingAndCrossAttentions``.  Everything else
 takes HF's forward (and from there the encoder's padding-free or padded path): positional
@@ -41,12 +46,13 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import nn
 
-from . import auto_graphs, core, hf_varlen, patched_classes, varlen
+from . import auto_graphs, core, hf_varlen, patched_classes
 from .attention.varlen import BACKEND_ENV
-from .graph_feeds import PackedFeed
+from .graph_feeds import PaddedIdsFeed
 
 __all__ = ["EmbeddedModel", "install"]
 
@@ -112,25 +118,23 @@ class EmbeddedModel(nn.Module):
         if stack is None:
             return None
         native = core.active_on(device) and not auto_graphs.observing(stack)  # FP8 calibration: eager
-        flat = ids.reshape(-1, 1) if types is None else torch.stack((ids.reshape(-1), types.reshape(-1)), 1)
         # The one read of the mask (a sync where it is on the GPU): HF's convention, 0 = padding.
-        padding = None if mask is None else mask.cpu().numpy() == 0
-        if padding is None or not padding.any():
+        real = None if mask is None else mask.cpu().numpy() != 0
+        if real is None or real.all():
             # No mask (HF: every token real) or none of it padding: the batch as it is, with
             # the encoder's dense attention (at equal lengths faster than the varlen kernel).
             return self._fusedenc_finish(auto_graphs.call(
-                self, self._fusedenc_dense_rows(stack), (flat.view(*ids.shape, -1),), key="embedded dense",
+                self, self._fusedenc_dense_rows(stack), (ids, types), key="embedded dense",
                 rows_per_item=ids.shape[1], native=native))  # fmt: skip
-        if padding[:, 0].any():
-            return None  # left padding or an all-padding sequence: HF's forward
-        packing = varlen.packing_from_host(padding, device=device)
-        if not packing.prefix:
-            return None  # holes: HF's positions are not the packed index
+        if not real[:, 0].all() or (real[:, 1:] > real[:, :-1]).any():
+            return None  # left padding, an all-padding sequence or holes: HF's forward
+        lengths = real.sum(1)
+        offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
         # The forced varlen backend is read when a graph is captured: a graph per setting.
-        rows = auto_graphs.call(self, self._fusedenc_embedded_rows(stack), (flat.index_select(0, packing.indices),
-                                packing.cu_seqlens, packing.max_seqlen), key=("embedded", os.environ.get(BACKEND_ENV)),
-                                native=native, feed=PackedFeed.of)  # fmt: skip
-        return self._fusedenc_finish(varlen.unpack(rows, packing))
+        return self._fusedenc_finish(auto_graphs.call(
+            self, self._fusedenc_embedded_rows(stack), (ids, types, offsets, int(offsets[-1]), int(lengths.max())),
+            key=("embedded", os.environ.get(BACKEND_ENV)), native=native, feed=PaddedIdsFeed.of))  # fmt: skip
 
     def _fusedenc_finish(self, hidden: torch.Tensor):
         """HF's output of last hidden state ``hidden`` ``[B, S, D]``: HF's pooler runs eagerly."""
@@ -160,46 +164,55 @@ class EmbeddedModel(nn.Module):
         return self.embeddings.padding_idx + 1 if _model_kind(self._fusedenc_hf_class)[1] else 0
 
     def _fusedenc_embedded_rows(self, stack):
-        """The graph's function: packed ``[T, 1 or 2]`` ids (and token types) and the offsets
-        to every layer's output rows ``[T, D]``."""
+        """The graph's function: padded ids (and token types) ``[B, S]`` whose real tokens are
+        each row's first ``offsets[i + 1] - offsets[i]``, the offsets (int32 ``[B + 1]``,
+        ending at T), T and the longest sequence, to the last layer's output ``[B, S, D]``
+        (zeros at padding).  The real tokens are packed in the graph: T rows for every op."""
         emb = self.embeddings
         from_ids = self._fusedenc_first_position() > 0
         last = emb.position_embeddings.num_embeddings - 1
 
-        def rows(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-            t = tokens.shape[0]
-            index = torch.arange(t, dtype=torch.int32, device=tokens.device)
-            # The first row of each row's sequence.  Rows past the last offset (a bucket's slack)
-            # get clamped positions: no sequence reads them.
-            start = cu_seqlens[(torch.searchsorted(cu_seqlens, index, right=True) - 1).clamp_(0, cu_seqlens.numel() - 1)]
+        def rows(ids, types, offsets, tokens: int, max_seqlen: int) -> torch.Tensor:
+            batch, seq = ids.shape
+            cu = torch.as_tensor(offsets, device=ids.device)  # a graph's static offsets; copied when eager
+            index = torch.arange(tokens, dtype=torch.int32, device=ids.device)
+            # Each packed row's sequence and position in it.  Rows past the last offset (a
+            # bucket's slack) get clamped indices: they read some id and are written nowhere.
+            sequence = (torch.searchsorted(cu, index, right=True) - 1).clamp_(0, batch - 1)
+            start = cu[sequence]
+            position = index - start
+            flat = (sequence * seq + position.clamp(max=seq - 1)).long()
+            token_ids = ids.reshape(-1)[flat]
+            token_types = types.reshape(-1)[flat] if types is not None else torch.zeros_like(token_ids)
             if from_ids:  # RoBERTa: padding_idx + the count of non-padding ids so far in the sequence
-                real = tokens[:, 0].ne(emb.padding_idx).int()
+                real = token_ids.ne(emb.padding_idx).int()
                 counted = torch.cumsum(real, 0)
                 before = torch.where(start > 0, counted[(start - 1).clamp_(min=0)], 0)
                 positions = ((counted - before) * real + emb.padding_idx).clamp_(0, last)
             else:
-                positions = (index - start).clamp_(0, last)
-            types = tokens[:, 1] if tokens.shape[1] > 1 else torch.zeros_like(tokens[:, 0])
-            return stack._packed_rows(_embedded(emb, tokens[:, 0], types, positions), cu_seqlens, max_seqlen)
+                positions = position.clamp_(0, last)
+            packed = stack._packed_rows(_embedded(emb, token_ids, token_types, positions), cu, max_seqlen)
+            width = packed.shape[1]
+            out = packed.new_zeros(batch * seq + 1, width)  # padding positions zero, as the encoder's unpack
+            out.index_copy_(0, torch.where(index < cu[-1], flat, batch * seq), packed)  # slack: the row dropped
+            return out[:-1].view(batch, seq, width)
 
         return rows
 
     def _fusedenc_dense_rows(self, stack):
-        """The graph's function for batches without padding: ids (and token types) ``[B, S, 1 or 2]``
-        to every layer's output ``[B, S, D]`` (positions: BERT's index, RoBERTa's count)."""
+        """The graph's function for batches without padding: ids (and token types) ``[B, S]``
+        to the last layer's output ``[B, S, D]`` (positions: BERT's index, RoBERTa's count)."""
         emb = self.embeddings
         from_ids = self._fusedenc_first_position() > 0
 
-        def rows(tokens: torch.Tensor) -> torch.Tensor:
-            b, s = tokens.shape[:2]
-            ids = tokens[..., 0]
+        def rows(ids: torch.Tensor, types: Optional[torch.Tensor]) -> torch.Tensor:
+            b, s = ids.shape
             if from_ids:  # HF's create_position_ids_from_input_ids
                 real = ids.ne(emb.padding_idx).int()
                 positions = torch.cumsum(real, 1) * real + emb.padding_idx
             else:
-                positions = torch.arange(s, device=tokens.device).expand(b, s)
-            types = tokens[..., 1] if tokens.shape[2] > 1 else torch.zeros_like(ids)
-            x = _embedded(emb, ids, types, positions)
+                positions = torch.arange(s, device=ids.device).expand(b, s)
+            x = _embedded(emb, ids, torch.zeros_like(ids) if types is None else types, positions)
             return stack._eager_rows(x.reshape(b * s, -1), b, s, None, None).view(b, s, -1)
 
         return rows

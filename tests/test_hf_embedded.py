@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from hf_helpers import SMALL, small_models
 
 import fusedenc
-from fusedenc import auto_graphs, hf_embedded
+from fusedenc import auto_graphs, graph_feeds, hf_embedded
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.bert import modeling_bert  # noqa: E402
@@ -212,6 +213,40 @@ def test_roberta_positions_follow_the_ids(model_type, gen, hf_calls):
         got = model(ids, attention_mask=mask)
     assert calls == []
     _assert_packed_like(got, want, mask, f"{model_type} seed={gen.seed_value}")
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_the_graph_function_on_a_buckets_statics(model_type, gen):
+    """What a graph runs (on a GPU), run on the CPU: the short path's function on the static
+    inputs of a bucket larger than the batch, poisoned past the call's ``[B, S]`` (ids of
+    no sentence, other token types), with slack rows past T, gives the eager call's output
+    in ``[:B, :S]``."""
+    model, ref = _models(gen, model_type)
+    ids, types, mask = _batch(gen, b=5, s=11)
+    if model_type == "roberta":
+        ids[0, 3] = PAD  # a real token with the pad id: its position does not advance
+    real = mask.numpy() != 0
+    offsets = np.zeros(ids.shape[0] + 1, dtype=np.int32)
+    np.cumsum(real.sum(1), out=offsets[1:])
+    inputs = (ids, types, offsets, int(offsets[-1]), int(real.sum(1).max()))
+    feed = graph_feeds.PaddedIdsFeed.of(inputs)
+    assert feed.bucket.tokens > offsets[-1] and feed.bucket.sequences > 5 and feed.seq_bucket > 11, feed.key
+    statics, views = feed.statics(inputs)
+    statics[0].fill_(SMALL["vocab_size"] - 1)
+    statics[1].fill_(1)
+    statics[2].fill_(1 << 20)
+    feed.fill(statics, inputs)
+    assert statics[2].tolist() == [*offsets.tolist(), *[offsets[-1]] * (feed.bucket.sequences - 5)]
+    fn = model._fusedenc_embedded_rows(model.encoder._fusedenc_as_stack())
+    with torch.no_grad():
+        out = fn(*views)
+        want = ref(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        eager = model(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    assert out.shape == (feed.bucket.sequences, feed.seq_bucket, SMALL["hidden_size"])
+    got = feed.take(out)
+    torch.testing.assert_close(got, eager, **TOL)  # other row counts: other summation orders
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], **TOL)
+    assert torch.equal(out[5:], torch.zeros_like(out[5:])) and torch.equal(out[:, 11:], torch.zeros_like(out[:, 11:]))
 
 
 def test_which_models_get_it(gen):

@@ -195,6 +195,26 @@ def test_varlen_attention_bad_input(gen):
     assert attention_varlen.choose(torch.float32, 8, torch.device("cpu")) == "padded"
 
 
+def test_default_backend_by_sequence_bound(monkeypatch):
+    """Short sequences default to triton_short where Triton serves, longer (or unknown) ones
+    to flash_varlen where it runs, else padded; a forced backend still wins."""
+    monkeypatch.delenv(attention_varlen.BACKEND_ENV, raising=False)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(attention_varlen, "triton_unusable", lambda d, h, dev, m: None if m <= 128 else "too long")
+    monkeypatch.setattr(attention_varlen, "flash_unusable", lambda d, h, dev: None)
+    short = attention_varlen.SHORT_DEFAULT_MAX
+    assert attention_varlen.choose(torch.float16, 32, gpu, None, short) == "triton_short"
+    assert attention_varlen.choose(torch.float16, 32, gpu, None, 17) == "triton_short"
+    assert attention_varlen.choose(torch.float16, 32, gpu, None, short + 1) == "flash_varlen"
+    assert attention_varlen.choose(torch.float16, 32, gpu) == "flash_varlen"  # bound unknown
+    assert attention_varlen.choose(torch.float16, 32, gpu, "flash_varlen", 17) == "flash_varlen"
+    monkeypatch.setattr(attention_varlen, "flash_unusable", lambda d, h, dev: "ROCm")
+    assert attention_varlen.choose(torch.float16, 32, gpu, None, 64) == "triton_short"
+    assert attention_varlen.choose(torch.float16, 32, gpu, None, 256) == "padded"
+    monkeypatch.setattr(attention_varlen, "triton_unusable", lambda d, h, dev, m: "no triton")
+    assert attention_varlen.choose(torch.float16, 32, gpu, None, 64) == "padded"
+
+
 def test_backend_env_forces(monkeypatch):
     monkeypatch.setenv(attention_varlen.BACKEND_ENV, "flash_varlen")
     with pytest.raises(ValueError, match="cannot serve"):

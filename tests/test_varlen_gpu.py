@@ -354,12 +354,12 @@ def test_patched_bert_embeddings_in_the_graph_follow_each_batch(model_type, gen,
         for i, (b_ids, b_mask, b_types) in enumerate(batches):
             kw = dict(input_ids=b_ids, attention_mask=b_mask, token_type_ids=b_types)
             model(**kw)  # the first call at a key runs eagerly; the second captures and replays
-            for entry in cache.entries():  # packed: (tokens [T, 1|2], offsets); without padding: (tokens [B, S, 1|2],)
-                tokens = entry.inputs[0]
-                tokens[..., 0].fill_(29999)  # ids of no batch here; a valid token type (there are two)
-                tokens[..., 1:].fill_(1)
-                if len(entry.inputs) > 1:
-                    entry.inputs[1].fill_(1 << 30)
+            for entry in cache.entries():  # with padding: (ids, token types or None, offsets); without: (ids, types)
+                entry.inputs[0].fill_(29999)  # ids of no batch here
+                if entry.inputs[1] is not None:
+                    entry.inputs[1].fill_(1)  # a valid token type (there are two)
+                if len(entry.inputs) > 2:
+                    entry.inputs[2].fill_(1 << 30)
                 entry.out.fill_(float("nan"))
             replays = cache.counts["replays"]
             got, want, base = model(**kw), ref(**kw), same(**kw)

@@ -22,8 +22,9 @@ or ``backend=`` forces one, for measuring):
     program per (query block, group of heads, sequence), every key of a sequence in one
     tile, so sequences of at most ``triton_short.MAX_SEQ`` (128) tokens; CUDA sm80+ or ROCm,
     float16/bfloat16/float32, head dims 16/32/64/128, the triton package.  No host sync.
-    Forced only (``FUSEDENC_VARLEN_ATTENTION=triton_short``) until measured against
-    ``flash_varlen`` on the short sentences it is for.
+    The default where the call's ``max_seqlen`` (or its graph bucket's bound) is at most
+    ``SHORT_DEFAULT_MAX``: sentence batches, where flash's long-sequence machinery runs one
+    short tile.
 ``padded``
     Scatters the rows into a zero-filled ``[N, max_seqlen, H, Dh]`` layout, runs
     ``fusedenc.attention`` with the matching key padding mask, and gathers the real rows
@@ -50,6 +51,7 @@ from .op import attention
 
 __all__ = [
     "BACKEND_ENV",
+    "SHORT_DEFAULT_MAX",
     "VARLEN_BACKENDS",
     "VarlenPlan",
     "choose",
@@ -60,6 +62,11 @@ __all__ = [
 VARLEN_BACKENDS = ("flash_varlen", "triton_short", "padded")
 #: Forces a varlen backend (one of ``VARLEN_BACKENDS``), e.g. to measure one against another.
 BACKEND_ENV = "FUSEDENC_VARLEN_ATTENTION"
+#: Sequences this short (a bound: a graph bucket's ``max_seqlen``) default to ``triton_short``:
+#: one tile of keys per program, no online rescaling.  On an H200 at 32 sentences of ~25
+#: tokens it took 35 us a MiniLM call against flash_varlen's 67 (bench/NOTES.md); on ROCm,
+#: where flash_varlen is not built, it replaces the padded layout.
+SHORT_DEFAULT_MAX = 128
 
 
 def _flash_op():
@@ -139,7 +146,9 @@ def choose(dtype: torch.dtype, head_dim: int, device: torch.device, backend: Opt
            max_seqlen: Optional[int] = None) -> str:  # fmt: skip
     """The varlen backend for q of this dtype, head dim and device (and sequences of at most
     ``max_seqlen``, where known): ``backend`` (or ``$FUSEDENC_VARLEN_ATTENTION``) if given
-    (``ValueError`` if it cannot serve), else ``flash_varlen`` where it runs, else ``padded``."""
+    (``ValueError`` if it cannot serve); else ``triton_short`` for sequences known to be at
+    most ``SHORT_DEFAULT_MAX`` tokens where Triton runs, ``flash_varlen`` where it runs, else
+    ``padded``."""
     forced = backend if backend is not None else (os.environ.get(BACKEND_ENV) or None)
     if forced is not None:
         if forced not in VARLEN_BACKENDS:
@@ -152,6 +161,9 @@ def choose(dtype: torch.dtype, head_dim: int, device: torch.device, backend: Opt
         if why is not None:
             raise ValueError(f"varlen attention backend {forced!r} cannot serve this call: {why}")
         return forced
+    if max_seqlen is not None and max_seqlen <= SHORT_DEFAULT_MAX and triton_unusable(dtype, head_dim, device,
+                                                                                     max_seqlen) is None:  # fmt: skip
+        return "triton_short"
     return "flash_varlen" if flash_unusable(dtype, head_dim, device) is None else "padded"
 
 
