@@ -269,12 +269,14 @@ class PaddedIdsFeed:
         static_ids, static_types, static_cu = statics
         ids, types, offsets = inputs[:3]
         b, s = self.batch, self.seq
+        padded = np.full(self.bucket.sequences + 1, self.tokens, dtype=np.int32)  # unused: empty, ending at T
+        padded[: b + 1] = offsets
+        # First: a copy from pageable memory waits for the stream's queued work, none yet here
+        # after the caller's read of the mask (a sync).
+        static_cu.copy_(torch.from_numpy(padded))
         static_ids[:b, :s].copy_(ids)
         if static_types is not None:
             static_types[:b, :s].copy_(types)
-        padded = np.full(self.bucket.sequences + 1, self.tokens, dtype=np.int32)  # unused: empty, ending at T
-        padded[: b + 1] = offsets
-        static_cu.copy_(torch.from_numpy(padded))
 
     def take(self, out):
         return out[: self.batch, : self.seq]
