@@ -14,6 +14,7 @@ import copy
 import pickle
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -333,6 +334,26 @@ def test_packed_calls_past_the_buckets_run_eagerly():
     assert graph_feeds.packed_bucket(2000, auto_graphs.BUCKETS[-1] + 1, 8) == "eager: sequences"
     b = graph_feeds.TOKEN_BUCKETS
     assert b[-1] == auto_graphs.MAX_ROWS and list(b) == sorted(set(b)) and all(t % 64 == 0 for t in b)
+
+
+def test_padded_ids_feed_buckets_and_eager_reasons(gen):
+    """A padded batch of ids: the packed bucket of (T, B, longest), the padded length up to a
+    power of two (at least 64); too many padded rows, tokens or sequences run eagerly; the
+    call's part of the output is ``[:B, :S]``."""
+    ids = torch.randint(0, 100, (20, 70), generator=gen)
+    offsets = np.arange(21, dtype=np.int32) * 10  # 20 sequences of 10 tokens
+    feed = graph_feeds.PaddedIdsFeed.of((ids, None, offsets, 200, 10))
+    assert (feed.bucket, feed.seq_bucket) == ((256, 24, 64), 128)
+    assert feed.key == ("padded ids", feed.bucket, 128, torch.int64, True)
+    assert graph_feeds.PaddedIdsFeed.of((ids, ids, offsets, 200, 10)).key[-1] is False
+    assert [graph_feeds.seq_bucket(s) for s in (1, 64, 65, 129, 512)] == [64, 64, 128, 256, 512]
+    out = torch.randn(24, 128, 4, generator=gen)
+    assert torch.equal(feed.take(out), out[:20, :70])
+    wide = torch.zeros((512, 200), dtype=torch.int64)  # 768 x 256 padded rows > MAX_ROWS
+    assert graph_feeds.PaddedIdsFeed.of((wide, None, None, 5000, 200)) == "eager: rows"
+    assert graph_feeds.PaddedIdsFeed.of((ids, None, offsets, 0, 0)) == "eager: tokens"
+    many = torch.zeros((auto_graphs.BUCKETS[-1] + 1, 4), dtype=torch.int64)
+    assert graph_feeds.PaddedIdsFeed.of((many, None, None, 100, 1)) == "eager: sequences"
 
 
 def test_a_packed_feed_fills_offsets_with_empty_sequences(gen):
