@@ -33,6 +33,14 @@ def run_cases_in_interpreter(script: str) -> tuple[int, dict, str]:
     return seed, found, r.stderr[-3000:]
 
 
+def assert_case_passed(results: tuple[int, dict, str], name: str) -> None:
+    """The parent's check of one case in ``run_cases_in_interpreter``'s results: it ran, and
+    raised nothing."""
+    seed, found, stderr = results
+    assert name in found, f"{name}: no result (seed {seed}); child stderr:\n{stderr}"
+    assert found[name] is None, f"{name} (seed {seed}): {found[name]}"
+
+
 def report_cases(seed: int, cases, name_of, run) -> int:
     """The child's side: ``run(case, gen)`` for every case, each with a generator seeded
     ``seed`` + its index, one JSON line per case (its error, if it raised); the exit status."""

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from interpreter_helpers import report_cases, run_cases_in_interpreter
+from interpreter_helpers import assert_case_passed, report_cases, run_cases_in_interpreter
 
 if __name__ != "__main__" and importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -60,10 +60,7 @@ def results():
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_case_under_interpreter(case, results):
-    seed, found, stderr = results
-    name = case_id(case)
-    assert name in found, f"{name}: no result (seed {seed}); child stderr:\n{stderr}"
-    assert found[name] is None, f"{name} (seed {seed}): {found[name]}"
+    assert_case_passed(results, case_id(case))
 
 
 # ------------------------------------------------------------ child side ----
