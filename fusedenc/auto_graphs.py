@@ -371,13 +371,17 @@ class AutoGraphs:
             self._epoch = _config_epoch
         full_key = (key, feed.key, device, norm_fold.current_mode())
         lane = _lane(device)
+
+        def launch(entry: _Entry) -> None:
+            lane.order(device)
+            feed.fill(entry.inputs, inputs)
+            entry.graph.replay()
+
         with lane.lock:
             entry = self._graphs.get(full_key)
             if entry is not None:
                 self._graphs.move_to_end(full_key)
-                lane.order(device)
-                feed.fill(entry.inputs, inputs)
-                entry.graph.replay()
+                launch(entry)
                 # The weights' stamp (~100 tensors: ~20 us of host) is taken after the launch,
                 # while the GPU runs.  A stale replay is harmless: the graph holds the weights
                 # it captured (entry.weights), so it reads memory it owns; its result is dropped.
@@ -398,9 +402,7 @@ class AutoGraphs:
                 self.counts["eager: first calls"] += 1
                 return None
             entry = self._capture(module, fn, inputs, feed, full_key, stamp, lane, around_capture)
-            lane.order(device)
-            feed.fill(entry.inputs, inputs)
-            entry.graph.replay()
+            launch(entry)
             self.counts["replays"] += 1
             return _deliver(feed.take(entry.out), out)
 

@@ -46,7 +46,7 @@ from .varlen_graphs import default_token_buckets
 __all__ = [
     "BUCKETS", "MAX_ROWS", "MIN_SEQLEN_BUCKET", "TOKEN_BUCKETS", "BatchFeed", "PackedBucket", "PackedFeed",
     "PaddedIdsFeed",
-    "bucket_for", "packed_bucket",
+    "bucket_for", "length_bucket", "packed_bucket",
 ]  # fmt: skip
 
 #: Batch-size buckets: powers of two and 1.5x powers of two up to 1024, so a batch pads by
@@ -167,10 +167,15 @@ def packed_bucket(tokens: int, sequences: int, max_seqlen: int) -> Union[PackedB
     n = bucket_for(sequences)
     if n is None:
         return "eager: sequences"
-    # A power of two (few graphs however the longest sentence of a batch varies), at most
-    # the token bucket: no sequence is longer than T, so a larger bound only costs work.
-    m = max(MIN_SEQLEN_BUCKET, 1 << max(int(max_seqlen) - 1, 0).bit_length())
-    return PackedBucket(t, n, min(m, t))
+    # At most the token bucket: no sequence is longer than T, so a larger bound only costs work.
+    return PackedBucket(t, n, min(length_bucket(int(max_seqlen)), t))
+
+
+def length_bucket(length: int) -> int:
+    """A sequence length's bucket (``max_seqlen``'s, and ``PaddedIdsFeed``'s padded length): a
+    power of two, at least ``MIN_SEQLEN_BUCKET`` (few graphs however the longest sentence of
+    a batch, and so HF's padded length, varies)."""
+    return max(MIN_SEQLEN_BUCKET, 1 << max(length - 1, 0).bit_length())
 
 
 class PackedFeed:
@@ -222,12 +227,6 @@ def _leading(out, n: int):
 # ------------------------------------------------------------ padded token ids ----
 
 
-def seq_bucket(seq: int) -> int:
-    """The padded length a graph of ``PaddedIdsFeed`` holds: a power of two, at least
-    ``MIN_SEQLEN_BUCKET`` (HF pads a batch to its longest sentence: S varies every call)."""
-    return max(MIN_SEQLEN_BUCKET, 1 << max(seq - 1, 0).bit_length())
-
-
 class PaddedIdsFeed:
     """``(ids [B, S], token types [B, S] or None, offsets, T, max_seqlen)``: int ids on the
     device, each sequence's real tokens the first ``offsets[i + 1] - offsets[i]`` of its row
@@ -250,7 +249,7 @@ class PaddedIdsFeed:
         bucket = packed_bucket(tokens, batch, max_seqlen)
         if isinstance(bucket, str):
             return bucket
-        padded_seq = seq_bucket(seq)
+        padded_seq = length_bucket(seq)
         if bucket.sequences * padded_seq > MAX_ROWS:
             return "eager: rows"
         key = ("padded ids", bucket, padded_seq, ids.dtype, types is None)

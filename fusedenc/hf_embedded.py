@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import auto_graphs, core, hf_varlen, patched_classes
+from . import auto_graphs, core, hf_varlen, patched_classes, varlen
 from .attention.varlen import BACKEND_ENV
 from .graph_feeds import PaddedIdsFeed
 
@@ -126,7 +126,7 @@ class EmbeddedModel(nn.Module):
             return self._fusedenc_finish(auto_graphs.call(
                 self, self._fusedenc_dense_rows(stack), (ids, types), key="embedded dense",
                 rows_per_item=ids.shape[1], native=native))  # fmt: skip
-        if not real[:, 0].all() or (real[:, 1:] > real[:, :-1]).any():
+        if not real[:, 0].all() or not varlen.real_tokens_first(real):
             return None  # left padding, an all-padding sequence or holes: HF's forward
         lengths = real.sum(1)
         offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int32)

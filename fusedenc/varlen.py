@@ -38,6 +38,7 @@ __all__ = [
     "packing_from_host",
     "packing_from_lengths",
     "packing_from_mask",
+    "real_tokens_first",
     "unpack",
 ]
 
@@ -132,13 +133,18 @@ def packing_from_host(padding: np.ndarray, *, device=None) -> Packing:
     cu[:] = flat.searchsorted(np.arange(0, (b + 1) * s, s)) if s > 0 else 0
     offsets = cu.tolist()
     lengths = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
-    # A sequence is a prefix when no real token follows a padding position.
-    prefix = not (real[:, 1:] > real[:, :-1]).any() if s > 1 else True
+    prefix = real_tokens_first(real)
     first_real = bool(real[:, 0].all()) if s > 0 else b == 0
     both = torch.from_numpy(buf).to(_device_of(device, _CPU))
     indices = both[:total]
     cu_seqlens = both.view(torch.int32)[2 * total : 2 * total + b + 1]
     return Packing(b, s, lengths, indices, cu_seqlens, bool(prefix), first_real)
+
+
+def real_tokens_first(real: np.ndarray) -> bool:
+    """Whether every row of numpy bool ``real`` ``[B, S]`` (True = a real token) has its real
+    tokens first (right padding, or none): no real token follows a padding position."""
+    return real.shape[1] < 2 or not (real[:, 1:] > real[:, :-1]).any()
 
 
 def packing_from_lengths(lengths: Union[Sequence[int], torch.Tensor], seq_len: int, *, device=None) -> Packing:

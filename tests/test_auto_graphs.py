@@ -346,7 +346,7 @@ def test_padded_ids_feed_buckets_and_eager_reasons(gen):
     assert (feed.bucket, feed.seq_bucket) == ((256, 24, 64), 128)
     assert feed.key == ("padded ids", feed.bucket, 128, torch.int64, True)
     assert graph_feeds.PaddedIdsFeed.of((ids, ids, offsets, 200, 10)).key[-1] is False
-    assert [graph_feeds.seq_bucket(s) for s in (1, 64, 65, 129, 512)] == [64, 64, 128, 256, 512]
+    assert [graph_feeds.length_bucket(s) for s in (1, 64, 65, 129, 512)] == [64, 64, 128, 256, 512]
     out = torch.randn(24, 128, 4, generator=gen)
     assert torch.equal(feed.take(out), out[:20, :70])
     wide = torch.zeros((512, 200), dtype=torch.int64)  # 768 x 256 padded rows > MAX_ROWS
