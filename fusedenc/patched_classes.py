@@ -52,7 +52,9 @@ def _register_recordable(module) -> None:
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
     except ImportError:  # transformers 4.x: outputs are returned by the forward itself
         return
-    _CAN_RECORD_REGISTRY[module] = recordable
+    # Keyed by str(class) in every 5.x; 5.17 is a plain dict indexed with that string, later
+    # versions a dict subclass whose __setitem__ takes the model: write the key itself.
+    dict.__setitem__(_CAN_RECORD_REGISTRY, str(type(module)), recordable)
 
 
 def _reduce_ex(self, protocol):
