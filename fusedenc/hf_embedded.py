@@ -23,7 +23,9 @@ as the GPU work of a MiniLM-sized model.  ``install(model)`` gives a patched ``B
    RoBERTa's counts the sequence's tokens that are not ``padding_idx`` up to it, from
    ``padding_idx + 1`` (``padding_idx`` for such a token), as HF's
    ``create_position_ids_from_input_ids`` does on the padded row;
-3. HF's pooler runs eagerly on the result.
+3. HF's pooler runs in the graph too (the first token's dense layer and tanh), unless it is
+   not HF's own class or a hook is on it or its parts: then eagerly on the result.  Its
+   three launches cost more host time than its GPU work (~0.1 ms a call on an H200 host).
 
 Everything between the mask's read and the graph's launch is host work the GPU waits for
 (at 32 sentences a MiniLM call's GPU work is ~0.35 ms), hence no host-side gather or
@@ -120,11 +122,12 @@ class EmbeddedModel(nn.Module):
         native = core.active_on(device) and not auto_graphs.observing(stack)  # FP8 calibration: eager
         # The one read of the mask (a sync where it is on the GPU): HF's convention, 0 = padding.
         real = None if mask is None else mask.cpu().numpy() != 0
+        pooler = self._fusedenc_graph_pooler()
         if real is None or real.all():
             # No mask (HF: every token real) or none of it padding: the batch as it is, with
             # the encoder's dense attention (at equal lengths faster than the varlen kernel).
             return self._fusedenc_finish(auto_graphs.call(
-                self, self._fusedenc_dense_rows(stack), (ids, types), key="embedded dense",
+                self, self._fusedenc_dense_rows(stack, pooler), (ids, types), key=("embedded dense", pooler is None),
                 rows_per_item=ids.shape[1], native=native))  # fmt: skip
         if not real[:, 0].all() or not varlen.real_tokens_first(real):
             return None  # left padding, an all-padding sequence or holes: HF's forward
@@ -133,13 +136,24 @@ class EmbeddedModel(nn.Module):
         np.cumsum(lengths, out=offsets[1:])
         # The forced varlen backend is read when a graph is captured: a graph per setting.
         return self._fusedenc_finish(auto_graphs.call(
-            self, self._fusedenc_embedded_rows(stack), (ids, types, offsets, int(offsets[-1]), int(lengths.max())),
-            key=("embedded", os.environ.get(BACKEND_ENV)), native=native, feed=PaddedIdsFeed.of))  # fmt: skip
+            self, self._fusedenc_embedded_rows(stack, pooler), (ids, types, offsets, int(offsets[-1]), int(lengths.max())),
+            key=("embedded", os.environ.get(BACKEND_ENV), pooler is None), native=native, feed=PaddedIdsFeed.of))  # fmt: skip
 
-    def _fusedenc_finish(self, hidden: torch.Tensor):
-        """HF's output of last hidden state ``hidden`` ``[B, S, D]``: HF's pooler runs eagerly."""
-        pooled = self.pooler(hidden) if self.pooler is not None else None
-        return _output(hidden, pooled)
+    def _fusedenc_finish(self, result):
+        """HF's output from a graph function's ``result``: the last hidden state ``[B, S, D]``
+        (HF's pooler, if any, then runs eagerly) or ``{"hidden", "pooled"}``."""
+        if isinstance(result, dict):
+            return _output(result["hidden"], result["pooled"])
+        pooled = self.pooler(result) if self.pooler is not None else None
+        return _output(result, pooled)
+
+    def _fusedenc_graph_pooler(self) -> Optional[nn.Module]:
+        """HF's pooler where it can run inside the graph function (HF's own class, no hook on
+        it or its parts); None: there is none, or it runs eagerly after."""
+        pooler = self._modules.get("pooler")
+        if pooler is None or type(pooler).__module__ != self._fusedenc_hf_class.__module__:
+            return None
+        return None if any(hf_varlen.forward_hooked(m) for m in pooler.modules()) else pooler
 
     def _fusedenc_plain(self) -> bool:
         """Whether nothing would see or change the embeddings' call, and HF returns its
@@ -164,11 +178,12 @@ class EmbeddedModel(nn.Module):
         """The position of a sequence's first token: 0 (BERT), ``padding_idx + 1`` (RoBERTa)."""
         return self.embeddings.padding_idx + 1 if _model_kind(self._fusedenc_hf_class)[1] else 0
 
-    def _fusedenc_embedded_rows(self, stack):
+    def _fusedenc_embedded_rows(self, stack, pooler: Optional[nn.Module] = None):
         """The graph's function: padded ids (and token types) ``[B, S]`` whose real tokens are
         each row's first ``offsets[i + 1] - offsets[i]``, the offsets (int32 ``[B + 1]``,
         ending at T), T and the longest sequence, to the last layer's output ``[B, S, D]``
-        (zeros at padding).  The real tokens are packed in the graph: T rows for every op."""
+        (zeros at padding), or with ``pooler`` ``{"hidden": that, "pooled": pooler(that)}``.
+        The real tokens are packed in the graph: T rows for every op."""
         emb = self.embeddings
         from_ids = self._fusedenc_first_position() > 0
         last = emb.position_embeddings.num_embeddings - 1
@@ -196,13 +211,14 @@ class EmbeddedModel(nn.Module):
             width = packed.shape[1]
             out = packed.new_zeros(batch * seq + 1, width)  # padding positions zero, as the encoder's unpack
             out.index_copy_(0, torch.where(index < cu[-1], flat, batch * seq), packed)  # slack: the row dropped
-            return out[:-1].view(batch, seq, width)
+            return _pooled(out[:-1].view(batch, seq, width), pooler)
 
         return rows
 
-    def _fusedenc_dense_rows(self, stack):
+    def _fusedenc_dense_rows(self, stack, pooler: Optional[nn.Module] = None):
         """The graph's function for batches without padding: ids (and token types) ``[B, S]``
-        to the last layer's output ``[B, S, D]`` (positions: BERT's index, RoBERTa's count)."""
+        to the last layer's output ``[B, S, D]`` (positions: BERT's index, RoBERTa's count),
+        or with ``pooler`` the dict ``_fusedenc_embedded_rows`` returns."""
         emb = self.embeddings
         from_ids = self._fusedenc_first_position() > 0
 
@@ -214,7 +230,7 @@ class EmbeddedModel(nn.Module):
             else:
                 positions = torch.arange(s, device=ids.device).expand(b, s)
             x = _embedded(emb, ids, torch.zeros_like(ids) if types is None else types, positions)
-            return stack._eager_rows(x.reshape(b * s, -1), b, s, None, None).view(b, s, -1)
+            return _pooled(stack._eager_rows(x.reshape(b * s, -1), b, s, None, None).view(b, s, -1), pooler)
 
         return rows
 
@@ -224,6 +240,10 @@ def _embedded(emb: nn.Module, ids: torch.Tensor, types: torch.Tensor, positions:
     (its dropout: eval)."""
     x = emb.word_embeddings(ids) + emb.token_type_embeddings(types)
     return emb.LayerNorm(x + emb.position_embeddings(positions))
+
+
+def _pooled(hidden: torch.Tensor, pooler: Optional[nn.Module]):
+    return hidden if pooler is None else {"hidden": hidden, "pooled": pooler(hidden)}
 
 
 def _model_kind(cls: type) -> Optional[tuple[str, bool]]:

@@ -246,3 +246,24 @@ def test_lc0_evaluate_and_compile_use_the_graphs(tiny_path, gen):
         got = compiled(x)
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=2e-2, atol=2e-2)
+
+
+def test_offsets_reach_the_statics_through_pinned_memory(gen):
+    """``graph_feeds.copy_offsets``: back-to-back copies from the one pinned buffer (each
+    waits for the last to leave) and a larger one (a new buffer), all landing as written,
+    with empty sequences ending at T after the call's."""
+    import numpy as np
+
+    from fusedenc import graph_feeds
+
+    copies = []
+    for sequences, size in [(3, 8), (5, 8), (7, 12), (2, 3000)]:
+        lengths = torch.randint(1, 9, (sequences,), generator=gen).numpy()
+        offsets = np.zeros(sequences + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        static = torch.full((size + 1,), -1, dtype=torch.int32, device=DEV)
+        graph_feeds.copy_offsets(static, offsets, int(offsets[-1]))
+        copies.append((static, offsets.tolist()))
+    torch.cuda.synchronize()
+    for static, offsets in copies:
+        assert static.tolist() == offsets + [offsets[-1]] * (static.shape[0] - len(offsets))

@@ -184,6 +184,36 @@ def test_a_hook_sees_its_call(where, gen, hf_calls):
     assert calls == [], "unhooked again: the short path"
 
 
+@pytest.mark.parametrize("where", ["pooler", "pooler.dense"])
+def test_a_hooked_pooler_runs_after_the_graph_function(where, gen, hf_calls):
+    """HF's pooler runs inside the short path's graph function, unless a hook is on it or a
+    part of it: then eagerly after it, where the hook sees (and here changes) its call."""
+    model, ref = _models(gen)
+    calls = hf_calls(model)
+    ids, _, mask = _batch(gen)
+    target = model.pooler if where == "pooler" else model.pooler.dense
+    seen = []
+
+    def doubled(module, args, out):
+        seen.append(module)
+        return out * 2
+
+    handle = target.register_forward_hook(doubled)
+    try:
+        assert model._fusedenc_graph_pooler() is None
+        with torch.no_grad():
+            want = ref(ids, attention_mask=mask)  # HF's class: counted too
+            first = want.last_hidden_state[:, 0]
+            expected = want.pooler_output * 2 if where == "pooler" else torch.tanh(2 * ref.pooler.dense(first))
+            calls.clear()
+            got = model(ids, attention_mask=mask)
+    finally:
+        handle.remove()
+    assert seen == [target] and calls == [], f"{where}: the short path, the pooler after it"
+    torch.testing.assert_close(got.pooler_output, expected, **TOL)
+    assert model._fusedenc_graph_pooler() is model.pooler, "unhooked: in the graph function again"
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_a_task_head_model_runs_its_base_model_on_the_short_path(model_type, gen, hf_calls):
     model, ref = _models(gen, model_type, transformers.AutoModelForSequenceClassification)
@@ -237,16 +267,23 @@ def test_the_graph_function_on_a_buckets_statics(model_type, gen):
     statics[2].fill_(1 << 20)
     feed.fill(statics, inputs)
     assert statics[2].tolist() == [*offsets.tolist(), *[offsets[-1]] * (feed.bucket.sequences - 5)]
-    fn = model._fusedenc_embedded_rows(model.encoder._fusedenc_as_stack())
+    assert model._fusedenc_graph_pooler() is model.pooler, "HF's unhooked pooler runs in the graph"
+    fn = model._fusedenc_embedded_rows(model.encoder._fusedenc_as_stack(), model.pooler)
     with torch.no_grad():
         out = fn(*views)
-        want = ref(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
-        eager = model(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
-    assert out.shape == (feed.bucket.sequences, feed.seq_bucket, SMALL["hidden_size"])
+        want = ref(ids, attention_mask=mask, token_type_ids=types)
+        eager = model(ids, attention_mask=mask, token_type_ids=types)
+    hidden = out["hidden"]
+    assert hidden.shape == (feed.bucket.sequences, feed.seq_bucket, SMALL["hidden_size"])
+    assert out["pooled"].shape == (feed.bucket.sequences, SMALL["hidden_size"])
     got = feed.take(out)
-    torch.testing.assert_close(got, eager, **TOL)  # other row counts: other summation orders
-    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], **TOL)
-    assert torch.equal(out[5:], torch.zeros_like(out[5:])) and torch.equal(out[:, 11:], torch.zeros_like(out[:, 11:]))
+    assert got["hidden"].shape == (5, 11, SMALL["hidden_size"]) and got["pooled"].shape == (5, SMALL["hidden_size"])
+    torch.testing.assert_close(got["hidden"], eager.last_hidden_state, **TOL)  # other row counts: other sums
+    torch.testing.assert_close(got["pooled"], eager.pooler_output, **TOL)
+    torch.testing.assert_close(got["hidden"][mask.bool()], want.last_hidden_state[mask.bool()], **TOL)
+    torch.testing.assert_close(got["pooled"], want.pooler_output, **TOL)
+    assert torch.equal(hidden[5:], torch.zeros_like(hidden[5:]))
+    assert torch.equal(hidden[:, 11:], torch.zeros_like(hidden[:, 11:]))
 
 
 def test_which_models_get_it(gen):
