@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 from fusedenc import auto_graphs, dtypes  # noqa: E402
-from fusedenc.lc0 import Lc0Network, read_net  # noqa: E402
+from fusedenc.lc0 import Lc0FileError, Lc0FormatError, Lc0Network, NetFile, check_supported, read_net  # noqa: E402
 from fusedenc.lc0.reference import ReferenceNetwork, placed  # noqa: E402
 from fusedenc.tune.timing import MIN_REPS, capture_graph, sync, time_calls  # noqa: E402
 
@@ -76,6 +76,28 @@ def _synthetic(name: str, out_dir: str) -> str:
     if not os.path.exists(path):
         write_preset(path, name, seed=1)
     return path
+
+
+class NetFileError(Exception):
+    """A net file the benchmark cannot run: missing, damaged, or a net fusedenc does not run.
+    Its message is what to tell the user (``main`` prints it and exits 2, as ``python -m
+    fusedenc.lc0`` does); a traceback would read as a bug of the benchmark."""
+
+
+def read_checked(path: str, dtype: torch.dtype) -> NetFile:
+    """``read_net(path)``, checked as ``python -m fusedenc.lc0`` checks it (same messages);
+    raises ``NetFileError``."""
+    try:
+        file = read_net(path)
+    except (OSError, Lc0FileError) as exc:
+        # The library's errors begin with the path; an OSError's strerror has none.
+        why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc).removeprefix(f"{path}: ")
+        raise NetFileError(f"cannot read {path}: {why}") from None
+    try:
+        check_supported(file, dtype=dtype)
+    except Lc0FormatError as exc:  # "<path>: fusedenc cannot run this net:" and one line per reason
+        raise NetFileError(str(exc)) from None
+    return file
 
 
 def _planes(batch: int, device: torch.device, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -180,8 +202,9 @@ def run_net(
     path: str, args, device: torch.device, dtype: torch.dtype, wanted: tuple[str, ...] = IMPLS
 ) -> dict[str, Any]:
     """Check, then time, the implementations in ``wanted`` on the net at ``path`` (``args``:
-    batch_sizes, compile_modes, reps, seed, check_slack).  CUDA graphs only on a GPU."""
-    file = read_net(path)
+    batch_sizes, compile_modes, reps, seed, check_slack).  CUDA graphs only on a GPU.
+    Raises ``NetFileError`` for a file it cannot run, before anything is built."""
+    file = read_checked(path, dtype)
     desc = file.describe()
     ref_net = ReferenceNetwork(placed(file, device, torch.float32))
     torch_net = ReferenceNetwork(placed(file, device, dtype))
@@ -342,7 +365,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     records, lines = [], list(head)
     with torch.inference_mode():
         for path in nets:
-            rec = run_net(path, args, device, dtype, IMPLS if gpu else CPU_IMPLS)
+            try:
+                rec = run_net(path, args, device, dtype, IMPLS if gpu else CPU_IMPLS)
+            except NetFileError as exc:  # the nets before it are written already
+                print(f"bench/lc0.py: {exc}", file=sys.stderr)
+                return 2
             records.append(rec)
             lines += [""] + report(rec)
             print("\n".join(report(rec)), flush=True)

@@ -69,6 +69,8 @@ status 3, naming the step.  On an H100 one preset takes about 1.5 minutes
 
 On CPU (no GPU): tiny preset, float32 (fp16 matmuls are slow on CPU),
 torch-compile, fusedenc-compile and fusedenc-graph skipped unless asked for with --impl.
+There the fusedenc rows time the PyTorch reference ops (no native core on the CPU), not
+fusedenc's GPU path, and the output says so above the tables.
 
 FP8 (issue 21), ``--dtype fp8``: the model is built in float16 and the FP8
 implementations of bench/fp8_peers.py run beside the fp16 ones, so one run gives
@@ -464,6 +466,12 @@ def _fp8_wanted(args: argparse.Namespace, wanted: list[str], device: torch.devic
     return wanted
 
 
+#: Said once above the tables of a CPU run (``--device cpu``, or no GPU): fusedenc's ops on CPU
+#: tensors are their PyTorch reference (bench/lc0.py's CPU_NOTE says the same under --net's table).
+CPU_NOTE = ("CPU run: the fusedenc rows time the PyTorch reference ops (fusedenc has no native core on "
+            "the CPU), not fusedenc's GPU path (fused kernels, CUDA graphs)")  # fmt: skip
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     device, args.reps = common.start(args.device, args.reps)
@@ -505,6 +513,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if on_gpu and backend.name == "reference":
         notes.append(f"WARNING: fusedenc has no active native core ({backend}); fusedenc rows time its PyTorch "
                      "reference, not the fused kernels")  # fmt: skip
+    if device.type == "cpu" and any(i.startswith("fusedenc") for i in wanted):
+        # The README's first command ends here on a machine without a GPU: its fusedenc rows must
+        # not read as fusedenc's speed.  Last of the notes, so it prints right above the tables.
+        notes.append(CPU_NOTE)
 
     env = common.environment(device)
     base_path = common.result_base_path(args, runs, env, "nps", precision="fp8" if args.fp8 else None)
@@ -535,7 +547,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         nets, net_lines = [], []
         for path in args.net:  # whole lc0 networks, after the presets
             progress.step(f"lc0 net {os.path.basename(path)}")
-            rec = lc0_bench.run_net(path, args, device, runs[0].dtype, tuple(i for i in args.impls if i in lc0_bench.IMPLS))
+            try:
+                rec = lc0_bench.run_net(path, args, device, runs[0].dtype,
+                                        tuple(i for i in args.impls if i in lc0_bench.IMPLS))  # fmt: skip
+            except lc0_bench.NetFileError as exc:  # the presets' tables are written already
+                progress.close()
+                print(f"bench/nps.py: {exc}", file=sys.stderr)
+                return 2
             nets.append(rec)
             net_lines += [""] + lc0_bench.report(rec)
             progress.write("\n" + "\n".join(lc0_bench.report(rec)))

@@ -59,7 +59,7 @@ def report_lines(rec: dict[str, Any], run: Run) -> list[str]:
     for name, why in rec["skipped"].items():
         out.append(f"   {name:42s} skipped: {why}")
 
-    header = f"   {'batch':>5}  {'implementation':42s} {unit:>10} {'ms/batch':>10} {'x torch':>8} {'x compile':>9} " \
+    header = f"   {'batch':>5}  {'implementation':42s} {unit:>11} {'ms/batch':>10} {'x torch':>8} {'x compile':>9} " \
              f"{'% floor':>8}  {'first call':>10}"  # fmt: skip
     out += ["", header, "   " + "-" * (len(header) - 3)]
     for b in rec["batch_sizes"]:
@@ -73,7 +73,7 @@ def report_lines(rec: dict[str, Any], run: Run) -> list[str]:
                 out.append(f"   {b:>5}  {label:42s} ERROR: {pt['error']}")
                 continue
             out.append(
-                f"   {b:>5}  {label:42s} {_fmt_rate(pt['per_s']):>10} {pt['ms']:>10.3f} "
+                f"   {b:>5}  {label:42s} {_fmt_rate(pt['per_s']):>11} {pt['ms']:>10.3f} "
                 f"{_fmt(pt['x_torch'], '.2f', 'x'):>8} {_fmt(pt['x_compile'], '.2f', 'x'):>9} "
                 f"{_fmt(pt['pct_gemm_floor'], '.0f', '%'):>8}  {pt['first_call_s']:>9.2f}s"
             )
@@ -81,9 +81,9 @@ def report_lines(rec: dict[str, Any], run: Run) -> list[str]:
         fl = lines["gemm_floor"]
         if "ms" in fl:
             out.append(f"   {b:>5}  {'gemm-floor (' + fl['via'] + ', ' + fl['method'] + ')':42s} "
-                       f"{_fmt_rate(lines['gemm_floor_per_s']):>10} {fl['ms']:>10.3f}")  # fmt: skip
+                       f"{_fmt_rate(lines['gemm_floor_per_s']):>11} {fl['ms']:>10.3f}")  # fmt: skip
         out.append(f"   {b:>5}  {'roofline (all matmul FLOPs)':42s} "
-                   f"{_fmt_rate(lines['roofline_per_s']):>10} {lines['roofline_ms']:>10.3f}")  # fmt: skip
+                   f"{_fmt_rate(lines['roofline_per_s']):>11} {lines['roofline_ms']:>10.3f}")  # fmt: skip
         out.append("")
 
     # Compact matrix: rate by implementation and batch size.

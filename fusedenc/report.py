@@ -53,10 +53,13 @@ def hopper() -> dict[str, Any]:
     devices = _sm90_devices() if cuda_core else []
     warning = None
     if cuda_core and not built and devices:
-        fix = ("pip install nvidia-cutlass (headers only; or set FUSEDENC_CUTLASS_INCLUDE), then run the set-up again"
+        # --no-deps: the build reads only the wheel's headers; its own requirements (cuda-python,
+        # scipy, pydot, ...) serve CUTLASS's Python API, which fusedenc never imports.
+        fix = ("pip install --no-deps nvidia-cutlass (only its headers are used; or set FUSEDENC_CUTLASS_INCLUDE), "
+               "then run the set-up again"
                if "CUTLASS" in why_not else
-               "build again with 90 among FUSEDENC_CUDA_ARCHITECTURES, CUTLASS's headers (nvidia-cutlass) "
-               "and FUSEDENC_SM90_BUILD not off")
+               "build again with 90 among FUSEDENC_CUDA_ARCHITECTURES, CUTLASS's headers "
+               "(pip install --no-deps nvidia-cutlass) and FUSEDENC_SM90_BUILD not off")
         gpus = ", ".join(f"GPU {i} ({name})" for i, name in devices)
         warning = (f"WARNING: this build has NO Hopper kernels, and {gpus} would run them.\n"
                    f"Missing: {HOPPER_KERNELS} ({why_not}).\n"

@@ -11,13 +11,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from bench_helpers import run_bench, run_bench_on_gpu
 
+from fusedenc.tune.presets import select_runs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
+#: The start of bench/nps.py's CPU_NOTE, written out: the test checks what a user reads.
+CPU_NOTE = "CPU run: the fusedenc rows time the PyTorch reference ops (fusedenc has no native core on the CPU)"
 ENV_FIELDS = ("device_name", "driver", "torch", "cuda", "hip", "cudnn", "blaslt", "fusedenc_backend", "date_utc")
 
 
@@ -83,8 +89,25 @@ def test_nps_tiny(tmp_path):
     fp = bert["impls"]["torch-fastpath"]
     assert fp["label"] == "torch-fastpath" and fp["check"]["passed"] is True and fp["info"]["on_fast_path"] is True
     assert "CHECK FAILED" not in r["_stdout"]
+    # The rate column says what it counts: tiny's batch elements are positions, tiny-bert's sequences.
+    table = (tmp_path / "nps_smoke.txt").read_text(encoding="utf-8")
+    headers = [line.split()[2] for line in table.splitlines() if line.startswith("   batch  implementation")]
+    assert headers == ["positions/s", "sequences/s"], table
+    assert "positions/s by batch size" in table and "sequences/s by batch size" in table, table
+    # On the CPU the fusedenc rows time the PyTorch reference ops: said once, above the first table.
+    if _has_encoder():
+        out = r["_stdout"]
+        assert out.count(CPU_NOTE) == 1 and out.index(CPU_NOTE) < out.index("== tiny:"), out[:3000]
+        assert any(note.startswith(CPU_NOTE) for note in r["notes"]), r["notes"]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "nps_smoke.png").stat().st_size > 0
+
+
+def test_rate_unit_names_what_a_preset_times():
+    """Throughput is batch elements per second: positions for the Lc0 bodies (t82, bt4), sequences for BERT's."""
+    runs = select_runs(["t82", "bt4", "bert-base"], None, on_gpu=True)
+    assert {r.name: r.rate_unit for r in runs} == {
+        "t82": "positions/s", "bt4": "positions/s", "bert-base-s128": "sequences/s", "bert-base-s512": "sequences/s"}
 
 
 def test_nps_fp8_tiny(tmp_path):
@@ -169,6 +192,32 @@ def test_nps_puts_an_lc0_net_beside_the_presets(tmp_path):
     assert rows == {(4, "torch"), (4, "fusedenc")}
     assert all(row["nps"] > 0 for row in rec["rows"])
     assert "lc0_linear16_mish_smolgen.pb.gz" in (tmp_path / "nps_smoke.txt").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("script", ["lc0.py", "nps.py"])
+def test_a_damaged_net_file_is_one_line_and_status_2(script, tmp_path):
+    """``bench/lc0.py --net`` (and ``bench/nps.py --net``) on a truncated file: ``python -m
+    fusedenc.lc0``'s one-line "cannot read" message and status 2, no traceback."""
+    with open(os.path.join(ROOT, "tests", "data", "lc0", "lc0_linear16_mish_smolgen.pb.gz"), "rb") as f:
+        data = f.read()
+    damaged = tmp_path / "damaged.pb.gz"
+    damaged.write_bytes(data[: len(data) // 2])  # an interrupted download
+    args = ["--net", str(damaged), "--out-dir", str(tmp_path), "--reps", "20", "--batch-sizes", "1"]
+    if script == "nps.py":  # the smallest preset run first: the net comes after the presets
+        args += ["--device", "cpu", "--preset", "tiny", "--impl", "torch", "--no-plot", "--no-progress"]
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"bench/{script}: cannot read {damaged}: truncated gzip: the compressed data ends before its end marker "
+        "(an incomplete download?)"], proc.stderr  # fmt: skip
+
+
+def test_a_missing_net_file_is_one_line_and_status_2(tmp_path):
+    missing = tmp_path / "missing.pb.gz"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "lc0.py"), "--net", str(missing), "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr == f"bench/lc0.py: cannot read {missing}: No such file or directory\n"
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ import fusedenc
 import fusedenc.__main__ as cli
 from fusedenc import core, report
 
-NO_CUTLASS = "not built: no CUTLASS headers (pip install nvidia-cutlass, or set FUSEDENC_CUTLASS_INCLUDE)"
+NO_CUTLASS = "not built: no CUTLASS headers (pip install --no-deps nvidia-cutlass, or set FUSEDENC_CUTLASS_INCLUDE)"
 CUDA_CORE = {"vendor": "cuda", "library": "cuBLASLt 13.1.1", "library_version": 130101}
 
 
@@ -37,7 +37,7 @@ def test_on_an_h100_a_build_without_them_warns_with_what_is_missing_the_cost_and
     assert h["built"] is False and h["why_not"].startswith("no CUTLASS headers")
     warning = h["warning"]
     for says in ("NO Hopper kernels", "GPU 0 (NVIDIA H100 80GB HBM3)", "epilogue GEMMs", "LayerNorm folding",
-                 "about 13%", "1.11-1.14x torch.compile without them, 1.29-1.32x with them, in one A/B run", "pip install nvidia-cutlass"):  # fmt: skip
+                 "about 13%", "1.11-1.14x torch.compile without them, 1.29-1.32x with them, in one A/B run", "pip install --no-deps nvidia-cutlass"):  # fmt: skip
         assert says in warning, says
     lines = cli.report()
     assert "  WARNING: this build has NO Hopper kernels, and GPU 0 (NVIDIA H100 80GB HBM3) would run them." in lines
@@ -53,7 +53,7 @@ def test_without_a_hopper_gpu_it_is_a_one_line_note(cuda_build):
     cuda_build(devices=())
     assert report.hopper()["warning"] is None
     assert report.hopper_lines() == [
-        "  note: no Hopper (sm90) kernels in this build (no CUTLASS headers (pip install nvidia-cutlass, or set "
+        "  note: no Hopper (sm90) kernels in this build (no CUTLASS headers (pip install --no-deps nvidia-cutlass, or set "
         "FUSEDENC_CUTLASS_INCLUDE)); that costs " + report.HOPPER_COST
     ]
 

@@ -6,8 +6,8 @@
 # The build is the README's command: FUSEDENC_GPU=cuda python3 -m pip wheel --no-build-isolation
 # --no-deps -w dist . (CUDA core for sm80/89/90, the Triton kernels, the shipped tables).  A wheel
 # must carry the Hopper kernels: CMake refuses a wheel for sm90 without CUTLASS's headers
-# (pip install nvidia-cutlass; FUSEDENC_SM90_BUILD=off builds one without them on purpose), and
-# `build` checks the wheel's _build_info says they were built.
+# (pip install --no-deps nvidia-cutlass: only its headers are used; FUSEDENC_SM90_BUILD=off
+# builds one without them on purpose), and `build` checks the wheel's _build_info says they were built.
 # The test venv takes torch, Triton, nvidia-cublas and the test packages from the Python that
 # runs this script (a .pth file: the GPU machine has no internet to install them from); it gets
 # no fusedenc but the wheel's.  Triton still needs a C compiler at run time for its launcher

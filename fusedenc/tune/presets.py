@@ -28,7 +28,7 @@ class Preset:
     alpha: float  # post-LN residual scale: h = LN(x + alpha * sublayer(x))
     eps: float
     seq_lens: tuple[int, ...]
-    unit: str  # what one batch element is: "positions" (nps) or "sequences"
+    unit: str  # what one batch element is: "positions" (Lc0 bodies: one 64-token board) or "sequences"
     dtype: torch.dtype = torch.float16
     note: str = ""
 
@@ -48,7 +48,10 @@ class Run:
 
     @property
     def rate_unit(self) -> str:
-        return "nps" if self.preset.unit == "positions" else "seq/s"
+        """What the throughput counts: batch elements per second, spelled out ("positions/s" for
+        the Lc0 bodies, "sequences/s" for BERT's).  Not Lc0's "nps": a reader of a table or plot
+        should not need to know that nps means positions per second, and BERT has no nodes."""
+        return f"{self.preset.unit}/s"
 
     def tokens(self, batch: int) -> int:
         return batch * self.seq_len
