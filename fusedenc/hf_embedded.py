@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from . import auto_graphs, core, hf_varlen, patched_classes, varlen
-from .attention.varlen import BACKEND_ENV
+from .attention.varlen import BACKEND_ENV, triton_unusable_on
 from .graph_feeds import PaddedIdsFeed
 
 __all__ = ["EmbeddedModel", "install"]
@@ -191,26 +191,27 @@ class EmbeddedModel(nn.Module):
         def rows(ids, types, offsets, tokens: int, max_seqlen: int) -> torch.Tensor:
             batch, seq = ids.shape
             cu = torch.as_tensor(offsets, device=ids.device)  # a graph's static offsets; copied when eager
-            index = torch.arange(tokens, dtype=torch.int32, device=ids.device)
-            # Each packed row's sequence and position in it.  Rows past the last offset (a
-            # bucket's slack) get clamped indices: they read some id and are written nowhere.
-            sequence = (torch.searchsorted(cu, index, right=True) - 1).clamp_(0, batch - 1)
-            start = cu[sequence]
-            position = index - start
-            flat = (sequence * seq + position.clamp(max=seq - 1)).long()
-            token_ids = ids.reshape(-1)[flat]
-            token_types = types.reshape(-1)[flat] if types is not None else torch.zeros_like(token_ids)
-            if from_ids:  # RoBERTa: padding_idx + the count of non-padding ids so far in the sequence
-                real = token_ids.ne(emb.padding_idx).int()
-                counted = torch.cumsum(real, 0)
-                before = torch.where(start > 0, counted[(start - 1).clamp_(min=0)], 0)
-                positions = ((counted - before) * real + emb.padding_idx).clamp_(0, last)
+            fused = None if from_ids else _fused_embeddings(emb, ids)
+            if fused is not None:  # one kernel for the packing, lookups, sums and LayerNorm
+                x, target = fused.packed_embeddings(
+                    ids, types, cu, tokens, emb.word_embeddings.weight, emb.position_embeddings.weight,
+                    emb.token_type_embeddings.weight, emb.LayerNorm.weight, emb.LayerNorm.bias, emb.LayerNorm.eps)  # fmt: skip
             else:
-                positions = position.clamp_(0, last)
-            packed = stack._packed_rows(_embedded(emb, token_ids, token_types, positions), cu, max_seqlen)
+                where = varlen.padded_rows(cu, tokens, batch, seq)
+                token_ids = ids.reshape(-1)[where.flat]
+                token_types = types.reshape(-1)[where.flat] if types is not None else torch.zeros_like(token_ids)
+                if from_ids:  # RoBERTa: padding_idx + the count of non-padding ids so far in the sequence
+                    real = token_ids.ne(emb.padding_idx).int()
+                    counted = torch.cumsum(real, 0)
+                    before = torch.where(where.start > 0, counted[(where.start - 1).clamp_(min=0)], 0)
+                    positions = ((counted - before) * real + emb.padding_idx).clamp_(0, last)
+                else:
+                    positions = where.position.clamp(max=last)
+                x, target = _embedded(emb, token_ids, token_types, positions), where.target
+            packed = stack._packed_rows(x, cu, max_seqlen)
             width = packed.shape[1]
             out = packed.new_zeros(batch * seq + 1, width)  # padding positions zero, as the encoder's unpack
-            out.index_copy_(0, torch.where(index < cu[-1], flat, batch * seq), packed)  # slack: the row dropped
+            out.index_copy_(0, target, packed)  # slack rows: to the row dropped here
             return _pooled(out[:-1].view(batch, seq, width), pooler)
 
         return rows
@@ -240,6 +241,37 @@ def _embedded(emb: nn.Module, ids: torch.Tensor, types: torch.Tensor, positions:
     (its dropout: eval)."""
     x = emb.word_embeddings(ids) + emb.token_type_embeddings(types)
     return emb.LayerNorm(x + emb.position_embeddings(positions))
+
+
+#: Opt-in until measured on a GPU: the packed embeddings in one Triton kernel
+#: (``fusedenc.triton_embeddings``) instead of ~15 torch ops in the short path's graph.
+FUSED_EMBEDDINGS_ENV = "FUSEDENC_FUSED_EMBEDDINGS"
+
+
+def _fused_embeddings(emb: nn.Module, ids: torch.Tensor):
+    """``fusedenc.triton_embeddings`` where its kernel computes what HF's BERT embeddings
+    module would here, else None: opted in, a CUDA (sm80+) or ROCm device, Triton, plain
+    lookups (no ``max_norm``: it renormalizes the table in place), an affine LayerNorm over
+    the last dimension, one floating dtype for every table."""
+    if os.environ.get(FUSED_EMBEDDINGS_ENV, "").strip().lower() not in ("1", "on", "true", "yes"):
+        return None
+    if triton_unusable_on(ids.device) is not None:
+        return None
+    parts = emb._modules
+    tables = [parts[name] for name in ("word_embeddings", "position_embeddings", "token_type_embeddings")]
+    norm = parts["LayerNorm"]
+    if any(not isinstance(t, nn.Embedding) or t.max_norm is not None for t in tables) or type(norm) is not nn.LayerNorm:
+        return None
+    if norm.weight is None or norm.bias is None or len(norm.normalized_shape) != 1:
+        return None
+    weights = [t.weight for t in tables] + [norm.weight, norm.bias]
+    dtype = weights[0].dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or any(
+            w.dtype != dtype or w.stride(-1) != 1 for w in weights):  # fmt: skip
+        return None
+    from . import triton_embeddings  # imports Triton
+
+    return triton_embeddings
 
 
 def _pooled(hidden: torch.Tensor, pooler: Optional[nn.Module]):

@@ -22,7 +22,7 @@ mask, and the indices and offsets go to the device in one copy (views of one buf
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -31,12 +31,14 @@ from .attention.varlen import VarlenPlan, check_offsets
 
 __all__ = [
     "Packing",
+    "PaddedRows",
     "check_packed_rows",
     "cu_seqlens_from_lengths",
     "mean_pool",
     "pack",
     "packing_from_host",
     "packing_from_lengths",
+    "padded_rows",
     "packing_from_mask",
     "real_tokens_first",
     "unpack",
@@ -145,6 +147,29 @@ def real_tokens_first(real: np.ndarray) -> bool:
     """Whether every row of numpy bool ``real`` ``[B, S]`` (True = a real token) has its real
     tokens first (right padding, or none): no real token follows a padding position."""
     return real.shape[1] < 2 or not (real[:, 1:] > real[:, :-1]).any()
+
+
+class PaddedRows(NamedTuple):
+    """Where each of ``tokens`` packed rows comes from in a padded ``[N, S]`` batch whose
+    sequences are each row's first ``cu[i + 1] - cu[i]`` entries (``padded_rows``)."""
+
+    flat: torch.Tensor  # int64 [tokens]: the row's index in the flattened [N * S] batch
+    position: torch.Tensor  # int32 [tokens]: its index in its sequence
+    start: torch.Tensor  # int32 [tokens]: its sequence's first packed row
+    target: torch.Tensor  # int64 [tokens]: flat for a real row, N * S (one past) for a slack row
+
+
+def padded_rows(cu: torch.Tensor, tokens: int, batch: int, seq: int) -> PaddedRows:
+    """The packing of a padded batch computed on its device from the int32 offsets ``cu``
+    ``[N + 1]`` (no host sync): row ``r`` belongs to the last sequence starting at or before
+    it.  Rows past ``cu[N]`` (a graph bucket's slack) get clamped indices (the last sequence,
+    its last column): they read some real entry and scatter to ``target`` N * S."""
+    index = torch.arange(tokens, dtype=torch.int32, device=cu.device)
+    sequence = (torch.searchsorted(cu, index, right=True) - 1).clamp_(0, batch - 1)
+    start = cu[sequence]
+    position = (index - start).clamp_(min=0)
+    flat = (sequence * seq + position.clamp(max=seq - 1)).long()
+    return PaddedRows(flat, position, start, torch.where(index < cu[-1], flat, batch * seq))
 
 
 def packing_from_lengths(lengths: Union[Sequence[int], torch.Tensor], seq_len: int, *, device=None) -> Packing:

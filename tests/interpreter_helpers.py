@@ -56,3 +56,20 @@ def report_cases(seed: int, cases, name_of, run) -> int:
             failed += 1
         print(json.dumps({"case": name_of(case), "error": error}), flush=True)
     return 1 if failed else 0
+
+
+def interpreter_suite(script: str, cases, name_of):
+    """The parent's side of a test module whose cases run in the interpreter: ``(results
+    fixture, parametrized test)`` to bind at module level as ``results`` and
+    ``test_case_under_interpreter`` (pytest collects them by those names)."""
+
+    @pytest.fixture(scope="module")
+    def results():
+        """Every case run once in a child process with the interpreter on."""
+        return run_cases_in_interpreter(script)
+
+    @pytest.mark.parametrize("case", cases, ids=name_of)
+    def test_case_under_interpreter(case, results):
+        assert_case_passed(results, name_of(case))
+
+    return results, test_case_under_interpreter

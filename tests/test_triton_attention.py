@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from interpreter_helpers import assert_case_passed, report_cases, run_cases_in_interpreter
+from interpreter_helpers import interpreter_suite, report_cases
 
 if __name__ != "__main__" and importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -62,15 +62,7 @@ def case_id(case) -> str:
 # ------------------------------------------------------------ pytest side ----
 
 
-@pytest.fixture(scope="module")
-def results():
-    """Run every case once in a child process with the interpreter on; {case id: error or None}."""
-    return run_cases_in_interpreter(__file__)
-
-
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_case_under_interpreter(case, results):
-    assert_case_passed(results, case_id(case))
+results, test_case_under_interpreter = interpreter_suite(__file__, CASES, case_id)
 
 
 # ------------------------------------------------------------ child side ----

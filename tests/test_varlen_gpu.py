@@ -375,6 +375,25 @@ def test_patched_bert_embeddings_in_the_graph_follow_each_batch(model_type, gen,
     assert cache.stats()["graphs"] >= 2, cache.stats()
 
 
+def test_patched_bert_embeddings_in_one_kernel_follow_each_batch(gen, graphs_on, monkeypatch):
+    """The same batches with the packed embeddings in one Triton kernel (opted in with
+    ``FUSEDENC_FUSED_EMBEDDINGS=1``): each replay its own batch's forward, by the same rule,
+    and the kernel is what ran."""
+    from fusedenc import hf_embedded, triton_embeddings
+
+    calls = []
+    kernel = triton_embeddings.packed_embeddings
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_embeddings, "packed_embeddings", counted)
+    monkeypatch.setenv(hf_embedded.FUSED_EMBEDDINGS_ENV, "1")
+    test_patched_bert_embeddings_in_the_graph_follow_each_batch("bert", gen, graphs_on)
+    assert calls, "the kernel never ran"
+
+
 # ------------------------------------------------------------ real sentences ----
 
 

@@ -127,6 +127,13 @@ def _triton_module(device_type: str, index: int):
     return triton_short
 
 
+def triton_unusable_on(device: torch.device) -> Optional[str]:
+    """None if fusedenc's Triton kernels can run on ``device`` (CUDA sm80+ or ROCm, the
+    triton package importable), else why not."""
+    module = _triton_module(device.type, _device_index(device))
+    return module if isinstance(module, str) else None
+
+
 def triton_unusable(dtype: torch.dtype, head_dim: int, device: torch.device, max_seqlen: Optional[int]) -> Optional[str]:
     """None if ``triton_short`` can serve q of this dtype and head dim on ``device`` for
     sequences of at most ``max_seqlen`` tokens (None: not known yet), else the reason."""
