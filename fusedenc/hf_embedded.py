@@ -134,10 +134,12 @@ class EmbeddedModel(nn.Module):
         lengths = real.sum(1)
         offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
-        # The forced varlen backend is read when a graph is captured: a graph per setting.
+        # The forced varlen backend and the fused embeddings' switch are read when a graph is
+        # captured: a graph per setting.
+        settings = (os.environ.get(BACKEND_ENV), os.environ.get(FUSED_EMBEDDINGS_ENV))
         return self._fusedenc_finish(auto_graphs.call(
             self, self._fusedenc_embedded_rows(stack, pooler), (ids, types, offsets, int(offsets[-1]), int(lengths.max())),
-            key=("embedded", os.environ.get(BACKEND_ENV), pooler is None), native=native, feed=PaddedIdsFeed.of))  # fmt: skip
+            key=("embedded", settings, pooler is None), native=native, feed=PaddedIdsFeed.of))  # fmt: skip
 
     def _fusedenc_finish(self, result):
         """HF's output from a graph function's ``result``: the last hidden state ``[B, S, D]``
