@@ -242,6 +242,18 @@ def _tuning_files() -> dict[str, Any]:
     return {"config_dir": where, "files": names, "gemm_tuning_env": os.environ.get(core.GEMM_TUNING_ENV)}
 
 
+def _host_cpu() -> Optional[str]:
+    """The host CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` says, else None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     """Device, driver and library versions, for the JSON (and the table's header)."""
     b = fusedenc.backend()
@@ -258,6 +270,10 @@ def environment(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        # Small batches are bound by the host CPU (HF models at 32 sentences, eager rows): the same
+        # GPU reads up to ~1.5x apart on two hosts, so the host and how busy it was go in the file.
+        "host_cpu": _host_cpu(),
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "git_commit": _git_commit(),
         "tuning_files": _tuning_files(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -24,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 #: The start of bench/nps.py's CPU_NOTE, written out: the test checks what a user reads.
 CPU_NOTE = "CPU run: the fusedenc rows time the PyTorch reference ops (fusedenc has no native core on the CPU)"
-ENV_FIELDS = ("device_name", "driver", "torch", "cuda", "hip", "cudnn", "blaslt", "fusedenc_backend", "date_utc")
+ENV_FIELDS = ("device_name", "driver", "torch", "cuda", "hip", "cudnn", "blaslt", "fusedenc_backend", "date_utc",
+              "host_cpu", "load_average_1min")
 
 
 def _run(script: str, args: list[str], tmp_path, tag: str | None = "smoke") -> dict:
