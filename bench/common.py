@@ -242,6 +242,12 @@ def _tuning_files() -> dict[str, Any]:
     return {"config_dir": where, "files": names, "gemm_tuning_env": os.environ.get(core.GEMM_TUNING_ENV)}
 
 
+#: Said by every benchmark that runs fusedenc's rows on a CPU: fusedenc's ops on CPU tensors
+#: are their PyTorch reference, so the rows are not fusedenc's speed.
+CPU_NOTE = ("CPU run: the fusedenc rows time the PyTorch reference ops (fusedenc has no native core on "
+            "the CPU), not fusedenc's GPU path (fused kernels, CUDA graphs)")  # fmt: skip
+
+
 def _host_cpu() -> Optional[str]:
     """The host CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` says, else None."""
     try:

@@ -62,6 +62,7 @@ import common  # noqa: E402
 
 from fusedenc import auto_graphs, dtypes  # noqa: E402
 from fusedenc.lc0 import Lc0FileError, Lc0FormatError, Lc0Network, NetFile, check_supported, read_net  # noqa: E402
+from fusedenc.lc0.errors import reason  # noqa: E402
 from fusedenc.lc0.reference import ReferenceNetwork, placed  # noqa: E402
 from fusedenc.tune.timing import MIN_REPS, capture_graph, sync, time_calls  # noqa: E402
 
@@ -90,9 +91,7 @@ def read_checked(path: str, dtype: torch.dtype) -> NetFile:
     try:
         file = read_net(path)
     except (OSError, Lc0FileError) as exc:
-        # The library's errors begin with the path; an OSError's strerror has none.
-        why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc).removeprefix(f"{path}: ")
-        raise NetFileError(f"cannot read {path}: {why}") from None
+        raise NetFileError(f"cannot read {path}: {reason(exc, path)}") from None
     try:
         check_supported(file, dtype=dtype)
     except Lc0FormatError as exc:  # "<path>: fusedenc cannot run this net:" and one line per reason
@@ -194,8 +193,7 @@ IMPLS = ("torch", "torch-compile", "fusedenc", "fusedenc-eager", "fusedenc-compi
 #: On the CPU: compiling there is slow and not what the rows are about, graphs need a GPU.
 CPU_IMPLS = ("torch", "fusedenc")
 #: The line a CPU run's report carries (here and in bench/nps.py --net, which prints ``report``).
-CPU_NOTE = ("   CPU run: the fusedenc rows time the PyTorch reference ops fusedenc runs on a CPU, "
-            "not its GPU path (fused kernels, CUDA graphs)")  # fmt: skip
+CPU_NOTE = "   " + common.CPU_NOTE  # under a net's table heading
 
 
 def run_net(
@@ -358,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"fusedenc backend: {env['fusedenc_backend']}; {args.dtype}, median of {args.reps} calls"]  # fmt: skip
     if not gpu:
         head.append(f"no GPU: running on the CPU in {args.dtype}, {', '.join(CPU_IMPLS)} rows only; "
-                    + CPU_NOTE.strip().removeprefix("CPU run: "))  # fmt: skip
+                    + common.CPU_NOTE.removeprefix("CPU run: "))  # fmt: skip
     print("\n".join(head))
     tag = args.tag or "-".join(os.path.basename(p).split(".")[0] for p in nets) + f"_{args.dtype}_{common.slug(env['device_name'])}"
     base = os.path.join(args.out_dir, f"lc0_{tag}")

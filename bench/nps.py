@@ -466,12 +466,6 @@ def _fp8_wanted(args: argparse.Namespace, wanted: list[str], device: torch.devic
     return wanted
 
 
-#: Said once above the tables of a CPU run (``--device cpu``, or no GPU): fusedenc's ops on CPU
-#: tensors are their PyTorch reference (bench/lc0.py's CPU_NOTE says the same under --net's table).
-CPU_NOTE = ("CPU run: the fusedenc rows time the PyTorch reference ops (fusedenc has no native core on "
-            "the CPU), not fusedenc's GPU path (fused kernels, CUDA graphs)")  # fmt: skip
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     device, args.reps = common.start(args.device, args.reps)
@@ -516,7 +510,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if device.type == "cpu" and any(i.startswith("fusedenc") for i in wanted):
         # The README's first command ends here on a machine without a GPU: its fusedenc rows must
         # not read as fusedenc's speed.  Last of the notes, so it prints right above the tables.
-        notes.append(CPU_NOTE)
+        notes.append(common.CPU_NOTE)
 
     env = common.environment(device)
     base_path = common.result_base_path(args, runs, env, "nps", precision="fp8" if args.fp8 else None)

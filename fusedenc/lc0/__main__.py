@@ -45,7 +45,7 @@ import torch
 
 from ..tune.cli import int_list
 from ..tune.timing import time_graph
-from .errors import Lc0FileError, Lc0FormatError
+from .errors import Lc0FileError, Lc0FormatError, reason
 from ..device import parse_devices
 from .evaluate import json_lines
 from .netfile import NetFile, read_net
@@ -108,13 +108,13 @@ def describe_main(argv: list[str]) -> int:
     try:
         file = read_net(args.net)
     except (OSError, Lc0FileError) as exc:
-        print(f"fusedenc.lc0: cannot read {args.net}: {_why(exc, args.net)}", file=sys.stderr)
+        print(f"fusedenc.lc0: cannot read {args.net}: {reason(exc, args.net)}", file=sys.stderr)
         return 2
     print(json.dumps(file.describe(), indent=1, default=str))
     try:
         check_supported(file)
     except Lc0FormatError as exc:
-        print(f"fusedenc.lc0: {args.net}: {_why(exc, file.source)}", file=sys.stderr)
+        print(f"fusedenc.lc0: {args.net}: {reason(exc, file.source)}", file=sys.stderr)
         return 2
     if args.no_bench:
         return 0
@@ -123,15 +123,6 @@ def describe_main(argv: list[str]) -> int:
     batches = args.batch_sizes or ([64, 256, 1024] if gpu else [16])
     _bench(Lc0Network(file, dtype=torch.float16 if gpu else torch.float32, device=device), batches, device)
     return 0
-
-
-def _why(exc: Exception, path: str) -> str:
-    """An error's text without the file name the caller's message already gives (lc0's file
-    and format errors start with it, and say what fusedenc cannot do; an OSError's strerror
-    has no name)."""
-    if isinstance(exc, OSError):
-        return exc.strerror or str(exc)
-    return str(exc).removeprefix(f"{path}: ")
 
 
 # ------------------------------------------------------------ eval ----
@@ -181,11 +172,11 @@ def _load(path: str) -> NetFile:
     try:
         file = read_net(path)
     except (OSError, Lc0FileError) as exc:
-        raise InputError(f"cannot read {path}: {_why(exc, path)}") from None
+        raise InputError(f"cannot read {path}: {reason(exc, path)}") from None
     try:
         check_supported(file)
     except Lc0FormatError as exc:
-        raise InputError(f"{path}: {_why(exc, file.source)}") from None
+        raise InputError(f"{path}: {reason(exc, file.source)}") from None
     from .encoding import resolve_input_format
 
     try:

@@ -6,7 +6,7 @@ weights, the net file) raises them without importing the layers above it.
 
 from __future__ import annotations
 
-__all__ = ["Lc0FileError", "Lc0FormatError", "Lc0NonFiniteError", "Lc0ValueWarning"]
+__all__ = ["Lc0FileError", "Lc0FormatError", "Lc0NonFiniteError", "Lc0ValueWarning", "reason"]
 
 
 class Lc0FileError(ValueError):
@@ -29,3 +29,12 @@ class Lc0ValueWarning(UserWarning):
 class Lc0NonFiniteError(FloatingPointError):
     """A forward's heads are not finite (``Lc0Network(..., check_finite=True)``): the message
     names each head with NaN or infinite values."""
+
+
+def reason(exc: Exception, path: str) -> str:
+    """An error's text without the file name a caller's message already gives (lc0's file
+    and format errors start with it, and say what fusedenc cannot do; an OSError's strerror
+    has no name)."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return str(exc).removeprefix(f"{path}: ")
