@@ -305,11 +305,10 @@ def copy_offsets(static_cu: torch.Tensor, offsets: np.ndarray, tokens: int) -> N
         static_cu.copy_(torch.from_numpy(padded))
         return
     stage = _staging.get(static_cu.device)
+    if stage is not None:  # its last copy out done (long since: a call reads its mask first)
+        stage.copied.synchronize()  # before it is rewritten, or freed for a larger one
     if stage is None or stage.array.shape[0] < n:
-        if stage is not None:
-            stage.copied.synchronize()  # the old buffer's copy out done before it is freed
         stage = _staging[static_cu.device] = _Staging(max(n, 1024))
-    stage.copied.synchronize()  # the last copy out of it (long done: a call reads its mask first)
     stage.array[:given] = offsets
     stage.array[given:n] = tokens
     static_cu.copy_(stage.host[:n], non_blocking=True)  # on the device's current stream, as the replay
