@@ -245,17 +245,18 @@ def _embedded(emb: nn.Module, ids: torch.Tensor, types: torch.Tensor, positions:
     return emb.LayerNorm(x + emb.position_embeddings(positions))
 
 
-#: Opt-in until measured on a GPU: the packed embeddings in one Triton kernel
-#: (``fusedenc.triton_embeddings``) instead of ~15 torch ops in the short path's graph.
+#: The packed embeddings in one Triton kernel (``fusedenc.triton_embeddings``) instead of ~15
+#: torch ops in the short path's graph: on by default (a MiniLM graph at 32 sentences ~100 us
+#: shorter on an H200); ``FUSEDENC_FUSED_EMBEDDINGS=0`` keeps the torch ops (an A/B switch).
 FUSED_EMBEDDINGS_ENV = "FUSEDENC_FUSED_EMBEDDINGS"
 
 
 def _fused_embeddings(emb: nn.Module, ids: torch.Tensor):
     """``fusedenc.triton_embeddings`` where its kernel computes what HF's BERT embeddings
-    module would here, else None: opted in, a CUDA (sm80+) or ROCm device, Triton, plain
+    module would here, else None: not switched off, a CUDA (sm80+) or ROCm device, Triton, plain
     lookups (no ``max_norm``: it renormalizes the table in place), an affine LayerNorm over
     the last dimension, one floating dtype for every table."""
-    if os.environ.get(FUSED_EMBEDDINGS_ENV, "").strip().lower() not in ("1", "on", "true", "yes"):
+    if os.environ.get(FUSED_EMBEDDINGS_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
         return None
     if triton_unusable_on(ids.device) is not None:
         return None

@@ -332,11 +332,19 @@ def test_patched_bert_replays_one_graph_per_forward(gen, graphs_on):
 
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
-def test_patched_bert_embeddings_in_the_graph_follow_each_batch(model_type, gen, graphs_on):
-    """The short path's graph on batches of other token counts, sequence counts and token
-    types in one bucket, and on batches without padding (an all-ones mask, no mask), with
-    poisoned statics (slack rows hold ids of no batch, the offsets nonsense, the output
-    NaN): each replay is its own batch's forward."""
+def test_patched_bert_embeddings_in_the_graph_follow_each_batch(model_type, gen, graphs_on, monkeypatch):
+    """The short path's graph with the embeddings in torch ops (BERT's switched to them,
+    RoBERTa's always) on batches of other token counts, sequence counts and token types in
+    one bucket, and on batches without padding (an all-ones mask, no mask), with poisoned
+    statics (slack rows hold ids of no batch, the offsets nonsense, the output NaN): each
+    replay is its own batch's forward."""
+    from fusedenc import hf_embedded
+
+    monkeypatch.setenv(hf_embedded.FUSED_EMBEDDINGS_ENV, "0")
+    _check_embedded_graph_batches(model_type, gen)
+
+
+def _check_embedded_graph_batches(model_type, gen):
     ref, model, same, ids, mask = _bert_base_shape(gen, 40, model_type)
     if model_type == "roberta":  # real tokens with the pad id: positions that do not advance (HF's rule)
         ids[0, 5] = ids[3, 1] = ref.config.pad_token_id
@@ -376,9 +384,9 @@ def test_patched_bert_embeddings_in_the_graph_follow_each_batch(model_type, gen,
 
 
 def test_patched_bert_embeddings_in_one_kernel_follow_each_batch(gen, graphs_on, monkeypatch):
-    """The same batches with the packed embeddings in one Triton kernel (opted in with
-    ``FUSEDENC_FUSED_EMBEDDINGS=1``): each replay its own batch's forward, by the same rule,
-    and the kernel is what ran."""
+    """The same batches with the packed embeddings in one Triton kernel (the default;
+    ``FUSEDENC_FUSED_EMBEDDINGS=0`` turns it off): each replay its own batch's forward, by the
+    same rule, and the kernel is what ran."""
     from fusedenc import hf_embedded, triton_embeddings
 
     calls = []
@@ -389,8 +397,8 @@ def test_patched_bert_embeddings_in_one_kernel_follow_each_batch(gen, graphs_on,
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(triton_embeddings, "packed_embeddings", counted)
-    monkeypatch.setenv(hf_embedded.FUSED_EMBEDDINGS_ENV, "1")
-    test_patched_bert_embeddings_in_the_graph_follow_each_batch("bert", gen, graphs_on)
+    monkeypatch.delenv(hf_embedded.FUSED_EMBEDDINGS_ENV, raising=False)  # the default
+    _check_embedded_graph_batches("bert", gen)
     assert calls, "the kernel never ran"
 
 
