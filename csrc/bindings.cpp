@@ -4,6 +4,9 @@
 // passes raw device pointers, sizes, dtypes and the stream as integers; the core
 // links no libtorch and never allocates device memory, so one build serves any
 // torch version and CUDA-graph capture stays safe.
+#include <array>
+#include <vector>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -181,6 +184,29 @@ void layer_norm_binding(int device, uintptr_t stream, int64_t rows, int64_t cols
   layer_norm(a, reinterpret_cast<gpuStream_t>(stream));
 }
 
+// Copies rectangular blocks (rows x width bytes, each side with its own row pitch) on `stream`,
+// in order, in one call from Python: a graph's static inputs filled without a framework op per
+// tensor (~10-30 us of host time each on the hosts measured, against ~2 us for the copy itself).
+// The direction of each copy follows from its addresses (device or pinned host memory: UVA).
+void copy_blocks(int device, uintptr_t stream, const std::vector<std::array<int64_t, 6>>& blocks) {
+  for (const auto& b : blocks) {
+    if (b[0] == 0 || b[2] == 0 || b[4] < 0 || b[5] < 0 || (b[5] > 1 && (b[1] < b[4] || b[3] < b[4])))
+      throw std::invalid_argument("copy_blocks: a block needs two addresses, sizes >= 0 and pitches >= its width");
+  }
+  DeviceGuard guard(device);
+  for (const auto& b : blocks) {
+    if (b[4] == 0 || b[5] == 0) continue;
+    const auto width = static_cast<size_t>(b[4]);
+    const auto rows = static_cast<size_t>(b[5]);
+    // One row: the pitches do not matter; pass the width so a dense copy is never refused.
+    const auto dpitch = rows > 1 ? static_cast<size_t>(b[1]) : width;
+    const auto spitch = rows > 1 ? static_cast<size_t>(b[3]) : width;
+    FUSEDENC_CHECK_GPU(gpuMemcpy2DAsync(ptr<void>(static_cast<uintptr_t>(b[0])), dpitch,
+                                        ptr<const void>(static_cast<uintptr_t>(b[2])), spitch, width, rows,
+                                        gpuMemcpyDefault, reinterpret_cast<gpuStream_t>(stream)));
+  }
+}
+
 py::dict native_epilogues() {
   py::dict out;
   for (int i = 0; i < kNumActivations; ++i) {
@@ -220,6 +246,8 @@ PYBIND11_MODULE(_C, m) {
     return reduction_warp_width();
   }, py::arg("device"), "Lanes per warp of the reductions launched on `device` now.");
 
+  m.def("copy_blocks", &copy_blocks, py::arg("device"), py::arg("stream"), py::arg("blocks"),
+        "Copy blocks (dst, dst_pitch, src, src_pitch, width_bytes, rows) on `stream`, in order.");
   m.def("library_version", &blasLtVersion,
         "Version of the GEMM library as major*10000 + minor*100 + patch.");
   m.def("native_epilogues", &native_epilogues,

@@ -44,6 +44,8 @@ using gpuError_t = hipError_t;
 #define gpuDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
 #define gpuDevAttrComputeCapabilityMinor hipDeviceAttributeComputeCapabilityMinor
 #define gpuDevAttrWarpSize hipDeviceAttributeWarpSize
+#define gpuMemcpy2DAsync hipMemcpy2DAsync
+#define gpuMemcpyDefault hipMemcpyDefault
 // Lanes per warp (wavefront): 64 on CDNA (gfx9: MI200, MI300, MI350), 32 on RDNA (gfx10-12:
 // Radeon, Strix Halo) in its default wave32 mode.  A host pass cannot know which: clang 19
 // defines __AMDGCN_WAVEFRONT_SIZE as 64 in the host pass whatever the targets (each device
@@ -282,6 +284,8 @@ using gpuError_t = cudaError_t;
 #define gpuDevAttrComputeCapabilityMajor cudaDevAttrComputeCapabilityMajor
 #define gpuDevAttrComputeCapabilityMinor cudaDevAttrComputeCapabilityMinor
 #define gpuDevAttrWarpSize cudaDevAttrWarpSize
+#define gpuMemcpy2DAsync cudaMemcpy2DAsync
+#define gpuMemcpyDefault cudaMemcpyDefault
 // Every NVIDIA GPU has 32-lane warps (kernels/warp.cuh).
 #define FUSEDENC_HAS_WAVE64 0
 

@@ -356,6 +356,20 @@ def test_padded_ids_feed_buckets_and_eager_reasons(gen):
     assert graph_feeds.PaddedIdsFeed.of((many, None, None, 100, 1)) == "eager: sequences"
 
 
+def test_padded_ids_native_copy_blocks_are_the_rows_in_bytes():
+    """What ``PaddedIdsFeed.fill`` hands the native copy: rows of a wider tensor keep their
+    pitch, one row any; ids whose columns are apart or whose rows overlap are not rows."""
+    static = torch.zeros((24, 128), dtype=torch.int32)
+    wide = torch.zeros((13, 80), dtype=torch.int32)
+    block = graph_feeds._rows_block(static, wide[:, :37])
+    assert block == (static.data_ptr(), 128 * 4, wide.data_ptr(), 80 * 4, 37 * 4, 13)
+    assert graph_feeds._rows_dense(wide[:, :37], None, wide[:1, :37], wide[:, :1])
+    assert not graph_feeds._rows_dense(wide[:1, ::2])
+    assert not graph_feeds._rows_dense(wide[:, ::2])
+    assert not graph_feeds._rows_dense(wide[:, :1].expand(13, 5))  # stride 0 across columns
+    assert not graph_feeds._rows_dense(wide[:1, :37].expand(13, 37))  # every row the same memory
+
+
 def test_a_packed_feed_fills_offsets_with_empty_sequences(gen):
     rows = torch.randn(70, 8, generator=gen)
     cu = torch.tensor([0, 30, 30, 70], dtype=torch.int32)  # an empty sequence inside

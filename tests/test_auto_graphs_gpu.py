@@ -267,3 +267,63 @@ def test_offsets_reach_the_statics_through_pinned_memory(gen):
     torch.cuda.synchronize()
     for static, offsets in copies:
         assert static.tolist() == offsets + [offsets[-1]] * (static.shape[0] - len(offsets))
+
+
+@pytest.mark.parametrize("layout", ["dense", "wide rows", "one row", "columns apart"])
+def test_padded_ids_feed_fills_its_statics_in_one_native_call(layout, gen, monkeypatch):
+    """``PaddedIdsFeed.fill``: the offsets (from pinned memory), ids and token types reach the
+    poisoned statics' ``[:B, :S]`` corners exactly, everything else untouched; rows that are
+    dense (alone, or rows of a wider tensor) go by one ``core.copy_blocks`` call, ids whose
+    columns are apart by the framework's copies."""
+    import numpy as np
+
+    from fusedenc import core, graph_feeds
+
+    calls = []
+    native = core.copy_blocks
+    monkeypatch.setattr(core, "copy_blocks", lambda *a: (calls.append(a), native(*a)))
+    batch = 1 if layout == "one row" else 13
+    wide = torch.randint(0, 30000, (batch, 80), generator=gen).cuda()
+    ids = {"dense": wide[:, :37].contiguous(), "wide rows": wide[:, :37], "one row": wide[:, :37],
+           "columns apart": wide[:, :74:2]}[layout]  # fmt: skip
+    types = torch.randint(0, 2, ids.shape, generator=gen).cuda()
+    lengths = torch.randint(1, 38, (batch,), generator=gen).numpy()
+    offsets = np.zeros(batch + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = int(offsets[-1])
+    inputs = (ids, types, offsets, tokens, int(lengths.max()))
+    feed = graph_feeds.PaddedIdsFeed.of(inputs)
+    statics, _ = feed.statics(inputs)
+    for t in statics:
+        t.fill_(-7)
+    feed.fill(statics, inputs)
+    torch.cuda.synchronize()
+    static_ids, static_types, static_cu = statics
+    b, s = ids.shape
+    assert torch.equal(static_ids[:b, :s], ids) and torch.equal(static_types[:b, :s], types)
+    for static in (static_ids, static_types):
+        rest = torch.ones_like(static, dtype=torch.bool)
+        rest[:b, :s] = False
+        assert (static[rest] == -7).all()
+    assert static_cu.tolist() == offsets.tolist() + [tokens] * (static_cu.shape[0] - batch - 1)
+    assert len(calls) == (0 if layout == "columns apart" else 1), calls
+
+
+def test_copy_blocks_refuses_a_block_it_cannot_copy():
+    """``core.copy_blocks``: a null address or a pitch narrower than the row is refused before
+    anything is copied; empty blocks copy nothing."""
+    from fusedenc import core
+
+    dst = torch.full((4, 8), -1, dtype=torch.int32, device=DEV)
+    src = torch.arange(32, dtype=torch.int32, device=DEV).view(4, 8)
+    stream = torch.cuda.current_stream().cuda_stream
+    good = (dst.data_ptr(), 32, src.data_ptr(), 32, 32, 4)
+    for bad in [(0, 32, src.data_ptr(), 32, 32, 4), (dst.data_ptr(), 16, src.data_ptr(), 32, 32, 4),
+                (dst.data_ptr(), 32, src.data_ptr(), 32, -4, 4)]:  # fmt: skip
+        with pytest.raises(ValueError, match="copy_blocks"):
+            core.copy_blocks(dst.device, stream, [good, bad])
+    torch.cuda.synchronize()
+    assert (dst == -1).all()  # the good block before the bad one was not copied either
+    core.copy_blocks(dst.device, stream, [(dst.data_ptr(), 32, src.data_ptr(), 32, 0, 4), good])
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src)

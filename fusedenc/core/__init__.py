@@ -43,52 +43,16 @@ except ImportError:  # pragma: no cover - only without an install
     _build_info = None
 
 __all__ = [
-    "ACTIVATION_IDS",
-    "DTYPE_CODES",
-    "GEMM_TUNING_ENV",
-    "PLAN_CACHE_LIMIT_ENV",
-    "WORKSPACE_BYTES",
-    "Backend",
-    "FallbackWarning",
-    "active_on",
-    "backend",
-    "clear_gemm_choices",
-    "clear_plan_cache",
-    "fallback_events",
-    "force_epilogue_fallback",
-    "fp8_compiled",
-    "fp8_gemm",
-    "fp8_quantize_rows",
-    "fp8_status",
-    "gemm",
-    "gemm_candidates",
-    "gemm_choices",
-    "gemm_tuning_report",
-    "gemm_with_candidate",
-    "layer_norm",
-    "library_info",
-    "load_gemm_tuning",
-    "load_gemm_tuning_at_start",
-    "max_gemm_candidates",
-    "native_epilogues",
-    "native_module",
-    "plan_cache_info",
-    "pointer",
-    "set_plan_cache_limit", "set_sm90_sm_limit",
-    "norm_stats",
-    "sm90_fold_applies",
-    "sm90_fold_fits",
-    "sm90_gemm_applies",
-    "sm90_gemm_disabled",
-    "sm90_fp8_gemm_applies",
-    "sm90_fp8_gemm_kernels",
-    "sm90_gemm_kernels",
-    "sm90_norm_gemm",
-    "sm90_residual_gemm_compiled",
-    "sm90_residual_gemm",
-    "stats_tile",
-    "workspace",
-]
+    "ACTIVATION_IDS", "Backend", "DTYPE_CODES", "FallbackWarning", "GEMM_TUNING_ENV", "PLAN_CACHE_LIMIT_ENV",
+    "WORKSPACE_BYTES", "active_on", "backend", "clear_gemm_choices", "clear_plan_cache", "copy_blocks",
+    "fallback_events", "force_epilogue_fallback", "fp8_compiled", "fp8_gemm", "fp8_quantize_rows", "fp8_status",
+    "gemm", "gemm_candidates", "gemm_choices", "gemm_tuning_report", "gemm_with_candidate", "layer_norm",
+    "library_info", "load_gemm_tuning", "load_gemm_tuning_at_start", "max_gemm_candidates", "native_epilogues",
+    "native_module", "norm_stats", "plan_cache_info", "pointer", "set_plan_cache_limit", "set_sm90_sm_limit",
+    "sm90_fold_applies", "sm90_fold_fits", "sm90_fp8_gemm_applies", "sm90_fp8_gemm_kernels", "sm90_gemm_applies",
+    "sm90_gemm_disabled", "sm90_gemm_kernels", "sm90_norm_gemm", "sm90_residual_gemm", "sm90_residual_gemm_compiled",
+    "stats_tile", "workspace",
+]  # fmt: skip
 
 #: Workspace handed to the GEMM library per (device, stream).  32 MiB is what
 #: NVIDIA recommends for Hopper; FUSEDENC_WORKSPACE_MB overrides it.
@@ -366,6 +330,13 @@ def gemm_with_candidate(*, count: int, index: int, **problem: Any) -> None:
 
 def max_gemm_candidates() -> int:
     return native_module().MAX_GEMM_CANDIDATES
+
+
+def copy_blocks(device: torch.device, stream: int, blocks: list) -> None:
+    """Copy ``blocks``, each ``(dst, dst_pitch, src, src_pitch, width, rows)`` in bytes (device
+    or pinned host addresses), on ``stream`` in order: one native call for what would be a
+    framework op per tensor (a graph's static inputs, ``graph_feeds``)."""
+    (_module or native_module()).copy_blocks(device.index, stream, blocks)
 
 
 def pointer(t: Optional[torch.Tensor]) -> int:
