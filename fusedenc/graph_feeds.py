@@ -23,8 +23,10 @@ pool, counts) stays one cache whatever the call:
     a padded batch of token ids ``[B, S]`` (and token types) whose real tokens are each
     row's prefix, with their host offsets: the graph packs the real tokens itself and
     returns ``[B, S, D]`` (a patched BERT's short path, ``hf_embedded``).  Buckets: the
-    packed bucket of (T, B, ``max_seqlen``) and S up to a power of two; the offsets travel
-    in one host-to-device copy from pinned memory, the ids in one device copy each.
+    packed bucket of (T, B, ``max_seqlen``) and S up to a power of two; the offsets (from
+    pinned memory), ids and token types go in one native call of 2-D copies
+    (``core.copy_blocks``; framework copies where the core is off or the ids' columns are
+    apart).
 
 ``Feed.of(inputs)`` is the call's feed, or a string saying why it runs eagerly (counted in
 ``stats()``).  ``key`` goes into the graph's key and ``bucket`` into ``stats()``;

@@ -14,9 +14,9 @@ as the GPU work of a MiniLM-sized model.  ``install(model)`` gives a patched ``B
    with the encoder's dense attention;
 2. one automatic CUDA graph (``fusedenc.auto_graphs`` with ``graph_feeds.PaddedIdsFeed``:
    bucketed by token count, sequence count, longest sequence and padded length) takes the
-   padded ids and token types (one device copy each) and the offsets (one host-to-device
-   copy), and runs everything else: it packs the real tokens' ids, runs HF's three
-   embedding lookups, their sum and LayerNorm in HF's order, then every layer's block on
+   padded ids, token types and offsets (one native call of copies), and runs everything
+   else: it packs the real tokens' ids, runs HF's three embedding lookups, their sum and
+   LayerNorm in HF's order (one Triton kernel for BERT's), then every layer's block on
    the packed rows, and scatters the last layer's rows back to ``[B, S, D]`` (zeros at
    padding, as the encoder's padding-free path).  Positions are found in the graph: BERT's
    is the token's index in its sequence (HF's ``position_ids`` buffer, for a prefix mask);
