@@ -271,7 +271,8 @@ class PaddedIdsFeed:
         static_ids, static_types, static_cu = statics
         ids, types, offsets = inputs[:3]
         b, s = self.batch, self.seq
-        if static_ids.is_cuda and core.active_on(static_ids.device) and _rows_dense(ids, types):
+        if (static_ids.is_cuda and core.active_on(static_ids.device) and _rows_copyable(static_ids, ids)
+                and (types is None or _rows_copyable(static_types, types))):  # fmt: skip
             # The offsets, ids and token types in one native call: three framework copies cost
             # ~60-100 us of host time a call on the H200 hosts measured, before the launch.
             device = static_ids.device
@@ -340,10 +341,12 @@ def _staged(static_cu: torch.Tensor, offsets: np.ndarray, tokens: int) -> _Stagi
     return stage
 
 
-def _rows_dense(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether each tensor (or None) is ``[B, S]`` of dense rows apart (a native 2-D copy's source)."""
-    return all(t is None or ((t.stride(1) == 1 or t.shape[1] <= 1) and (t.stride(0) >= t.shape[1] or t.shape[0] <= 1))
-               for t in tensors)  # fmt: skip
+def _rows_copyable(static: torch.Tensor, given: torch.Tensor) -> bool:
+    """Whether ``static[:B, :S] = given`` may be a native 2-D copy of bytes: one dtype, and
+    ``given`` ``[B, S]`` of dense rows that do not overlap (else the framework's copy)."""
+    rows, width = given.shape
+    return (given.dtype == static.dtype and (given.stride(1) == 1 or width <= 1)
+            and (given.stride(0) >= width or rows <= 1))  # fmt: skip
 
 
 def _rows_block(static: torch.Tensor, given: torch.Tensor) -> tuple:

@@ -358,16 +358,18 @@ def test_padded_ids_feed_buckets_and_eager_reasons(gen):
 
 def test_padded_ids_native_copy_blocks_are_the_rows_in_bytes():
     """What ``PaddedIdsFeed.fill`` hands the native copy: rows of a wider tensor keep their
-    pitch, one row any; ids whose columns are apart or whose rows overlap are not rows."""
+    pitch, one row any; ids of another dtype than the statics, or whose columns are apart or
+    rows overlap, take the framework's copy."""
     static = torch.zeros((24, 128), dtype=torch.int32)
     wide = torch.zeros((13, 80), dtype=torch.int32)
     block = graph_feeds._rows_block(static, wide[:, :37])
     assert block == (static.data_ptr(), 128 * 4, wide.data_ptr(), 80 * 4, 37 * 4, 13)
-    assert graph_feeds._rows_dense(wide[:, :37], None, wide[:1, :37], wide[:, :1])
-    assert not graph_feeds._rows_dense(wide[:1, ::2])
-    assert not graph_feeds._rows_dense(wide[:, ::2])
-    assert not graph_feeds._rows_dense(wide[:, :1].expand(13, 5))  # stride 0 across columns
-    assert not graph_feeds._rows_dense(wide[:1, :37].expand(13, 37))  # every row the same memory
+    copyable = graph_feeds._rows_copyable
+    assert all(copyable(static, t) for t in (wide[:, :37], wide[:1, :37], wide[:, :1]))
+    assert not copyable(static, wide[:1, ::2]) and not copyable(static, wide[:, ::2])
+    assert not copyable(static, wide[:, :1].expand(13, 5))  # stride 0 across columns
+    assert not copyable(static, wide[:1, :37].expand(13, 37))  # every row the same memory
+    assert not copyable(static, wide[:, :37].long())  # another dtype: converted by the framework
 
 
 def test_a_packed_feed_fills_offsets_with_empty_sequences(gen):
