@@ -52,11 +52,17 @@ Implementations (``--impl``):
   compile, compile-ro   torch.compile of the HF sdpa model, default and "reduce-overhead"
                         modes (warmed up over every batch shape of the run: the timed pass
                         sees no new shape, which favours them)
+  compile-pooled, compile-ro-pooled
+                        torch.compile of the HF sdpa model and the mean pooling together
+                        (one function: the pooling's ops join the compiled graph), both modes
   fusedenc-padded       patch_hf(model, padding_free=False): every layer on the padded batch
   fusedenc              patch_hf(model): the padding-free path (one gather, every layer on
                         the real tokens, one scatter); its note in the table gives the
                         automatic CUDA graphs' counts (held, captures, replays, evictions,
                         eager calls) over the whole run of that row
+  fusedenc-pooled       fusedenc.sentence_embeddings(patch_hf(model), ...): the padding-free
+                        path with the mean pooling and normalization inside its CUDA graph
+                        (the peer to compare it with is compile-*-pooled)
   fusedenc-graph        HF's embeddings, then the patched layers as a
                         ``VarlenGraphRunner`` (CUDA graphs keyed by token count) on the
                         packed rows, pooled straight from them (``fusedenc.varlen.mean_pool``)
@@ -97,8 +103,9 @@ from fusedenc import auto_graphs, hf_embedded, hf_varlen, real_models, varlen, v
 from fusedenc.attention import varlen as varlen_attention  # noqa: E402
 
 SENTENCES = Path(__file__).resolve().parent.parent / "tests" / "data" / "real_sentences" / "sentences.txt.gz"
-IMPLS = ("hf-eager", "hf-sdpa", "compile", "compile-ro", "fusedenc-padded", "fusedenc", "fusedenc-graph")
-CPU_IMPLS = ("hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc")
+IMPLS = ("hf-eager", "hf-sdpa", "compile", "compile-ro", "compile-pooled", "compile-ro-pooled", "fusedenc-padded",
+         "fusedenc", "fusedenc-pooled", "fusedenc-graph")  # fmt: skip
+CPU_IMPLS = ("hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc", "fusedenc-pooled")
 MODELS = ("minilm", "bert-base", "tiny")
 FP16_COSINE = 0.9999
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
@@ -241,6 +248,15 @@ def hf_runner(model) -> Callable[[dict], torch.Tensor]:
     return run
 
 
+def hf_pooled(model) -> Callable[[dict], torch.Tensor]:
+    """The model and the pooling as one function (what ``torch.compile`` compiles whole)."""
+
+    def run(batch):
+        return pooled(model(**batch).last_hidden_state, batch["attention_mask"])
+
+    return run
+
+
 def graph_runner(model, batches, max_sequences: int) -> tuple[Callable[[dict], torch.Tensor], Any]:
     """HF embeddings -> pack -> VarlenGraphRunner over the patched layers -> pooled from packed rows."""
     encoder = model.encoder
@@ -295,6 +311,10 @@ def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int, i
         peers.raise_recompile_limits()
         mode = "reduce-overhead" if impl == "compile-ro" else None
         run = hf_runner(torch.compile(model, mode=mode))
+    elif impl in ("compile-pooled", "compile-ro-pooled"):
+        torch._dynamo.reset()
+        peers.raise_recompile_limits()
+        run = torch.compile(hf_pooled(model), mode="reduce-overhead" if impl == "compile-ro-pooled" else None)
     elif impl == "fusedenc-padded":
         run = hf_runner(fusedenc.patch_hf(model, padding_free=False))
     elif impl == "fusedenc":
@@ -303,6 +323,13 @@ def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int, i
         # A BertModel's embeddings and encoder share one graph, held by the model (hf_embedded).
         run.graph_stats = lambda: (auto_graphs.cache_of(patched) if isinstance(patched, hf_embedded.EmbeddedModel)
                                    else hf_varlen.stack_of(patched.encoder).auto_graphs).stats()
+    elif impl == "fusedenc-pooled":
+        patched = fusedenc.patch_hf(model)
+
+        def run(batch):
+            return fusedenc.sentence_embeddings(patched, **batch)
+
+        run.graph_stats = lambda: auto_graphs.cache_of(patched).stats()
     elif impl == "fusedenc-graph":
         run, runner = graph_runner(fusedenc.patch_hf(model), batches, batch)
         note = f"{len(runner.token_buckets)} token buckets"

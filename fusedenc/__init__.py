@@ -21,6 +21,7 @@ from .core import (
 from .encoder import EncoderBlock, EncoderStack
 from .graphs import GraphRunner
 from .hf import patch_hf
+from .hf_embedded import sentence_embeddings
 from .norm import layer_norm
 from .ops import fused_qkv, linear, pack_qkv, reference_linear
 from .report import capabilities
@@ -47,6 +48,7 @@ __all__ = [
     "patch_hf",
     "plan_cache_info",
     "reference_linear",
+    "sentence_embeddings",
     "set_plan_cache_limit",
     "VarlenGraphRunner",
 ]

@@ -56,7 +56,7 @@ from . import auto_graphs, core, hf_varlen, patched_classes, varlen
 from .attention.varlen import BACKEND_ENV, triton_unusable_on
 from .graph_feeds import PaddedIdsFeed
 
-__all__ = ["EmbeddedModel", "install"]
+__all__ = ["EmbeddedModel", "install", "sentence_embeddings"]
 
 #: The model classes given the short path: (module, model class) -> (embeddings class, whether
 #: positions follow the ids as RoBERTa's, from padding_idx + 1).
@@ -101,6 +101,26 @@ class EmbeddedModel(nn.Module):
                 continue
             if name not in _NEUTRAL or (value is not None and value is not False):
                 return None
+        ready = self._fusedenc_ready(ids, mask, types)
+        if ready is None:
+            return None
+        pooler = self._fusedenc_graph_pooler()
+        tail = _Scattered(pooler)
+        return self._fusedenc_graph_call(ready, ids, types, tail, ("hidden", pooler is None))
+
+    def _fusedenc_pooled_call(self, ids, mask, types, normalize: bool) -> Optional[torch.Tensor]:
+        """``sentence_embeddings``' result through the short path's graph, or None where it
+        does not apply (then HF's forward and torch's pooling)."""
+        if self.training:
+            return None
+        ready = self._fusedenc_ready(ids, mask, types)
+        if ready is None:
+            return None
+        return self._fusedenc_graph_call(ready, ids, types, _MeanPooled(normalize), ("mean", normalize))
+
+    def _fusedenc_ready(self, ids, mask, types):
+        """``(stack, native, real)`` where the short path takes this call (``real``: the mask's
+        bool array on the host, None without a mask), else None (module docstring)."""
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not (mask is None or isinstance(mask, torch.Tensor)):
             return None
         if (mask is not None and mask.shape != ids.shape) or (types is not None and (
@@ -122,24 +142,30 @@ class EmbeddedModel(nn.Module):
         native = core.active_on(device) and not auto_graphs.observing(stack)  # FP8 calibration: eager
         # The one read of the mask (a sync where it is on the GPU): HF's convention, 0 = padding.
         real = None if mask is None else mask.cpu().numpy() != 0
-        pooler = self._fusedenc_graph_pooler()
+        if real is not None and not real.all() and (not real[:, 0].all() or not varlen.real_tokens_first(real)):
+            return None  # left padding, an all-padding sequence or holes: HF's forward
+        return stack, native, real
+
+    def _fusedenc_graph_call(self, ready, ids, types, tail, key):
+        """The graph (or, without one, eager) call of the short path: ``tail`` turns the last
+        layer's rows into the result; ``key`` says which tail, for the graph cache."""
+        stack, native, real = ready
         if real is None or real.all():
             # No mask (HF: every token real) or none of it padding: the batch as it is, with
             # the encoder's dense attention (at equal lengths faster than the varlen kernel).
-            return self._fusedenc_finish(auto_graphs.call(
-                self, self._fusedenc_dense_rows(stack, pooler), (ids, types), key=("embedded dense", pooler is None),
-                rows_per_item=ids.shape[1], native=native))  # fmt: skip
-        if not real[:, 0].all() or not varlen.real_tokens_first(real):
-            return None  # left padding, an all-padding sequence or holes: HF's forward
+            result = auto_graphs.call(self, self._fusedenc_dense_rows(stack, tail), (ids, types),
+                                      key=("embedded dense", key), rows_per_item=ids.shape[1], native=native)  # fmt: skip
+            return tail.done(self, result)
         lengths = real.sum(1)
         offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
         # The forced varlen backend and the fused embeddings' switch are read when a graph is
         # captured: a graph per setting.
         settings = (os.environ.get(BACKEND_ENV), os.environ.get(FUSED_EMBEDDINGS_ENV))
-        return self._fusedenc_finish(auto_graphs.call(
-            self, self._fusedenc_embedded_rows(stack, pooler), (ids, types, offsets, int(offsets[-1]), int(lengths.max())),
-            key=("embedded", settings, pooler is None), native=native, feed=PaddedIdsFeed.of))  # fmt: skip
+        result = auto_graphs.call(
+            self, self._fusedenc_embedded_rows(stack, tail), (ids, types, offsets, int(offsets[-1]), int(lengths.max())),
+            key=("embedded", settings, key), native=native, feed=PaddedIdsFeed.of)  # fmt: skip
+        return tail.done(self, result)
 
     def _fusedenc_finish(self, result):
         """HF's output from a graph function's ``result``: the last hidden state ``[B, S, D]``
@@ -180,12 +206,11 @@ class EmbeddedModel(nn.Module):
         """The position of a sequence's first token: 0 (BERT), ``padding_idx + 1`` (RoBERTa)."""
         return self.embeddings.padding_idx + 1 if _model_kind(self._fusedenc_hf_class)[1] else 0
 
-    def _fusedenc_embedded_rows(self, stack, pooler: Optional[nn.Module] = None):
+    def _fusedenc_embedded_rows(self, stack, tail: "_Tail"):
         """The graph's function: padded ids (and token types) ``[B, S]`` whose real tokens are
         each row's first ``offsets[i + 1] - offsets[i]``, the offsets (int32 ``[B + 1]``,
-        ending at T), T and the longest sequence, to the last layer's output ``[B, S, D]``
-        (zeros at padding), or with ``pooler`` ``{"hidden": that, "pooled": pooler(that)}``.
-        The real tokens are packed in the graph: T rows for every op."""
+        ending at T), T and the longest sequence, to ``tail.packed``'s result from the last
+        layer's packed rows.  The real tokens are packed in the graph: T rows for every op."""
         emb = self.embeddings
         from_ids = self._fusedenc_first_position() > 0
         last = emb.position_embeddings.num_embeddings - 1
@@ -210,18 +235,14 @@ class EmbeddedModel(nn.Module):
                 else:
                     positions = where.position.clamp(max=last)
                 x, target = _embedded(emb, token_ids, token_types, positions), where.target
-            packed = stack._packed_rows(x, cu, max_seqlen)
-            width = packed.shape[1]
-            out = packed.new_zeros(batch * seq + 1, width)  # padding positions zero, as the encoder's unpack
-            out.index_copy_(0, target, packed)  # slack rows: to the row dropped here
-            return _pooled(out[:-1].view(batch, seq, width), pooler)
+            return tail.packed(stack._packed_rows(x, cu, max_seqlen), target, cu, batch, seq)
 
         return rows
 
-    def _fusedenc_dense_rows(self, stack, pooler: Optional[nn.Module] = None):
+    def _fusedenc_dense_rows(self, stack, tail: "_Tail"):
         """The graph's function for batches without padding: ids (and token types) ``[B, S]``
-        to the last layer's output ``[B, S, D]`` (positions: BERT's index, RoBERTa's count),
-        or with ``pooler`` the dict ``_fusedenc_embedded_rows`` returns."""
+        to ``tail.dense``'s result from the last layer's ``[B, S, D]`` (positions: BERT's
+        index, RoBERTa's count)."""
         emb = self.embeddings
         from_ids = self._fusedenc_first_position() > 0
 
@@ -233,9 +254,58 @@ class EmbeddedModel(nn.Module):
             else:
                 positions = torch.arange(s, device=ids.device).expand(b, s)
             x = _embedded(emb, ids, torch.zeros_like(ids) if types is None else types, positions)
-            return _pooled(stack._eager_rows(x.reshape(b * s, -1), b, s, None, None).view(b, s, -1), pooler)
+            return tail.dense(stack._eager_rows(x.reshape(b * s, -1), b, s, None, None).view(b, s, -1))
 
         return rows
+
+
+class _Tail:
+    """What the short path's graph makes of the last layer's rows: ``packed(rows [T', D],
+    target [T'], cu, B, S)`` (``target``: each packed row's index in ``[B * S]``, ``B * S``
+    for slack rows) and ``dense(hidden [B, S, D])`` (no padding); ``done(model, result)``
+    is the call's return value from the graph's output (after ``PaddedIdsFeed.take``)."""
+
+
+class _Scattered(_Tail):
+    """HF's output: the rows scattered back to ``[B, S, D]`` (zeros at padding), and HF's
+    pooler on them in the graph when given (``_fusedenc_graph_pooler``), else after it."""
+
+    def __init__(self, pooler: Optional[nn.Module]):
+        self.pooler = pooler
+
+    def packed(self, rows, target, cu, batch: int, seq: int):
+        out = rows.new_zeros(batch * seq + 1, rows.shape[1])  # padding positions zero, as the encoder's unpack
+        out.index_copy_(0, target, rows)  # slack rows: to the row dropped here
+        return self.dense(out[:-1].view(batch, seq, rows.shape[1]))
+
+    def dense(self, hidden):
+        return hidden if self.pooler is None else {"hidden": hidden, "pooled": self.pooler(hidden)}
+
+    def done(self, model, result):
+        return model._fusedenc_finish(result)
+
+
+class _MeanPooled(_Tail):
+    """``sentence_embeddings``: float32 ``[B, D]``, each sequence's mean over its real tokens'
+    rows (L2-normalized when asked), pooled in the graph: no ``[B, S, D]`` is written."""
+
+    def __init__(self, normalize: bool):
+        self.normalize = normalize
+
+    def packed(self, rows, target, cu, batch: int, seq: int):
+        sums = rows.new_zeros((batch + 1, rows.shape[1]), dtype=torch.float32)
+        sums.index_add_(0, torch.div(target, seq, rounding_mode="floor"), rows.float())  # slack rows: to row B
+        counts = (cu[1:] - cu[:-1]).clamp(min=1).float()  # empty sequences (a bucket's spare ones): zeros
+        return self._finish(sums[:-1] / counts[:, None])
+
+    def dense(self, hidden):
+        return self._finish(hidden.float().mean(1))
+
+    def _finish(self, pooled):
+        return torch.nn.functional.normalize(pooled, dim=1) if self.normalize else pooled
+
+    def done(self, model, result):
+        return result
 
 
 def _embedded(emb: nn.Module, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -277,10 +347,6 @@ def _fused_embeddings(emb: nn.Module, ids: torch.Tensor):
     return triton_embeddings
 
 
-def _pooled(hidden: torch.Tensor, pooler: Optional[nn.Module]):
-    return hidden if pooler is None else {"hidden": hidden, "pooled": pooler(hidden)}
-
-
 def _model_kind(cls: type) -> Optional[tuple[str, bool]]:
     """``_MODELS``' entry for HF model class ``cls`` (None: not given the short path)."""
     return _MODELS.get((cls.__module__, cls.__name__))
@@ -293,6 +359,44 @@ def _output(hidden: torch.Tensor, pooled: Optional[torch.Tensor]):
 
         _output_class = BaseModelOutputWithPoolingAndCrossAttentions
     return _output_class(last_hidden_state=hidden, pooler_output=pooled)
+
+
+def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                        token_type_ids: Optional[torch.Tensor] = None, *, normalize: bool = True) -> torch.Tensor:
+    """Float32 ``[B, D]`` sentence embeddings of a BERT-family encoder: each sequence's mean over
+    its real tokens' last hidden states (sentence-transformers' mean pooling), L2-normalized
+    unless ``normalize=False`` (its ``Normalize`` module).
+
+    ``model`` is an HF base model (``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ...),
+    patched or not; ``attention_mask`` HF's (1 = real token; None: every token real).  On a
+    model ``patch_hf`` gave the short path (``hf_embedded``), the pooling runs inside its CUDA
+    graph, so a call launches once and copies back ``[B, D]``: at small batches most of what
+    the host would spend on ``[B, S, D]`` and a handful of pooling ops.  Otherwise (other
+    models, masks the short path leaves to HF, a CPU) the model's own call, then the same
+    pooling in torch.  A sequence with no real token gets zeros."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise TypeError(f"sentence_embeddings: input_ids must be a 2-D integer tensor [B, S], got {got}")
+    for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != input_ids.shape):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"sentence_embeddings: {name} must be a tensor of input_ids' shape "
+                             f"{tuple(input_ids.shape)}, got {got}")  # fmt: skip
+    if not isinstance(normalize, bool):
+        raise TypeError(f"sentence_embeddings: normalize must be True or False, got {normalize!r}")
+    with torch.no_grad():
+        if isinstance(model, EmbeddedModel):
+            out = model._fusedenc_pooled_call(input_ids, attention_mask, token_type_ids, normalize)
+            if out is not None:
+                return out
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        hidden = model(**kwargs)[0]  # last_hidden_state, from a ModelOutput or a tuple
+        keep = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(hidden.device)
+        keep = keep.unsqueeze(-1).float()
+        pooled = (hidden.float() * keep).sum(1) / keep.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
 
 
 def install(model: nn.Module) -> None:

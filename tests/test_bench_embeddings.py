@@ -15,7 +15,7 @@ from bench_helpers import ROOT, run_bench
 
 pytest.importorskip("transformers")
 
-CPU_IMPLS = {"hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc"}
+CPU_IMPLS = {"hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc", "fusedenc-pooled"}
 
 
 @pytest.mark.parametrize("io", ["host", "device"])

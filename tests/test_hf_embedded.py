@@ -268,7 +268,7 @@ def test_the_graph_function_on_a_buckets_statics(model_type, gen):
     feed.fill(statics, inputs)
     assert statics[2].tolist() == [*offsets.tolist(), *[offsets[-1]] * (feed.bucket.sequences - 5)]
     assert model._fusedenc_graph_pooler() is model.pooler, "HF's unhooked pooler runs in the graph"
-    fn = model._fusedenc_embedded_rows(model.encoder._fusedenc_as_stack(), model.pooler)
+    fn = model._fusedenc_embedded_rows(model.encoder._fusedenc_as_stack(), hf_embedded._Scattered(model.pooler))
     with torch.no_grad():
         out = fn(*views)
         want = ref(ids, attention_mask=mask, token_type_ids=types)
@@ -365,3 +365,103 @@ def test_a_patched_model_pickles_whole(model_type, gen, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(clone(input_ids=ids, attention_mask=mask, token_type_ids=types).logits, want,
                                    rtol=0, atol=0)  # fmt: skip
+
+
+# ------------------------------------------------------------ sentence embeddings ----
+
+
+def _mean_pooled(hidden, mask, normalize=True):
+    """sentence-transformers' mean pooling over real tokens (fp32), then L2 normalization."""
+    keep = mask.unsqueeze(-1).double()
+    pooled = (hidden.double() * keep).sum(1) / keep.sum(1).clamp(min=1e-9)
+    return (torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled).float()
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sentence_embeddings_take_the_short_path(model_type, normalize, gen, hf_calls, monkeypatch):
+    """``fusedenc.sentence_embeddings`` on a patched model: the short path pools the packed
+    rows itself (HF's forward never runs), float32 ``[B, D]``, equal to mean pooling of the
+    unpatched model's last hidden state (and normalized when asked); also without padding
+    and without a mask (the dense variant)."""
+    model, ref = _models(gen, model_type)
+    pooled_calls = []
+    for name in ("packed", "dense"):
+        method = getattr(hf_embedded._MeanPooled, name)
+        monkeypatch.setattr(hf_embedded._MeanPooled, name,
+                            lambda self, *a, _m=method, _n=name: (pooled_calls.append(_n), _m(self, *a))[1])  # fmt: skip
+    ids, types, mask = _batch(gen)
+    full = torch.ones_like(mask)
+    cases = {"padded": (mask, types), "no types": (mask, None), "no padding": (full, types), "no mask": (None, None)}
+    with torch.no_grad():  # the unpatched model's calls before HF's forward is counted
+        wants = {case: _mean_pooled(ref(ids, attention_mask=m, token_type_ids=t).last_hidden_state,
+                                    full if m is None else m, normalize) for case, (m, t) in cases.items()}  # fmt: skip
+    calls = hf_calls(model)
+    for case, (m, t) in cases.items():
+        got = fusedenc.sentence_embeddings(model, ids, m, t, normalize=normalize)
+        assert got.dtype == torch.float32 and got.shape == (ids.shape[0], SMALL["hidden_size"]), case
+        torch.testing.assert_close(got, wants[case], **TOL, msg=case)
+    assert not calls, "HF's forward ran"
+    assert pooled_calls == ["packed", "packed", "dense", "dense"], pooled_calls
+
+
+def test_sentence_embeddings_pool_in_the_graph_function_on_poisoned_statics(gen):
+    """The short path's graph function with the pooling tail, on statics padded to a bucket
+    and poisoned past the call: the call's rows are its embeddings, the bucket's spare
+    sequences zeros, nothing of the slack rows leaks in."""
+    model, ref = _models(gen)
+    ids, types, mask = _batch(gen, b=5, s=11)
+    real = mask.numpy() != 0
+    offsets = np.zeros(ids.shape[0] + 1, dtype=np.int32)
+    np.cumsum(real.sum(1), out=offsets[1:])
+    inputs = (ids, types, offsets, int(offsets[-1]), int(real.sum(1).max()))
+    feed = graph_feeds.PaddedIdsFeed.of(inputs)
+    statics, views = feed.statics(inputs)
+    statics[0].fill_(SMALL["vocab_size"] - 1)
+    statics[1].fill_(1)
+    feed.fill(statics, inputs)
+    fn = model._fusedenc_embedded_rows(model.encoder._fusedenc_as_stack(), hf_embedded._MeanPooled(True))
+    with torch.no_grad():
+        out = fn(*views)
+        want = _mean_pooled(ref(ids, attention_mask=mask, token_type_ids=types).last_hidden_state, mask)
+    assert out.shape == (feed.bucket.sequences, SMALL["hidden_size"]) and out.dtype == torch.float32
+    torch.testing.assert_close(feed.take(out), want, **TOL)
+    assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+
+
+def test_sentence_embeddings_elsewhere_run_the_model_then_pool(gen, hf_calls):
+    """Where the short path does not apply (left padding, an all-padding sequence, an
+    unpatched model) the model's own call runs and the same pooling
+    follows; a sequence with no real token gets zeros."""
+    model, ref = _models(gen)
+    ids, types, mask = _batch(gen)
+    left = mask.flip(1)
+    empty = mask.clone()
+    empty[2] = 0
+    cases = {"left padding": left, "all-padding row": empty}
+    with torch.no_grad():
+        wants = {case: _mean_pooled(ref(ids, attention_mask=m, token_type_ids=types).last_hidden_state, m)
+                 for case, m in cases.items()}  # fmt: skip
+    calls = hf_calls(model)
+    for case, m in cases.items():
+        torch.testing.assert_close(fusedenc.sentence_embeddings(model, ids, m, types), wants[case], **TOL, msg=case)
+    assert len(calls) == 2, "HF's forward, once a case"
+    assert torch.equal(fusedenc.sentence_embeddings(model, ids, empty, types)[2], torch.zeros(SMALL["hidden_size"]))
+    with torch.no_grad():
+        want = _mean_pooled(ref(ids, attention_mask=mask, token_type_ids=types).last_hidden_state, mask, False)
+    torch.testing.assert_close(fusedenc.sentence_embeddings(ref, ids, mask, types, normalize=False), want, **TOL)
+
+
+def test_sentence_embeddings_refuse_bad_input(gen):
+    model, _ = _models(gen)
+    ids, types, mask = _batch(gen)
+    with pytest.raises(TypeError, match="input_ids must be a 2-D integer tensor"):
+        fusedenc.sentence_embeddings(model, ids.float(), mask)
+    with pytest.raises(TypeError, match="input_ids must be a 2-D integer tensor"):
+        fusedenc.sentence_embeddings(model, ids[0], mask[0])
+    with pytest.raises(ValueError, match="attention_mask must be a tensor of input_ids' shape"):
+        fusedenc.sentence_embeddings(model, ids, mask[:, :-1])
+    with pytest.raises(ValueError, match="token_type_ids must be a tensor"):
+        fusedenc.sentence_embeddings(model, ids, mask, [0, 1])
+    with pytest.raises(TypeError, match="normalize must be True or False"):
+        fusedenc.sentence_embeddings(model, ids, mask, normalize="yes")

@@ -402,6 +402,44 @@ def test_patched_bert_embeddings_in_one_kernel_follow_each_batch(gen, graphs_on,
     assert calls, "the kernel never ran"
 
 
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_sentence_embeddings_pool_in_the_graph(model_type, gen, graphs_on):
+    """``fusedenc.sentence_embeddings`` on a patched model: one replay a call (after the first
+    call at a key), the graph's static output ``[B', D]`` poisoned between calls, batches of
+    other sizes in one bucket and one without padding; each call's float32 embeddings held
+    to the fp32 model's mean pooling by the project's rule, cosine >= 0.9999 every sentence."""
+    ref, model, same, ids, mask = _bert_base_shape(gen, 40, model_type)
+    cache = auto_graphs.cache_of(model)
+    types = torch.randint(0, 2, ids.shape, generator=gen).cuda() if model_type == "bert" else None
+    batches = [(ids, mask, types)]
+    for _ in range(3):
+        keep = torch.randperm(ids.shape[0], generator=gen)[: ids.shape[0] - 6].cuda()
+        shorter = mask[keep].clone()
+        shorter[:, 28:] = 0
+        batches.append((ids[keep], shorter, None if types is None else types[keep]))
+    batches.append((ids, torch.ones_like(mask), types))
+
+    def pooled(m, b_ids, b_mask, b_types):
+        hidden = m(input_ids=b_ids, attention_mask=b_mask, token_type_ids=b_types).last_hidden_state
+        keep = b_mask.unsqueeze(-1).float()
+        return torch.nn.functional.normalize((hidden.float() * keep).sum(1) / keep.sum(1), dim=1)
+
+    with torch.inference_mode():
+        for i, (b_ids, b_mask, b_types) in enumerate(batches):
+            fusedenc.sentence_embeddings(model, b_ids, b_mask, b_types)  # the first call at a key: eager
+            for entry in cache.entries():
+                if isinstance(entry.out, torch.Tensor):
+                    entry.out.fill_(float("nan"))
+            replays = cache.counts["replays"]
+            got = fusedenc.sentence_embeddings(model, b_ids, b_mask, b_types)
+            assert cache.counts["replays"] == replays + 1, (i, dict(cache.counts))
+            want, base = pooled(ref, b_ids, b_mask, b_types), pooled(same, b_ids, b_mask, b_types)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert_close_rule(got, want, base, torch.float16, f"{model_type} batch {i} seed={gen.seed_value}")
+            cos = torch.nn.functional.cosine_similarity(got.double(), want.double(), dim=1)
+            assert cos.min() >= FP16_COSINE, (i, float(cos.min()))
+
+
 # ------------------------------------------------------------ real sentences ----
 
 
