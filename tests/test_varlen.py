@@ -720,7 +720,7 @@ def test_embeddings_bench_smoke(tmp_path):
     [record] = result["records"]
     assert record["lengths"]["sentences"] == 16 and 0 < record["lengths"]["padding_fraction"] < 1
     impls = {r["impl"]: r for r in record["results"]}
-    assert set(impls) == {"hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc"}
+    assert set(impls) == {"hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc", "fusedenc-pooled"}
     for name, r in impls.items():
         assert "error" not in r, f"{name}: {r.get('error')}"
         assert r["min_cosine"] > 0.99999 and r["sentences_per_s"] > 0, name
