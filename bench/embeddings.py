@@ -248,15 +248,6 @@ def hf_runner(model) -> Callable[[dict], torch.Tensor]:
     return run
 
 
-def hf_pooled(model) -> Callable[[dict], torch.Tensor]:
-    """The model and the pooling as one function (what ``torch.compile`` compiles whole)."""
-
-    def run(batch):
-        return pooled(model(**batch).last_hidden_state, batch["attention_mask"])
-
-    return run
-
-
 def graph_runner(model, batches, max_sequences: int) -> tuple[Callable[[dict], torch.Tensor], Any]:
     """HF embeddings -> pack -> VarlenGraphRunner over the patched layers -> pooled from packed rows."""
     encoder = model.encoder
@@ -314,7 +305,8 @@ def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int, i
     elif impl in ("compile-pooled", "compile-ro-pooled"):
         torch._dynamo.reset()
         peers.raise_recompile_limits()
-        run = torch.compile(hf_pooled(model), mode="reduce-overhead" if impl == "compile-ro-pooled" else None)
+        # hf_runner's function (the model, then the pooling) compiled whole.
+        run = torch.compile(hf_runner(model), mode="reduce-overhead" if impl == "compile-ro-pooled" else None)
     elif impl == "fusedenc-padded":
         run = hf_runner(fusedenc.patch_hf(model, padding_free=False))
     elif impl == "fusedenc":

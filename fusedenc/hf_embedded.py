@@ -90,7 +90,7 @@ class EmbeddedModel(nn.Module):
 
     def _fusedenc_embedded_call(self, args, kwargs):
         """The short path's output, or None where HF's forward must run (module docstring)."""
-        if len(args) > 1 or self.training:
+        if len(args) > 1:
             return None
         ids = args[0] if args else kwargs.get("input_ids")
         mask, types = kwargs.get("attention_mask"), kwargs.get("token_type_ids")
@@ -111,8 +111,6 @@ class EmbeddedModel(nn.Module):
     def _fusedenc_pooled_call(self, ids, mask, types, normalize: bool) -> Optional[torch.Tensor]:
         """``sentence_embeddings``' result through the short path's graph, or None where it
         does not apply (then HF's forward and torch's pooling)."""
-        if self.training:
-            return None
         ready = self._fusedenc_ready(ids, mask, types)
         if ready is None:
             return None
@@ -121,6 +119,8 @@ class EmbeddedModel(nn.Module):
     def _fusedenc_ready(self, ids, mask, types):
         """``(stack, native, real)`` where the short path takes this call (``real``: the mask's
         bool array on the host, None without a mask), else None (module docstring)."""
+        if self.training:
+            return None
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not (mask is None or isinstance(mask, torch.Tensor)):
             return None
         if (mask is not None and mask.shape != ids.shape) or (types is not None and (
