@@ -31,7 +31,10 @@ Where the inputs and outputs live (``--io``, the same for every implementation):
                    synchronize at its end).  The default because it is what a service
                    sees, and because under it the padding-free path's own host read of the
                    mask (one sync a batch) waits on an already drained queue instead of
-                   stalling one the peers keep full.
+                   stalling one the peers keep full.  fusedenc-pooled takes the host
+                   tensors as they are (``sentence_embeddings`` accepts the tokenizer's
+                   output and copies it over itself): its step still starts from the same
+                   host batch and ends with the embeddings on the host.
   device           the batches are moved to the device before timing and the embeddings
                    stay there, so an implementation that never syncs queues a whole pass
                    ahead of the GPU; timed by CUDA events around the pass (wall clock on
@@ -60,9 +63,10 @@ Implementations (``--impl``):
                         the real tokens, one scatter); its note in the table gives the
                         automatic CUDA graphs' counts (held, captures, replays, evictions,
                         eager calls) over the whole run of that row
-  fusedenc-pooled       fusedenc.sentence_embeddings(patch_hf(model), ...): the padding-free
-                        path with the mean pooling and normalization inside its CUDA graph
-                        (the peer to compare it with is compile-*-pooled)
+  fusedenc-pooled       fusedenc.sentence_embeddings(patch_hf(model), **host_batch): the
+                        padding-free path with the mean pooling and normalization inside its
+                        CUDA graph, fed the tokenizer's host tensors (the peer to compare it
+                        with is compile-*-pooled)
   fusedenc-graph        HF's embeddings, then the patched layers as a
                         ``VarlenGraphRunner`` (CUDA graphs keyed by token count) on the
                         packed rows, pooled straight from them (``fusedenc.varlen.mean_pool``)
@@ -276,9 +280,12 @@ def varlen_offsets(packing) -> list[int]:
 def with_io(run, device, io: str) -> Callable[[dict], torch.Tensor]:
     """One batch as ``--io`` times it: ``device``: ``run`` itself (batches already on the
     device, embeddings left there); ``host``: the batch copied to the device, the embeddings
-    brought back (both blocking, as sentence-transformers' ``encode()``)."""
+    brought back (both blocking, as sentence-transformers' ``encode()``); a ``run`` marked
+    ``takes_host_batch`` gets the host batch itself."""
     if io == "device":
         return run
+    if getattr(run, "takes_host_batch", False):
+        return lambda batch: run(batch).cpu()
 
     def step(batch):
         return run({k: v.to(device) for k, v in batch.items()}).cpu()
@@ -321,6 +328,7 @@ def build(impl: str, name: str, device, dtype, seed: int, batches, batch: int, i
         def run(batch):
             return fusedenc.sentence_embeddings(patched, **batch)
 
+        run.takes_host_batch = True  # the tokenizer's tensors, as they are (with_io)
         run.graph_stats = lambda: auto_graphs.cache_of(patched).stats()
     elif impl == "fusedenc-graph":
         run, runner = graph_runner(fusedenc.patch_hf(model), batches, batch)

@@ -365,7 +365,7 @@ class AutoGraphs:
         if isinstance(feed, str):
             self.counts[feed] += 1
             return None
-        device = inputs[0].device
+        device = _feed_device(feed, inputs)
         if self._epoch != _config_epoch:
             self.clear()
             self._epoch = _config_epoch
@@ -419,7 +419,7 @@ class AutoGraphs:
 
     def _capture(self, module, fn, inputs, feed, key, stamp, lane, around_capture) -> _Entry:
         start = time.perf_counter()
-        device = inputs[0].device
+        device = _feed_device(feed, inputs)
         # Static inputs are normal tensors even under inference_mode: later calls outside it copy into them.
         with torch.inference_mode(False):
             statics, views = feed.statics(inputs)
@@ -451,6 +451,12 @@ class AutoGraphs:
         self.counts["captures"] += 1
         self.capture_seconds += time.perf_counter() - start
         return entry
+
+
+def _feed_device(feed, inputs) -> torch.device:
+    """The graph's device: the feed's where it has one (its inputs are on the host:
+    ``graph_feeds.HostIdsFeed``), else the first input's."""
+    return getattr(feed, "device", None) or inputs[0].device
 
 
 def _bucket_order(bucket) -> tuple:

@@ -27,6 +27,11 @@ pool, counts) stays one cache whatever the call:
     pinned memory), ids and token types go in one native call of 2-D copies
     (``core.copy_blocks``; framework copies where the core is off or the ids' columns are
     apart).
+``HostIdsFeed``
+    ``PaddedIdsFeed``'s call with the ids (and token types) still on the host, as a tokenizer
+    returns them (``sentence_embeddings``): the graph's static ids, token types and offsets
+    are views of one device buffer, filled from one pinned buffer of the same layout by one
+    host-to-device copy.  The caller neither copies the batch over nor reads its mask back.
 
 ``Feed.of(inputs)`` is the call's feed, or a string saying why it runs eagerly (counted in
 ``stats()``).  ``key`` goes into the graph's key and ``bucket`` into ``stats()``;
@@ -48,7 +53,7 @@ from .varlen_graphs import default_token_buckets
 
 __all__ = [
     "BUCKETS", "MAX_ROWS", "MIN_SEQLEN_BUCKET", "TOKEN_BUCKETS", "BatchFeed", "PackedBucket", "PackedFeed",
-    "PaddedIdsFeed", "bucket_for", "copy_offsets", "length_bucket", "packed_bucket",
+    "HostIdsFeed", "PaddedIdsFeed", "bucket_for", "copy_offsets", "length_bucket", "packed_bucket",
 ]  # fmt: skip
 
 #: Batch-size buckets: powers of two and 1.5x powers of two up to 1024, so a batch pads by
@@ -297,19 +302,90 @@ class PaddedIdsFeed:
         return out[: self.batch, : self.seq] if out.dim() == 3 else out[: self.batch]
 
 
+class HostIdsFeed(PaddedIdsFeed):
+    """``PaddedIdsFeed`` for ids and token types on the host (int tensors) and a graph on
+    ``device``: the statics are views of one device buffer (ids ``[B', S']``, token types
+    ``[B', S']``, then the int32 offsets), and a call writes its inputs into a pinned buffer
+    of the same layout and copies it over in one go.  Positions past a row's real tokens hold
+    what an earlier call left (zeros at first): only real positions are read."""
+
+    __slots__ = ("device",)
+
+    @classmethod
+    def on(cls, device: torch.device):
+        """The ``feed`` argument of ``auto_graphs.call`` for a graph on ``device``."""
+        def of(inputs):
+            feed = cls.of(inputs)
+            if not isinstance(feed, str):
+                feed.device = device
+                feed.key = ("host ids",) + feed.key[1:]
+            return feed
+
+        return of
+
+    def _layout(self, ids, types) -> tuple[int, int, int]:
+        """(elements of ids' dtype for the ids, for the token types, in all)."""
+        n_ids = self.bucket.sequences * self.seq_bucket
+        n_types = 0 if types is None else n_ids
+        n_cu = -(-(self.bucket.sequences + 1) * 4 // ids.element_size())  # int32s, in ids' elements
+        return n_ids, n_types, n_ids + n_types + n_cu
+
+    def _views(self, buffer: torch.Tensor, ids, types):
+        n_ids, n_types, _ = self._layout(ids, types)
+        shape = (self.bucket.sequences, self.seq_bucket)
+        static_ids = buffer[:n_ids].view(shape)
+        static_types = None if types is None else buffer[n_ids:n_ids + n_types].view(shape)
+        static_cu = buffer[n_ids + n_types:].view(torch.int32)[: self.bucket.sequences + 1]
+        return static_ids, static_types, static_cu
+
+    def statics(self, inputs) -> tuple[list, list]:
+        ids, types = inputs[0], inputs[1]
+        buffer = torch.zeros(self._layout(ids, types)[2], dtype=ids.dtype, device=self.device)
+        return [buffer], [*self._views(buffer, ids, types), self.bucket.tokens, self.bucket.max_seqlen]
+
+    def fill(self, statics, inputs) -> None:
+        (buffer,) = statics
+        ids, types, offsets = inputs[:3]
+        b, s = self.batch, self.seq
+        stage = _stage(buffer.device, buffer.numel() * buffer.element_size())
+        host = stage.host[: buffer.numel() * buffer.element_size()].view(buffer.dtype)
+        host_ids, host_types, host_cu = self._views(host, ids, types)
+        host_ids.numpy()[:b, :s] = ids.numpy()
+        if types is not None:
+            host_types.numpy()[:b, :s] = types.numpy()
+        cu = host_cu.numpy()
+        cu[: offsets.shape[0]] = offsets
+        cu[offsets.shape[0]:] = self.tokens
+        if buffer.is_cuda:
+            buffer.copy_(host, non_blocking=True)  # on the device's current stream, as the replay
+            stage.copied.record(torch.cuda.current_stream(buffer.device))
+        else:
+            buffer.copy_(host)
+
+
 class _Staging:
-    """A device's pinned host buffer for offsets on their way to a graph's statics, and the
-    event of its last copy out (rewritten only once that copy is done)."""
+    """A device's host buffer (pinned for a GPU) for inputs on their way to a graph's statics,
+    and the event of its last copy out (rewritten only once that copy is done)."""
 
-    __slots__ = ("host", "array", "copied")
+    __slots__ = ("host", "copied")
 
-    def __init__(self, size: int):
-        self.host = torch.empty(size, dtype=torch.int32, pin_memory=True)
-        self.array = self.host.numpy()
-        self.copied = torch.cuda.Event()
+    def __init__(self, n_bytes: int, device: torch.device):
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(n_bytes, dtype=torch.uint8, pin_memory=pinned)
+        self.copied = torch.cuda.Event() if pinned else None
 
 
 _staging: dict = {}  # device -> _Staging; used under the device's graph lane lock (auto_graphs)
+
+
+def _stage(device: torch.device, n_bytes: int) -> _Staging:
+    """``device``'s staging buffer, at least ``n_bytes`` long and free to rewrite."""
+    stage = _staging.get(device)
+    if stage is not None and stage.copied is not None:  # its last copy out done (long since:
+        stage.copied.synchronize()  # the call before ended in a read); before reuse, or freeing
+    if stage is None or stage.host.shape[0] < n_bytes:
+        stage = _staging[device] = _Staging(max(n_bytes, 4096), device)
+    return stage
 
 
 def copy_offsets(static_cu: torch.Tensor, offsets: np.ndarray, tokens: int) -> None:
@@ -323,21 +399,18 @@ def copy_offsets(static_cu: torch.Tensor, offsets: np.ndarray, tokens: int) -> N
         static_cu.copy_(torch.from_numpy(padded))
         return
     stage = _staged(static_cu, offsets, tokens)
-    static_cu.copy_(stage.host[:n], non_blocking=True)  # on the device's current stream, as the replay
+    static_cu.copy_(stage.host[: 4 * n].view(torch.int32), non_blocking=True)  # on the current stream, as the replay
     stage.copied.record(torch.cuda.current_stream(static_cu.device))
 
 
 def _staged(static_cu: torch.Tensor, offsets: np.ndarray, tokens: int) -> _Staging:
     """The device's pinned staging buffer holding ``static_cu``'s new value in its first
-    ``N' + 1`` entries (``copy_offsets``); the caller copies it out and records ``copied``."""
+    ``N' + 1`` int32s (``copy_offsets``); the caller copies it out and records ``copied``."""
     n, given = static_cu.shape[0], offsets.shape[0]
-    stage = _staging.get(static_cu.device)
-    if stage is not None:  # its last copy out done (long since: a call reads its mask first)
-        stage.copied.synchronize()  # before it is rewritten, or freed for a larger one
-    if stage is None or stage.array.shape[0] < n:
-        stage = _staging[static_cu.device] = _Staging(max(n, 1024))
-    stage.array[:given] = offsets
-    stage.array[given:n] = tokens
+    stage = _stage(static_cu.device, 4 * n)
+    values = stage.host[: 4 * n].view(torch.int32).numpy()
+    values[:given] = offsets
+    values[given:] = tokens
     return stage
 
 

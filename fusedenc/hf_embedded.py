@@ -14,7 +14,8 @@ as the GPU work of a MiniLM-sized model.  ``install(model)`` gives a patched ``B
    with the encoder's dense attention;
 2. one automatic CUDA graph (``fusedenc.auto_graphs`` with ``graph_feeds.PaddedIdsFeed``:
    bucketed by token count, sequence count, longest sequence and padded length) takes the
-   padded ids, token types and offsets (one native call of copies), and runs everything
+   padded ids, token types and offsets (one native call of copies; ``sentence_embeddings``
+   with the tokenizer's host tensors: ``HostIdsFeed``, one copy from pinned memory), and runs everything
    else: it packs the real tokens' ids, runs HF's three embedding lookups, their sum and
    LayerNorm in HF's order (one Triton kernel for BERT's), then every layer's block on
    the packed rows, and scatters the last layer's rows back to ``[B, S, D]`` (zeros at
@@ -54,7 +55,7 @@ from torch import nn
 
 from . import auto_graphs, core, hf_varlen, patched_classes, varlen
 from .attention.varlen import BACKEND_ENV, triton_unusable_on
-from .graph_feeds import PaddedIdsFeed
+from .graph_feeds import HostIdsFeed, PaddedIdsFeed
 
 __all__ = ["EmbeddedModel", "install", "sentence_embeddings"]
 
@@ -110,15 +111,18 @@ class EmbeddedModel(nn.Module):
 
     def _fusedenc_pooled_call(self, ids, mask, types, normalize: bool) -> Optional[torch.Tensor]:
         """``sentence_embeddings``' result through the short path's graph, or None where it
-        does not apply (then HF's forward and torch's pooling)."""
-        ready = self._fusedenc_ready(ids, mask, types)
+        does not apply (then HF's forward and torch's pooling).  The ids may still be on the
+        host (the tokenizer's tensors): the graph's feed copies them over itself."""
+        ready = self._fusedenc_ready(ids, mask, types, from_host=True)
         if ready is None:
             return None
         return self._fusedenc_graph_call(ready, ids, types, _MeanPooled(normalize), ("mean", normalize))
 
-    def _fusedenc_ready(self, ids, mask, types):
-        """``(stack, native, real)`` where the short path takes this call (``real``: the mask's
-        bool array on the host, None without a mask), else None (module docstring)."""
+    def _fusedenc_ready(self, ids, mask, types, from_host: bool = False):
+        """``(stack, native, real, on_host)`` where the short path takes this call (``real``:
+        the mask's bool array on the host, None without a mask; ``on_host``: the ids and token
+        types are on the host, for a model on a GPU, which ``from_host`` allows), else None
+        (module docstring)."""
         if self.training:
             return None
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not (mask is None or isinstance(mask, torch.Tensor)):
@@ -134,23 +138,30 @@ class EmbeddedModel(nn.Module):
         if ids.shape[1] + self._fusedenc_first_position() > emb.position_embeddings.num_embeddings:
             return None  # more positions than embeddings: HF's forward raises
         device = emb.word_embeddings.weight.device
-        if ids.device != device or (types is not None and types.device != device) or not hf_varlen.may_sync(ids):
+        on_host = from_host and device.type == "cuda" and ids.device.type == "cpu"
+        where = torch.device("cpu") if on_host else device
+        if ids.device != where or (types is not None and types.device != where):
+            return None
+        if not hf_varlen.may_sync(emb.word_embeddings.weight):  # compiling, or a capture on the device
             return None
         stack = encoder._fusedenc_as_stack()
         if stack is None:
             return None
         native = core.active_on(device) and not auto_graphs.observing(stack)  # FP8 calibration: eager
         # The one read of the mask (a sync where it is on the GPU): HF's convention, 0 = padding.
-        real = None if mask is None else mask.cpu().numpy() != 0
+        real = None if mask is None else mask.detach().cpu().numpy() != 0
         if real is not None and not real.all() and (not real[:, 0].all() or not varlen.real_tokens_first(real)):
             return None  # left padding, an all-padding sequence or holes: HF's forward
-        return stack, native, real
+        return stack, native, real, on_host
 
     def _fusedenc_graph_call(self, ready, ids, types, tail, key):
         """The graph (or, without one, eager) call of the short path: ``tail`` turns the last
         layer's rows into the result; ``key`` says which tail, for the graph cache."""
-        stack, native, real = ready
+        stack, native, real, on_host = ready
+        device = self.embeddings.word_embeddings.weight.device
         if real is None or real.all():
+            if on_host:  # rare (no padding at all): the dense path's feed takes device inputs
+                ids, types = ids.to(device), None if types is None else types.to(device)
             # No mask (HF: every token real) or none of it padding: the batch as it is, with
             # the encoder's dense attention (at equal lengths faster than the varlen kernel).
             result = auto_graphs.call(self, self._fusedenc_dense_rows(stack, tail), (ids, types),
@@ -164,7 +175,8 @@ class EmbeddedModel(nn.Module):
         settings = (os.environ.get(BACKEND_ENV), os.environ.get(FUSED_EMBEDDINGS_ENV))
         result = auto_graphs.call(
             self, self._fusedenc_embedded_rows(stack, tail), (ids, types, offsets, int(offsets[-1]), int(lengths.max())),
-            key=("embedded", settings, key), native=native, feed=PaddedIdsFeed.of)  # fmt: skip
+            key=("embedded", settings, key), native=native,
+            feed=HostIdsFeed.on(device) if on_host else PaddedIdsFeed.of)  # fmt: skip
         return tail.done(self, result)
 
     def _fusedenc_finish(self, result):
@@ -216,6 +228,9 @@ class EmbeddedModel(nn.Module):
         last = emb.position_embeddings.num_embeddings - 1
 
         def rows(ids, types, offsets, tokens: int, max_seqlen: int) -> torch.Tensor:
+            if ids.device != emb.word_embeddings.weight.device:  # host ids, run eagerly
+                device = emb.word_embeddings.weight.device
+                ids, types = ids.to(device), None if types is None else types.to(device)
             batch, seq = ids.shape
             cu = torch.as_tensor(offsets, device=ids.device)  # a graph's static offsets; copied when eager
             fused = None if from_ids else _fused_embeddings(emb, ids)
@@ -368,12 +383,16 @@ def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mas
     unless ``normalize=False`` (its ``Normalize`` module).
 
     ``model`` is an HF base model (``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ...),
-    patched or not; ``attention_mask`` HF's (1 = real token; None: every token real).  On a
-    model ``patch_hf`` gave the short path (``hf_embedded``), the pooling runs inside its CUDA
-    graph, so a call launches once and copies back ``[B, D]``: at small batches most of what
-    the host would spend on ``[B, S, D]`` and a handful of pooling ops.  Otherwise (other
-    models, masks the short path leaves to HF, a CPU) the model's own call, then the same
-    pooling in torch.  A sequence with no real token gets zeros."""
+    patched or not; ``attention_mask`` HF's (1 = real token; None: every token real).  The
+    tensors may be on the model's device or on the host, as the tokenizer returns them; the
+    result is on the model's device.  On a model ``patch_hf`` gave the short path
+    (``hf_embedded``), the pooling runs inside its CUDA graph, so a call launches once and
+    yields ``[B, D]``: at small batches most of what the host would spend on ``[B, S, D]`` and
+    a handful of pooling ops.  Host tensors are the faster hand-over there: the mask is read
+    where it is, and the ids, token types and offsets go over in one copy from pinned memory
+    (``graph_feeds.HostIdsFeed``) instead of the caller's copies and a read back.  Otherwise
+    (other models, masks the short path leaves to HF, a CPU) the model's own call, then the
+    same pooling in torch.  A sequence with no real token gets zeros."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
         got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise TypeError(f"sentence_embeddings: input_ids must be a 2-D integer tensor [B, S], got {got}")
@@ -389,6 +408,10 @@ def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mas
             out = model._fusedenc_pooled_call(input_ids, attention_mask, token_type_ids, normalize)
             if out is not None:
                 return out
+        param = next(model.parameters(), None)
+        if param is not None:  # the tokenizer's host tensors to the model's device
+            input_ids, attention_mask, token_type_ids = (
+                None if t is None else t.to(param.device) for t in (input_ids, attention_mask, token_type_ids))  # fmt: skip
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids

@@ -372,6 +372,43 @@ def test_padded_ids_native_copy_blocks_are_the_rows_in_bytes():
     assert not copyable(static, wide[:, :37].long())  # another dtype: converted by the framework
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("with_types", [True, False])
+def test_host_ids_feed_lays_ids_types_and_offsets_in_one_buffer(dtype, with_types, gen):
+    """``HostIdsFeed``: the statics are views of one buffer (ids, token types, int32 offsets)
+    on the feed's device; a fill writes each call's host ids (a strided view too) into the
+    ``[:B, :S]`` corners and its offsets then empty sequences, in one copy (the rest holds
+    what an earlier call left: never read); the key tells it from a device-input feed's."""
+    ids = torch.randint(1, 30000, (20, 40), generator=gen, dtype=torch.int64).to(dtype)
+    types = torch.randint(0, 2, (20, 40), generator=gen).to(dtype) if with_types else None
+    offsets = np.arange(21, dtype=np.int32) * 7  # 20 sequences of 7 tokens
+    inputs = (ids, types, offsets, 140, 7)
+    feed = graph_feeds.HostIdsFeed.on(torch.device("cpu"))(inputs)
+    assert feed.key == ("host ids",) + graph_feeds.PaddedIdsFeed.of(inputs).key[1:]
+    (buffer,), views = feed.statics(inputs)
+    static_ids, static_types, static_cu = views[:3]
+    assert buffer.dtype == dtype and static_ids.shape == (24, 64) and static_cu.dtype == torch.int32
+    assert static_ids.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    assert (static_types is None) != with_types and static_cu.shape == (25,)
+    buffer.fill_(-5)
+    feed.fill([buffer], inputs)
+    assert torch.equal(static_ids[:20, :40], ids)
+    if with_types:
+        assert torch.equal(static_types[:20, :40], types)
+    assert static_cu.tolist() == offsets.tolist() + [140] * 4, "unused offsets: empty sequences ending at T"
+    wide = torch.randint(1, 30000, (17, 80), generator=gen, dtype=torch.int64).to(dtype)
+    small_offsets = np.arange(18, dtype=np.int32) * 8  # 17 sequences of 8 tokens: the same graph
+    small = (wide[:, ::2], None if types is None else types[:17, :40], small_offsets, 136, 8)
+    small_feed = graph_feeds.HostIdsFeed.on(torch.device("cpu"))(small)
+    assert small_feed.key == feed.key
+    buffer.fill_(-5)
+    small_feed.fill([buffer], small)
+    assert torch.equal(static_ids[:17, :40], wide[:, ::2])
+    if with_types:
+        assert torch.equal(static_types[:17, :40], types[:17, :40])
+    assert static_cu.tolist() == small_offsets.tolist() + [136] * 7
+
+
 def test_a_packed_feed_fills_offsets_with_empty_sequences(gen):
     rows = torch.randn(70, 8, generator=gen)
     cu = torch.tensor([0, 30, 30, 70], dtype=torch.int32)  # an empty sequence inside

@@ -402,12 +402,18 @@ def test_patched_bert_embeddings_in_one_kernel_follow_each_batch(gen, graphs_on,
     assert calls, "the kernel never ran"
 
 
+@pytest.mark.parametrize("inputs_on", ["device", "host"])
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
-def test_sentence_embeddings_pool_in_the_graph(model_type, gen, graphs_on):
+def test_sentence_embeddings_pool_in_the_graph(model_type, inputs_on, gen, graphs_on):
     """``fusedenc.sentence_embeddings`` on a patched model: one replay a call (after the first
     call at a key), the graph's static output ``[B', D]`` poisoned between calls, batches of
     other sizes in one bucket and one without padding; each call's float32 embeddings held
-    to the fp32 model's mean pooling by the project's rule, cosine >= 0.9999 every sentence."""
+    to the fp32 model's mean pooling by the project's rule, cosine >= 0.9999 every sentence.
+    ``host``: the tokenizer's tensors on the CPU (``HostIdsFeed``'s graphs), the pinned
+    staging buffer poisoned (0xFF bytes: ids of -1) between calls: only real positions are
+    read, and the result is on the GPU."""
+    from fusedenc import graph_feeds
+
     ref, model, same, ids, mask = _bert_base_shape(gen, 40, model_type)
     cache = auto_graphs.cache_of(model)
     types = torch.randint(0, 2, ids.shape, generator=gen).cuda() if model_type == "bert" else None
@@ -424,15 +430,24 @@ def test_sentence_embeddings_pool_in_the_graph(model_type, gen, graphs_on):
         keep = b_mask.unsqueeze(-1).float()
         return torch.nn.functional.normalize((hidden.float() * keep).sum(1) / keep.sum(1), dim=1)
 
+    def given(t):
+        return None if t is None else (t.cpu() if inputs_on == "host" else t)
+
     with torch.inference_mode():
         for i, (b_ids, b_mask, b_types) in enumerate(batches):
-            fusedenc.sentence_embeddings(model, b_ids, b_mask, b_types)  # the first call at a key: eager
+            fusedenc.sentence_embeddings(model, given(b_ids), given(b_mask), given(b_types))  # first call at a key: eager
             for entry in cache.entries():
                 if isinstance(entry.out, torch.Tensor):
                     entry.out.fill_(float("nan"))
+            torch.cuda.synchronize()
+            for stage in graph_feeds._staging.values():
+                stage.host.fill_(255)
             replays = cache.counts["replays"]
-            got = fusedenc.sentence_embeddings(model, b_ids, b_mask, b_types)
+            got = fusedenc.sentence_embeddings(model, given(b_ids), given(b_mask), given(b_types))
             assert cache.counts["replays"] == replays + 1, (i, dict(cache.counts))
+            assert got.is_cuda
+            if i < len(batches) - 1:  # padded batches: the host feed's graphs for host tensors
+                assert any("host ids" in str(k) for k in cache._graphs) == (inputs_on == "host")
             want, base = pooled(ref, b_ids, b_mask, b_types), pooled(same, b_ids, b_mask, b_types)
             assert got.shape == want.shape and got.dtype == torch.float32
             assert_close_rule(got, want, base, torch.float16, f"{model_type} batch {i} seed={gen.seed_value}")
