@@ -306,8 +306,10 @@ class HostIdsFeed(PaddedIdsFeed):
     """``PaddedIdsFeed`` for ids and token types on the host (int tensors) and a graph on
     ``device``: the statics are views of one device buffer (ids ``[B', S']``, token types
     ``[B', S']``, then the int32 offsets), and a call writes its inputs into a pinned buffer
-    of the same layout and copies it over in one go.  Positions past a row's real tokens hold
-    what an earlier call left (zeros at first): only real positions are read."""
+    of the same layout and copies it over in one go.  Everything outside the call's
+    ``[:B, :S]`` corners is zeroed on the way: the staging buffer may hold any bytes (another
+    layout's, another dtype's), and a bucket's slack rows read ids from the spare sequences'
+    rows, which must be valid ids (``triton_embeddings``)."""
 
     __slots__ = ("device",)
 
@@ -350,9 +352,12 @@ class HostIdsFeed(PaddedIdsFeed):
         stage = _stage(buffer.device, buffer.numel() * buffer.element_size())
         host = stage.host[: buffer.numel() * buffer.element_size()].view(buffer.dtype)
         host_ids, host_types, host_cu = self._views(host, ids, types)
-        host_ids.numpy()[:b, :s] = ids.numpy()
-        if types is not None:
-            host_types.numpy()[:b, :s] = types.numpy()
+        for static, given in ((host_ids, ids), (host_types, types)):
+            if given is not None:
+                rows = static.numpy()
+                rows[:b, :s] = given.numpy()
+                rows[:b, s:] = 0
+                rows[b:] = 0
         cu = host_cu.numpy()
         cu[: offsets.shape[0]] = offsets
         cu[offsets.shape[0]:] = self.tokens

@@ -11,7 +11,8 @@ of it in one pass, one program per block of packed rows:
 * the row's sequence is the last ``i`` with ``cu[i] <= row`` (a binary search over the
   ``[N + 1]`` offsets), clamped to ``N - 1``; its position ``row - cu[i]``;
 * the id and token type are read from the padded ``[N, S]`` ids at that position (clamped
-  to ``S - 1``; rows past ``cu[N]``, a graph bucket's slack, read some real id);
+  to ``S - 1``; rows past ``cu[N]``, a graph bucket's slack, read the last sequence's row:
+  the feeds keep every entry a valid id, zeros outside the call's corner);
 * ``LayerNorm((word[id] + type[type]) + pos[position])`` in HF's order: the two sums rounded
   to the model's dtype, the LayerNorm's statistics in fp32 (torch's ``layer_norm``);
 * the scatter index ``seq * S + position`` of each real row (``N * S`` for slack rows: the

@@ -163,7 +163,8 @@ def padded_rows(cu: torch.Tensor, tokens: int, batch: int, seq: int) -> PaddedRo
     """The packing of a padded batch computed on its device from the int32 offsets ``cu``
     ``[N + 1]`` (no host sync): row ``r`` belongs to the last sequence starting at or before
     it.  Rows past ``cu[N]`` (a graph bucket's slack) get clamped indices (the last sequence,
-    its last column): they read some real entry and scatter to ``target`` N * S."""
+    its last column): they read an entry of the last row (a valid id: the feeds see to it)
+    and scatter to ``target`` N * S."""
     index = torch.arange(tokens, dtype=torch.int32, device=cu.device)
     sequence = (torch.searchsorted(cu, index, right=True) - 1).clamp_(0, batch - 1)
     start = cu[sequence]

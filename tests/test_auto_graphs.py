@@ -377,8 +377,8 @@ def test_padded_ids_native_copy_blocks_are_the_rows_in_bytes():
 def test_host_ids_feed_lays_ids_types_and_offsets_in_one_buffer(dtype, with_types, gen):
     """``HostIdsFeed``: the statics are views of one buffer (ids, token types, int32 offsets)
     on the feed's device; a fill writes each call's host ids (a strided view too) into the
-    ``[:B, :S]`` corners and its offsets then empty sequences, in one copy (the rest holds
-    what an earlier call left: never read); the key tells it from a device-input feed's."""
+    ``[:B, :S]`` corners and its offsets then empty sequences, zeros everywhere else whatever
+    the staging buffer held, in one copy; the key tells it from a device-input feed's."""
     ids = torch.randint(1, 30000, (20, 40), generator=gen, dtype=torch.int64).to(dtype)
     types = torch.randint(0, 2, (20, 40), generator=gen).to(dtype) if with_types else None
     offsets = np.arange(21, dtype=np.int32) * 7  # 20 sequences of 7 tokens
@@ -392,7 +392,7 @@ def test_host_ids_feed_lays_ids_types_and_offsets_in_one_buffer(dtype, with_type
     assert (static_types is None) != with_types and static_cu.shape == (25,)
     buffer.fill_(-5)
     feed.fill([buffer], inputs)
-    assert torch.equal(static_ids[:20, :40], ids)
+    assert torch.equal(static_ids[:20, :40], ids) and not static_ids[20:].any() and not static_ids[:, 40:].any()
     if with_types:
         assert torch.equal(static_types[:20, :40], types)
     assert static_cu.tolist() == offsets.tolist() + [140] * 4, "unused offsets: empty sequences ending at T"
@@ -402,10 +402,12 @@ def test_host_ids_feed_lays_ids_types_and_offsets_in_one_buffer(dtype, with_type
     small_feed = graph_feeds.HostIdsFeed.on(torch.device("cpu"))(small)
     assert small_feed.key == feed.key
     buffer.fill_(-5)
+    for stage in graph_feeds._staging.values():
+        stage.host.fill_(255)  # any bytes: another layout's, another dtype's
     small_feed.fill([buffer], small)
-    assert torch.equal(static_ids[:17, :40], wide[:, ::2])
+    assert torch.equal(static_ids[:17, :40], wide[:, ::2]) and not static_ids[17:].any() and not static_ids[:, 40:].any()
     if with_types:
-        assert torch.equal(static_types[:17, :40], types[:17, :40])
+        assert torch.equal(static_types[:17, :40], types[:17, :40]) and not static_types[17:].any()
     assert static_cu.tolist() == small_offsets.tolist() + [136] * 7
 
 
