@@ -1,4 +1,4 @@
-"""What FP8 costs in accuracy, before any FP8 kernel exists (issue 21's accuracy gates).
+"""What FP8 costs in accuracy, before any FP8 kernel exists (the FP8 accuracy gates).
 
     python3 bench/fp8_accuracy.py [--presets t82,bt4,bert-base] [--batch 8] [--out results.txt]
     python3 bench/fp8_accuracy.py --presets "" --minilm --device cuda   # the trained MiniLM on real sentences
@@ -268,7 +268,7 @@ LC0_CONFIGS = [
 
 
 def run_lc0(preset: str, positions: int, seed: int, device: torch.device, chunk: int = 256) -> list[str]:
-    """Issue 21's Lc0 gate on a synthetic net of ``preset``'s shape: policy top-1 agreement
+    """The FP8 Lc0 gate on a synthetic net of ``preset``'s shape: policy top-1 agreement
     (argmax over the 1858 moves) and the WDL's largest absolute difference, each FP8
     configuration against the same net in fp16, on ``positions`` random input planes.
     Random weights and planes: an indication, not a real net's statistics."""
@@ -413,7 +413,7 @@ def run_lc0_trained(path: str, positions: int, device: torch.device, speed_batch
 
 
 def run_hf_bert(batch: int, seed: int, device: torch.device, seq: int = 128) -> list[str]:
-    """Issue 21's HF BERT gate: a bert-base-shaped ``transformers.BertModel`` (random weights,
+    """The FP8 HF BERT gate: a bert-base-shaped ``transformers.BertModel`` (random weights,
     BERT's own initialisation), patched with fusedenc and run in fp16, then with its blocks
     in FP8 (the modules' FP8 mode: kernels on a GPU, the reference math on CPU); the pooled
     output (``pooler_output``) and the last hidden states against the fp32 model."""

@@ -1,4 +1,4 @@
-"""FP8 GEMMs against fp16, one block's GEMMs at a time (issue 21's speed, GEMM level).
+"""FP8 GEMMs against fp16, one block's GEMMs at a time (FP8 speed at the GEMM level).
 
     python3 bench/fp8_gemm.py [--presets t82,bt4,bert-base] [--rows 16384,65536] [--out FILE]
 

@@ -1,4 +1,4 @@
-"""The FP8 implementations bench/nps.py times with ``--dtype fp8`` (issue 21), beside the fp16 ones.
+"""The FP8 implementations bench/nps.py times with ``--dtype fp8``, beside the fp16 ones.
 
   torch-fp8           what a PyTorch user writes (torchao-style): the fp16 torch model
                       (``peers.TorchEncoder``) with each of a layer's four GEMMs (QKV

@@ -40,7 +40,7 @@ moves-left against the reference in fp32 (TF32 off), with the project's rule
 ``max|out - ref32| <= slack * 2 * max|torch - ref32| + atol`` (slack 1.5, ``--check-slack``).
 The FP8 row cannot meet a 16-bit bound: its check is a gross-error guard (every output
 finite, ``||out - ref32|| / ||ref32|| <= 0.25`` over the heads together), and the report gives
-issue 21's gate metrics beside it: policy top-1 agreement and WDL max |diff| against the
+the FP8 gate metrics beside it: policy top-1 agreement and WDL max |diff| against the
 fp16 fusedenc net (bench/fp8_accuracy.py --lc0 measures them on many positions).
 Timing: device events, warm-up, median of ``--reps`` (>= 20) calls; compile and capture
 time measured apart.  Writes ``<out-dir>/lc0_<tag>.json`` and ``.txt``.

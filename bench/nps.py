@@ -4,7 +4,7 @@
     python3 bench/nps.py --preset t82 --batch-sizes 1,16,256 --impl torch,torch-compile,fusedenc-graph
     python3 bench/nps.py --compile-modes max-autotune-no-cudagraphs,reduce-overhead
     python3 bench/nps.py --preset t82 --net NET.pb.gz   # a whole lc0 net beside the presets (bench/lc0.py)
-    python3 bench/nps.py --preset t82 --dtype fp8 --batch-sizes 256,1024   # FP8 rows beside fp16 (issue 21)
+    python3 bench/nps.py --preset t82 --dtype fp8 --batch-sizes 256,1024   # FP8 rows beside fp16
 
 Presets (fusedenc/tune/presets.py): t82, bt4 (Lc0-style post-LN with alpha = (2L)^-0.25,
 64 tokens per position), bert-base (sequence 128 and 512; ``bert-base-s512``
@@ -33,8 +33,8 @@ Implementations (all built from one idiomatic PyTorch model's weights):
   fusedenc         fusedenc.encoder.EncoderStack, called plainly: automatic CUDA graphs
                    (fusedenc.auto_graphs; first call eager, the second captures).
   fusedenc-eager   the same with automatic graphs off (every launch from the host).
-  fusedenc-compile torch.compile(EncoderStack, fullgraph=True), default mode (issue 20
-                   asks it to be >= 0.95x eager fusedenc at every batch).
+  fusedenc-compile torch.compile(EncoderStack, fullgraph=True), default mode (meant to be >= 0.95x
+                   eager fusedenc at every batch).
   fusedenc-graph   EncoderStack.graph_runner (one CUDA graph per batch size).
 
 Reference lines: ``gemm-floor``, the four GEMMs of every layer alone (each
@@ -72,7 +72,7 @@ torch-compile, fusedenc-compile and fusedenc-graph skipped unless asked for with
 There the fusedenc rows time the PyTorch reference ops (no native core on the CPU), not
 fusedenc's GPU path, and the output says so above the tables.
 
-FP8 (issue 21), ``--dtype fp8``: the model is built in float16 and the FP8
+FP8, ``--dtype fp8``: the model is built in float16 and the FP8
 implementations of bench/fp8_peers.py run beside the fp16 ones, so one run gives
 every ratio: torch-fp8 and torch-fp8-compile (the torchao-style row-wise
 ``torch._scaled_mm`` peer on the torch model's weights), fusedenc-fp8 (eager),
@@ -362,7 +362,7 @@ FUSEDENC_FP16 = ("fusedenc", "fusedenc-eager", "fusedenc-compile", "fusedenc-gra
 
 def _derive_fp8(rec: dict[str, Any], key: str, ms_of) -> None:
     """Each FP8 row's speed against the fastest fp16 fusedenc row and the fastest torch-fp8 row
-    at batch ``key`` (issue 21's ratios), and which rows those were."""
+    at batch ``key`` (the FP8 gate's ratios), and which rows those were."""
     names = rec["impls"]
     best = {}
     for label, group in (("fusedenc_fp16", [n for n in names if n in FUSEDENC_FP16]),

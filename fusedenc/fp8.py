@@ -1,4 +1,4 @@
-"""FP8 (float8 e4m3) quantization: the reference math of fusedenc's FP8 mode (issue 21).
+"""FP8 (float8 e4m3) quantization: the reference math of fusedenc's FP8 mode.
 
 The scheme is the one the issue names: weights in e4m3 with one fp32 scale per output
 channel, activations in e4m3 with one fp32 scale per row, products accumulated in fp32

@@ -1,4 +1,4 @@
-"""The FP8 mode with its LayerNorms folded into the GEMMs (issue 21).
+"""The FP8 mode with its LayerNorms folded into the GEMMs.
 
 In the calibrated FP8 mode (``fusedenc.fp8``) each post-LN layer still runs two LayerNorm
 passes that write the normalized rows in fp16 and in e4m3: ~22% of a t82 layer at 256

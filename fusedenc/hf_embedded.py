@@ -81,7 +81,11 @@ class EmbeddedModel(nn.Module):
     _fusedenc_hf_class: type  # the HF model class it was made from (patched_classes)
 
     def forward(self, *args, **kwargs):
-        out = self._fusedenc_embedded_call(args, kwargs)
+        if torch.is_grad_enabled():  # fusedenc's path is inference only: no output carries autograd
+            with torch.no_grad():
+                out = self._fusedenc_embedded_call(args, kwargs)
+        else:
+            out = self._fusedenc_embedded_call(args, kwargs)
         return super().forward(*args, **kwargs) if out is None else out
 
     def _apply(self, fn, *args, **kwargs):

@@ -79,9 +79,10 @@ def _layer_norm(x, weight, bias, eps, residual, alpha, x_bias, out, sum_out):
         return out
 
     # Both results are computed before either is written: sum_out may be residual.
-    result, h = reference_layer_norm(
-        x, weight, bias, eps, residual=residual, alpha=alpha, x_bias=x_bias, return_sum=True
-    )
+    with torch.no_grad():  # inference only, on every backend: no output carries autograd
+        result, h = reference_layer_norm(
+            x, weight, bias, eps, residual=residual, alpha=alpha, x_bias=x_bias, return_sum=True
+        )
     if sum_out is not None:
         sum_out.copy_(h)
     if out is None:

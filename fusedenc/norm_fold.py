@@ -1,4 +1,4 @@
-"""LayerNorm folded into the GEMMs around it (issue 20, lever 2).
+"""LayerNorm folded into the GEMMs around it.
 
 A post-LN encoder layer spends ~11% of its time in two LayerNorm passes, each reading
 and writing the whole residual stream.  Here no pass is left:

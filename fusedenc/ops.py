@@ -78,7 +78,8 @@ def _linear(x, weight, bias, activation, residual, alpha, beta, out):
         )  # fmt: skip
         return out
 
-    result = reference_linear(x, weight, bias, activation, residual, beta, alpha=alpha)
+    with torch.no_grad():  # inference only, on every backend: no output carries autograd
+        result = reference_linear(x, weight, bias, activation, residual, beta, alpha=alpha)
     if out is None:
         return result
     out.copy_(result)

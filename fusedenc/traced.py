@@ -3,7 +3,7 @@
 
 Traced op by op, a layer was six custom ops, each paying the dispatcher and its
 argument checks on every call, which left the compiled stack host-bound at up to 2.5x
-the eager time (issue 20, lever 3); inductor cannot fuse across fusedenc's ops anyway,
+the eager time; inductor cannot fuse across fusedenc's ops anyway,
 so one op per module loses no fusion.  A graph holds ints, not modules: each module
 registers its eager forward under a handle at construction (and again when copied or
 unpickled), held weakly, and the op finds it there.  Shapes and arguments are validated

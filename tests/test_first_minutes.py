@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import fusedenc
 import fusedenc.__main__ as status_cli
 import fusedenc.lc0.__main__ as lc0_cli
 import lc0_writer
@@ -224,6 +225,40 @@ def test_outputs_never_carry_autograd_history(make):
     with pytest.raises(RuntimeError):
         out.sum().backward()
     assert torch.is_grad_enabled()  # the module's no_grad did not leak out
+
+
+def test_functional_ops_carry_no_autograd_history():
+    """``linear``, ``fused_qkv`` and ``layer_norm`` on inputs that require grad (the reference
+    path on a CPU): results without history, and grad mode left as it was."""
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    w, b = torch.randn(192, 64, requires_grad=True), torch.randn(192, requires_grad=True)
+    g, beta = torch.ones(64, requires_grad=True), torch.zeros(64, requires_grad=True)
+    with torch.enable_grad():
+        outs = [fusedenc.linear(x, w[:64], b[:64], "relu"), *fusedenc.fused_qkv(x, w, b, num_heads=4),
+                fusedenc.layer_norm(x, g, beta, 1e-5)]  # fmt: skip
+        assert torch.is_grad_enabled()
+    assert all(t.grad_fn is None and not t.requires_grad for t in outs)
+
+
+def test_a_patched_hf_model_short_path_carries_no_autograd_history():
+    """A patched BERT's plain call (the short path: fusedenc's embeddings, layers and the
+    pooler in one function) returns no history even with grad mode on; HF's own forward
+    (asked for hidden states) keeps its pooler's, as documented."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                  num_hidden_layers=2, vocab_size=100)  # fmt: skip
+    model = fusedenc.patch_hf(transformers.BertModel(cfg).eval())
+    ids = torch.randint(1, 100, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    with torch.enable_grad():
+        for m in (mask, None):
+            out = model(input_ids=ids, attention_mask=m)
+            assert out.last_hidden_state.grad_fn is None and out.pooler_output.grad_fn is None
+        assert fusedenc.sentence_embeddings(model, ids, mask).grad_fn is None
+        hf = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        assert hf.last_hidden_state.grad_fn is None and hf.pooler_output.grad_fn is not None
+        assert torch.is_grad_enabled()
 
 
 @pytest.mark.parametrize("make", [_block, _stack], ids=["block", "stack"])

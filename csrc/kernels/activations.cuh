@@ -103,7 +103,7 @@ template <> __device__ __forceinline__ float activate_fast<Activation::swish>(fl
 // against table, +0-2%).  Outputs stay within one fp16 rounding and max|out - ref32| does
 // not grow.  Swish measured slower with it (16384 x 768 -> 2304: 105 us MUFU, 113 us three
 // steps, 138 us two), so swish keeps MUFU's.  Why one activation gains and the other loses
-// is not known (bench/NOTES.md, sessions 30-32).
+// is not known (bench/NOTES.md).
 __device__ __forceinline__ float reciprocal_newton(float d) {
   float r = __int_as_float(0x7EF311C3 - __float_as_int(d));
   float e = fmaf(-d, r, 1.f);

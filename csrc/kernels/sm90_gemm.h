@@ -10,7 +10,7 @@
 // (FUSEDENC_HAVE_SM90_GEMM); on every other build and device the cuBLASLt path
 // runs unchanged.
 //
-// The same kernels fold LayerNorm into the GEMMs around it (issue 20, lever 2): the
+// The same kernels fold LayerNorm into the GEMMs around it: the
 // GEMM that ends a residual branch writes z = alpha * (A W^T + b) + residual and
 // per-row partial sums of z and z^2 (ResidualNorm); layer_norm_stats turns those into
 // rstd and shift = -mean * rstd; a GEMM that reads LN(z) then reads z itself with

@@ -78,7 +78,7 @@ struct RuntimeActivation<cutlass::Array<float, N>> {
 // One activation fixed at compile time: the kernel's registers and instruction schedule
 // serve that activation alone.  The run-time switch above compiles a separate block for each
 // case and subtile, and its cases' speed moves with what else the switch holds (bench/NOTES.md,
-// session 32: the same mish source measured 388 and 488 us at 65536 x 1024 -> 1536 in two
+// where the same mish source measured 388 and 488 us at 65536 x 1024 -> 1536 in two
 // builds whose switches differed).  In the SASS the switch also keeps each subtile's
 // activation in a block of its own, where a fixed activation lets the compiler overlap one
 // subtile's arithmetic with the last one's shared-memory and TMA stores.  Built for the

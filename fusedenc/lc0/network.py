@@ -10,7 +10,7 @@ shapes allow (rows of whole 16-byte vectors), torch ops otherwise.  The math is
 
 First version: smolgen is a few GEMMs per layer and one ``[B*H, gen] x [gen, 4096]``
 GEMM straight into the ``[B, H, 64, 64]`` layout attention reads; fusing its
-generation into the attention kernel is issue 19's performance step.
+generation into the attention kernel is a possible next step.
 """
 
 from __future__ import annotations
