@@ -420,6 +420,11 @@ def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mas
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
         hidden = model(**kwargs)[0]  # last_hidden_state, from a ModelOutput or a tuple
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != input_ids.shape:
+            got = f"{tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise TypeError(f"sentence_embeddings needs a base model whose first output is the last hidden state "
+                            f"[B, S, D] (BertModel, RobertaModel, ...; a task head's is not): {type(model).__name__} "
+                            f"returned {got} first for input_ids {tuple(input_ids.shape)}")  # fmt: skip
         keep = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(hidden.device)
         keep = keep.unsqueeze(-1).float()
         pooled = (hidden.float() * keep).sum(1) / keep.sum(1).clamp(min=1e-9)

@@ -465,3 +465,9 @@ def test_sentence_embeddings_refuse_bad_input(gen):
         fusedenc.sentence_embeddings(model, ids, mask, [0, 1])
     with pytest.raises(TypeError, match="normalize must be True or False"):
         fusedenc.sentence_embeddings(model, ids, mask, normalize="yes")
+    import transformers
+
+    classifier, _ = _models(gen, head=transformers.AutoModelForSequenceClassification)
+    with pytest.raises(TypeError, match=r"needs a base model whose first output is the last hidden state .* "
+                                        r"returned \(6, 2\) first"):  # fmt: skip
+        fusedenc.sentence_embeddings(classifier, ids, mask, types)
