@@ -245,6 +245,7 @@ class PaddedIdsFeed:
     the call takes ``[:B, :S]`` of each per-token result (3-D) and ``[:B]`` of the others."""
 
     __slots__ = ("batch", "seq", "tokens", "bucket", "seq_bucket", "key")
+    _KIND = "padded ids"  # the key's first entry: which feed's statics a graph holds
 
     def __init__(self, batch, seq, tokens, bucket, padded_seq, key):
         self.batch, self.seq, self.tokens, self.bucket, self.seq_bucket, self.key = (
@@ -260,7 +261,7 @@ class PaddedIdsFeed:
         padded_seq = length_bucket(seq)
         if bucket.sequences * padded_seq > MAX_ROWS:
             return "eager: rows"
-        key = ("padded ids", bucket, padded_seq, ids.dtype, types is None)
+        key = (cls._KIND, bucket, padded_seq, ids.dtype, types is None)
         return cls(batch, seq, tokens, bucket, padded_seq, key)
 
     def statics(self, inputs) -> tuple[list, list]:
@@ -312,6 +313,7 @@ class HostIdsFeed(PaddedIdsFeed):
     rows, which must be valid ids (``triton_embeddings``)."""
 
     __slots__ = ("device",)
+    _KIND = "host ids"
 
     @classmethod
     def on(cls, device: torch.device):
@@ -320,7 +322,6 @@ class HostIdsFeed(PaddedIdsFeed):
             feed = cls.of(inputs)
             if not isinstance(feed, str):
                 feed.device = device
-                feed.key = ("host ids",) + feed.key[1:]
             return feed
 
         return of
@@ -349,8 +350,9 @@ class HostIdsFeed(PaddedIdsFeed):
         (buffer,) = statics
         ids, types, offsets = inputs[:3]
         b, s = self.batch, self.seq
-        stage = _stage(buffer.device, buffer.numel() * buffer.element_size())
-        host = stage.host[: buffer.numel() * buffer.element_size()].view(buffer.dtype)
+        n_bytes = buffer.numel() * buffer.element_size()
+        stage = _stage(buffer.device, n_bytes)
+        host = stage.host[:n_bytes].view(buffer.dtype)
         host_ids, host_types, host_cu = self._views(host, ids, types)
         for static, given in ((host_ids, ids), (host_types, types)):
             if given is not None:
@@ -358,9 +360,7 @@ class HostIdsFeed(PaddedIdsFeed):
                 rows[:b, :s] = given.numpy()
                 rows[:b, s:] = 0
                 rows[b:] = 0
-        cu = host_cu.numpy()
-        cu[: offsets.shape[0]] = offsets
-        cu[offsets.shape[0]:] = self.tokens
+        _write_offsets(host_cu.numpy(), offsets, self.tokens)
         if buffer.is_cuda:
             buffer.copy_(host, non_blocking=True)  # on the device's current stream, as the replay
             stage.copied.record(torch.cuda.current_stream(buffer.device))
@@ -397,10 +397,10 @@ def copy_offsets(static_cu: torch.Tensor, offsets: np.ndarray, tokens: int) -> N
     """``static_cu`` (int32 ``[N' + 1]``) := host ``offsets`` (``[N + 1]``, ending at
     ``tokens``), then ``tokens`` repeated: empty sequences.  On a GPU the copy leaves from
     pinned memory without waiting (a pageable one costs ~20-40 us of host time a call)."""
-    n, given = static_cu.shape[0], offsets.shape[0]
+    n = static_cu.shape[0]
     if not static_cu.is_cuda:
-        padded = np.full(n, tokens, dtype=np.int32)
-        padded[:given] = offsets
+        padded = np.empty(n, dtype=np.int32)
+        _write_offsets(padded, offsets, tokens)
         static_cu.copy_(torch.from_numpy(padded))
         return
     stage = _staged(static_cu, offsets, tokens)
@@ -411,12 +411,17 @@ def copy_offsets(static_cu: torch.Tensor, offsets: np.ndarray, tokens: int) -> N
 def _staged(static_cu: torch.Tensor, offsets: np.ndarray, tokens: int) -> _Staging:
     """The device's pinned staging buffer holding ``static_cu``'s new value in its first
     ``N' + 1`` int32s (``copy_offsets``); the caller copies it out and records ``copied``."""
-    n, given = static_cu.shape[0], offsets.shape[0]
+    n = static_cu.shape[0]
     stage = _stage(static_cu.device, 4 * n)
-    values = stage.host[: 4 * n].view(torch.int32).numpy()
-    values[:given] = offsets
-    values[given:] = tokens
+    _write_offsets(stage.host[: 4 * n].view(torch.int32).numpy(), offsets, tokens)
     return stage
+
+
+def _write_offsets(values: np.ndarray, offsets: np.ndarray, tokens: int) -> None:
+    """``values`` (int32, ``[N' + 1]``) := ``offsets`` (``[N + 1]``, ending at ``tokens``),
+    then ``tokens`` repeated: the bucket's spare sequences, empty."""
+    values[: offsets.shape[0]] = offsets
+    values[offsets.shape[0]:] = tokens
 
 
 def _rows_copyable(static: torch.Tensor, given: torch.Tensor) -> bool:

@@ -56,6 +56,7 @@ from torch import nn
 from . import auto_graphs, core, hf_varlen, patched_classes, varlen
 from .attention.varlen import BACKEND_ENV, triton_unusable_on
 from .graph_feeds import HostIdsFeed, PaddedIdsFeed
+from .torch_modules import without_autograd
 
 __all__ = ["EmbeddedModel", "install", "sentence_embeddings"]
 
@@ -81,11 +82,7 @@ class EmbeddedModel(nn.Module):
     _fusedenc_hf_class: type  # the HF model class it was made from (patched_classes)
 
     def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled():  # fusedenc's path is inference only: no output carries autograd
-            with torch.no_grad():
-                out = self._fusedenc_embedded_call(args, kwargs)
-        else:
-            out = self._fusedenc_embedded_call(args, kwargs)
+        out = without_autograd(self._fusedenc_embedded_call, args, kwargs)  # fusedenc's path: inference only
         return super().forward(*args, **kwargs) if out is None else out
 
     def _apply(self, fn, *args, **kwargs):

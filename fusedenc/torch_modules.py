@@ -22,16 +22,24 @@ import torch.nn as nn
 from . import activations, dtypes
 from .device import DTYPES_ACCEPTED
 
-__all__ = ["block_from_torch", "inference_only", "runs_eagerly_when_compiled", "stack_from_torch"]
+__all__ = ["block_from_torch", "inference_only", "runs_eagerly_when_compiled", "stack_from_torch", "without_autograd"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def inference_only(forward: F) -> F:
-    """Wrap a module's ``forward``: refused in training mode, run without autograd.
+def without_autograd(fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """``fn(*args, **kwargs)`` with autograd off: its results carry no history.  ``no_grad`` is
+    entered only where grad mode is on: under ``torch.inference_mode()`` / ``no_grad``
+    (engines, graph runners) the call pays one flag check, not a context switch."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
 
-    ``no_grad`` is entered only where grad mode is on: under ``torch.inference_mode()`` /
-    ``no_grad`` (engines, graph runners) the call pays one flag check, not a context switch."""
+
+def inference_only(forward: F) -> F:
+    """Wrap a module's ``forward``: refused in training mode, run without autograd
+    (``without_autograd``)."""
 
     @functools.wraps(forward)
     def run(self, *args, **kwargs):
@@ -40,10 +48,7 @@ def inference_only(forward: F) -> F:
                 f"{type(self).__name__} is inference-only (no dropout, no autograd) and is in training mode: "
                 "call .eval() on it (or on the model holding it) before running it"
             )
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return forward(self, *args, **kwargs)
-        return forward(self, *args, **kwargs)
+        return without_autograd(forward, self, *args, **kwargs)
 
     return run  # type: ignore[return-value]
 
