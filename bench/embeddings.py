@@ -240,8 +240,7 @@ def load_model(name: str, device, dtype, impl: str, seed: int):
 
 def pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sentence-transformers' mean pooling (fp32) and L2 normalization."""
-    keep = mask.unsqueeze(-1).float()
-    return F.normalize((hidden.float() * keep).sum(1) / keep.sum(1).clamp(min=1e-9), dim=1)
+    return F.normalize(varlen.masked_mean_pool(hidden, mask), dim=1)
 
 
 def hf_runner(model) -> Callable[[dict], torch.Tensor]:

@@ -422,9 +422,7 @@ def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mas
             raise TypeError(f"sentence_embeddings needs a base model whose first output is the last hidden state "
                             f"[B, S, D] (BertModel, RobertaModel, ...; a task head's is not): {type(model).__name__} "
                             f"returned {got} first for input_ids {tuple(input_ids.shape)}")  # fmt: skip
-        keep = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(hidden.device)
-        keep = keep.unsqueeze(-1).float()
-        pooled = (hidden.float() * keep).sum(1) / keep.sum(1).clamp(min=1e-9)
+        pooled = varlen.masked_mean_pool(hidden, attention_mask)
         return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
 
 

@@ -28,6 +28,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import varlen
+
 __all__ = [
     "DIR_ENV",
     "INSTALL_HINT",
@@ -156,9 +158,8 @@ def mean_pooled_embeddings(
         with torch.inference_mode():
             hidden = model(**batch)
             hidden = getattr(hidden, "last_hidden_state", hidden)
-            hidden = hidden.to(torch.promote_types(hidden.dtype, torch.float32))  # fp32, or fp64 kept
-            keep = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1e-9)  # sentence-transformers' clamp
+            pooled = varlen.masked_mean_pool(hidden, batch["attention_mask"],
+                                             torch.promote_types(hidden.dtype, torch.float32))  # fp32, or fp64 kept
             if normalize:
                 pooled = F.normalize(pooled, p=2, dim=1)
         out.append(pooled.to("cpu", dtype))

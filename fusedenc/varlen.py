@@ -34,6 +34,7 @@ __all__ = [
     "PaddedRows",
     "check_packed_rows",
     "cu_seqlens_from_lengths",
+    "masked_mean_pool",
     "mean_pool",
     "pack",
     "packing_from_host",
@@ -237,6 +238,17 @@ def mean_pool(rows: torch.Tensor, packing: Packing) -> torch.Tensor:
     acc.index_add_(0, packing.seq_ids(), rows.float())
     counts = torch.tensor(packing.lengths, dtype=torch.float32).clamp(min=1e-9).to(rows.device)
     return acc / counts[:, None]
+
+
+def masked_mean_pool(hidden: torch.Tensor, mask: Optional[torch.Tensor],
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[B, D]`` in ``dtype``: each sequence's mean of padded ``hidden`` ``[B, S, D]`` over the
+    positions ``mask`` ``[B, S]`` keeps (HF's, 1 = real token; None: every position), as
+    sentence-transformers pools (its 1e-9 clamp: a sequence of no tokens gives zeros).
+    ``mean_pool`` is the same mean from packed rows."""
+    keep = (torch.ones(hidden.shape[:2], device=hidden.device) if mask is None else mask.to(hidden.device))
+    keep = keep.unsqueeze(-1).to(dtype)
+    return (hidden.to(dtype) * keep).sum(1) / keep.sum(1).clamp(min=1e-9)
 
 
 def check_packed_rows(rows: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: Optional[int]) -> int:

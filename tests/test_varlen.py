@@ -64,6 +64,10 @@ def test_pack_unpack_round_trip(kind, gen):
     keep = (~pad)[..., None].float()
     want = (x * keep).sum(1) / keep.sum(1).clamp(min=1e-9)
     torch.testing.assert_close(varlen.mean_pool(rows, p), want)
+    torch.testing.assert_close(varlen.masked_mean_pool(x, (~pad).long()), want)  # HF's mask: 1 = real
+    assert varlen.masked_mean_pool(x, (~pad).long())[2].abs().max() == 0  # the all-padding sequence: zeros
+    assert varlen.masked_mean_pool(x.double(), None, torch.float64).dtype == torch.float64
+    torch.testing.assert_close(varlen.masked_mean_pool(x, None), x.mean(1))  # no mask: every position
 
 
 def test_packing_flags_and_lengths(gen):
