@@ -404,6 +404,7 @@ def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mas
                              f"{tuple(input_ids.shape)}, got {got}")  # fmt: skip
     if not isinstance(normalize, bool):
         raise TypeError(f"sentence_embeddings: normalize must be True or False, got {normalize!r}")
+    _check_host_ids_in_range(model, input_ids, token_type_ids)
     with torch.no_grad():
         if isinstance(model, EmbeddedModel):
             out = model._fusedenc_pooled_call(input_ids, attention_mask, token_type_ids, normalize)
@@ -424,6 +425,32 @@ def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mas
                             f"returned {got} first for input_ids {tuple(input_ids.shape)}")  # fmt: skip
         pooled = varlen.masked_mean_pool(hidden, attention_mask)
         return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
+
+
+def _check_host_ids_in_range(model: nn.Module, ids: torch.Tensor, types: Optional[torch.Tensor]) -> None:
+    """Refuse ids (and token types) outside the model's embedding tables before anything runs,
+    where they are on the host (the tokenizer's tensors: a few microseconds of numpy).  On the
+    GPU an out-of-range id is a device-side assert in HF's lookups (the CUDA context is lost)
+    and an unchecked read in the short path's one-kernel embeddings; a tokenizer of another
+    model is the usual cause.  Tensors already on the GPU are not checked (it would cost a
+    sync)."""
+    embeddings = getattr(model, "embeddings", None)
+    parts = embeddings._modules if isinstance(embeddings, nn.Module) else {}
+    words = parts.get("word_embeddings")
+    if words is None and hasattr(model, "get_input_embeddings"):
+        words = model.get_input_embeddings()
+    for name, t, table, what in (("input_ids", ids, words, "vocabulary"),
+                                 ("token_type_ids", types, parts.get("token_type_embeddings"), "token types")):  # fmt: skip
+        if t is None or t.device.type != "cpu" or t.numel() == 0 or not isinstance(table, nn.Embedding):
+            continue
+        values = t.numpy()
+        size = table.num_embeddings
+        # One reduction: read as unsigned, a negative id is larger than any table.
+        if int(values.view(np.dtype(f"u{values.itemsize}")).max()) >= size:
+            low = int(values.min())
+            bad = low if low < 0 else int(values.max())
+            raise IndexError(f"sentence_embeddings: {name} holds {bad}, outside the model's {what} of {size} "
+                             f"(0 to {size - 1}): a tokenizer of another model?")  # fmt: skip
 
 
 def install(model: nn.Module) -> None:

@@ -471,3 +471,33 @@ def test_sentence_embeddings_refuse_bad_input(gen):
     with pytest.raises(TypeError, match=r"needs a base model whose first output is the last hidden state .* "
                                         r"returned \(6, 2\) first"):  # fmt: skip
         fusedenc.sentence_embeddings(classifier, ids, mask, types)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_sentence_embeddings_refuse_ids_outside_the_tables_before_running(model_type, gen, hf_calls, monkeypatch):
+    """Host ids or token types outside the model's embedding tables (a tokenizer of another
+    model) are refused with the offending value before the short path or HF's forward runs,
+    patched or not; the largest and smallest valid values pass."""
+    model, ref = _models(gen, model_type)
+    ids, types, mask = _batch(gen)
+    vocab = SMALL["vocab_size"]
+    calls = hf_calls(model)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the short path ran on ids it should have refused")
+
+    monkeypatch.setattr(model, "_fusedenc_pooled_call", must_not_run)
+    for bad, value in ((ids.clone(), vocab), (ids.clone(), -1), (ids.to(torch.int32), vocab + 1000)):
+        bad[1, 2] = value
+        for m in (model, ref):
+            with pytest.raises(IndexError, match=rf"input_ids holds {value}, outside the model's vocabulary of {vocab} "):
+                fusedenc.sentence_embeddings(m, bad, mask)
+    bad_types = types.clone()
+    bad_types[0, 0] = SMALL["type_vocab_size"]
+    with pytest.raises(IndexError, match=rf"token_type_ids holds {SMALL['type_vocab_size']}, outside .* token types"):
+        fusedenc.sentence_embeddings(model, ids, mask, bad_types)
+    assert calls == []
+    monkeypatch.undo()
+    edges = ids.clone()
+    edges[0, :2] = torch.tensor([0, vocab - 1])
+    assert fusedenc.sentence_embeddings(model, edges, mask).shape == (ids.shape[0], SMALL["hidden_size"])
