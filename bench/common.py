@@ -36,7 +36,8 @@ from typing import Any, Optional
 import torch
 
 import fusedenc
-from fusedenc import core, dtypes, table_files
+from fusedenc import core
+from fusedenc.common import dtypes, table_files
 from fusedenc.tune.presets import GPU_PRESETS, PRESETS
 from fusedenc.tune.timing import MIN_REPS, is_cuda, l2_bytes, time_graph
 

@@ -69,7 +69,7 @@ Implementations (``--impl``):
                         with is compile-*-pooled)
   fusedenc-graph        HF's embeddings, then the patched layers as a
                         ``VarlenGraphRunner`` (CUDA graphs keyed by token count) on the
-                        packed rows, pooled straight from them (``fusedenc.varlen.mean_pool``)
+                        packed rows, pooled straight from them (``fusedenc.varlen.packing.mean_pool``)
 
 Before timing, every implementation's embeddings are compared with the fp32 HF model's on
 the same batches: the smallest cosine over all sentences is reported (the target for fp16
@@ -103,8 +103,13 @@ import common  # noqa: E402
 import peers  # noqa: E402
 
 import fusedenc  # noqa: E402
-from fusedenc import auto_graphs, hf_embedded, hf_varlen, real_models, varlen, varlen_graphs  # noqa: E402
 from fusedenc.attention import varlen as varlen_attention  # noqa: E402
+from fusedenc.graphs import auto as auto_graphs  # noqa: E402
+from fusedenc.graphs import varlen as varlen_graphs
+from fusedenc.hf import embedded as hf_embedded
+from fusedenc.hf import real_models
+from fusedenc.hf import varlen as hf_varlen
+from fusedenc.varlen import packing as varlen
 
 SENTENCES = Path(__file__).resolve().parent.parent / "tests" / "data" / "real_sentences" / "sentences.txt.gz"
 IMPLS = ("hf-eager", "hf-sdpa", "compile", "compile-ro", "compile-pooled", "compile-ro-pooled", "fusedenc-padded",

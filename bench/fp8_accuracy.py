@@ -12,7 +12,7 @@ similarity and relative error ``||out - ref|| / ||ref||`` against the fp32 run:
   fp16                     every GEMM on fp16 operands, fp32 sums, fp16 outputs (what the
                            fp16 engines compute)
   fp8                      every GEMM on e4m3 operands, per-row activation and per-channel
-                           weight scales (``fusedenc.fp8``), fp32 sums, fp16 outputs: the
+                           weight scales (``fusedenc.fp8.rowwise``), fp32 sums, fp16 outputs: the
                            issue's row-wise peer (torchao-style ``_scaled_mm``) and the
                            math fusedenc's FP8 mode will use
   fp8, FFN2 fp16           the same with FFN2 kept in fp16
@@ -32,10 +32,10 @@ similarity and relative error ``||out - ref|| / ||ref||`` against the fp32 run:
                            folds into the LayerNorm's gamma and beta; here it is measured per
                            batch)
   fp8, LN folded [outl.]   QKV and FFN1 with the LayerNorm before them folded in, as
-                           fusedenc.fp8_fold runs them (its torch math; the library's FP8
+                           fusedenc.encoder.fp8_fold runs them (its torch math; the library's FP8
                            mode when calibrated): their input is the un-normalized residual
                            sum z in e4m3 with static power-of-two per-column scales
-                           (calibrated on another random batch, fusedenc.fp8's headroom),
+                           (calibrated on another random batch, fusedenc.fp8.rowwise's headroom),
                            the weight W * gamma in e4m3 per output channel, and the epilogue
                            rstd * (z W'^T) + shift * colsum(W') + W beta + b; the
                            out-projection and FFN2 as in "fp8" (bench/NOTES.md)
@@ -55,9 +55,12 @@ import torch
 import torch.nn.functional as F
 
 import fusedenc
-from fusedenc import EncoderStack, fp8, fp8_fold, norm_fold
-from fusedenc.activations import apply_activation
-from fusedenc.fp8 import dequantize, quantize_rows, scaled_linear
+from fusedenc import EncoderStack
+from fusedenc.common.activations import apply_activation
+from fusedenc.encoder import fp8_fold
+from fusedenc.fp8 import rowwise as fp8
+from fusedenc.fp8.rowwise import dequantize, quantize_rows, scaled_linear
+from fusedenc.ops import norm_fold
 
 PRESETS = {
     # name: (layers, d_model, heads, d_ff, activation, lc0 alpha, tokens)
@@ -119,7 +122,7 @@ def _round(t: torch.Tensor, on: bool) -> torch.Tensor:
 
 
 def gemm_fp8_folded(z, gamma, beta, w, b, col_scale, eps=1e-5):
-    """``LN(z) @ w^T + b`` with the LayerNorm folded into an FP8 GEMM, as fusedenc.fp8_fold runs
+    """``LN(z) @ w^T + b`` with the LayerNorm folded into an FP8 GEMM, as fusedenc.encoder.fp8_fold runs
     it (its torch math): ``z`` (the un-normalized sum, fp16 values) in e4m3 with static
     power-of-two column scales ``col_scale``, ``w * gamma * col_scale`` in e4m3 per output
     channel, fp32 sums, ``rstd * acc + shift * colsum + (w @ beta + b)``, rounded to fp16."""
@@ -421,7 +424,8 @@ def run_hf_bert(batch: int, seed: int, device: torch.device, seq: int = 128) -> 
 
     import transformers
 
-    from fusedenc import EncoderBlock, fp8, patch_hf
+    from fusedenc import EncoderBlock, patch_hf
+    from fusedenc.fp8 import rowwise as fp8
 
     config = transformers.BertConfig(attn_implementation="sdpa")  # bert-base: 12 x 768, GELU
     with torch.random.fork_rng():
@@ -471,7 +475,7 @@ MINILM_SENTENCES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 def run_minilm(n: Optional[int], batch: int, device: torch.device, calibration_sentences: int = 256) -> list[str]:
     """The real-model FP8 report: the trained all-MiniLM-L6-v2 (``fusedenc[real-models]``,
-    ``fusedenc.real_models``) patched with fusedenc in fp16, then with its blocks in each FP8
+    ``fusedenc.hf.real_models``) patched with fusedenc in fp16, then with its blocks in each FP8
     configuration, on the first ``n`` real sentences of ``MINILM_SENTENCES`` (default 2000
     on a GPU, 128 on CPU, where the FP8 reference math runs), ``batch`` a batch in file order
     (padded).  Per configuration: the sentence embeddings' (mean pooled and normalized, as
@@ -479,12 +483,13 @@ def run_minilm(n: Optional[int], batch: int, device: torch.device, calibration_s
     agreement (each sentence's nearest neighbour among the others, against fp32's).  The
     calibrated rows calibrate on the ``calibration_sentences`` that follow (not evaluated).
     "LN folded" runs the same blocks as one ``EncoderStack`` after HF's embeddings, with
-    LayerNorm folding forced (``fusedenc.fp8_fold``; torch math where no kernel applies:
+    LayerNorm folding forced (``fusedenc.encoder.fp8_fold``; torch math where no kernel applies:
     patch_hf's per-layer blocks never fold, and the Hopper FP8 epilogue lacks exact GELU)."""
     import copy
     import gzip
 
-    from fusedenc import EncoderBlock, EncoderStack, patch_hf, real_models
+    from fusedenc import EncoderBlock, EncoderStack, patch_hf
+    from fusedenc.hf import real_models
     from fusedenc.testing import layer_norm_folding
 
     try:
@@ -583,7 +588,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     how = ("the Lc0 gates run the modules' FP8 mode (the kernels)" if device.type == "cuda" else
            "the Lc0 gates run the modules' FP8 mode (its CPU reference math)")
     head = (f"fusedenc FP8 accuracy on {where}, torch {torch.__version__}, fusedenc {fusedenc.__version__}: stacks "
-            f"emulated (fusedenc.fp8's e4m3 codes and scales, fp32 sums; per-layer numbers are percent relative "
+            f"emulated (fusedenc.fp8.rowwise's e4m3 codes and scales, fp32 sums; per-layer numbers are percent relative "
             f"error against the fp32 run); {how}")
     lines = [head, ""]
     for n in names:

@@ -8,7 +8,7 @@ at each row count, device time per call, all columns of a row in one interleaved
 per rep):
 
   fp16            fusedenc.linear on fp16 operands (what the unfolded block runs today)
-  fp8 gemm        fusedenc.fp8.linear on operands already in e4m3: cuBLASLt with per-row
+  fp8 gemm        fusedenc.fp8.rowwise.linear on operands already in e4m3: cuBLASLt with per-row
                   scales (+ the activation pass for FFN1's swish / mish / GELU)
   fp8 fast        with Hopper's fast FP8 accumulation: cuBLASLt, or for FFN1's swish / mish
                   the Hopper FP8 kernel with the activation in its epilogue
@@ -32,7 +32,8 @@ import torch
 
 import fusedenc
 import fusedenc.testing
-from fusedenc import core, fp8
+from fusedenc import core
+from fusedenc.fp8 import rowwise as fp8
 from fusedenc.tune.presets import PRESETS, block_gemms
 from fusedenc.tune.timing import time_interleaved
 

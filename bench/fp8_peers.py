@@ -17,12 +17,12 @@
   fusedenc-fp8-static the same with ``calibration=`` 64 random sequences (not the checked
                       input): FFN1 writes FFN2's input in e4m3 with static column scales, and
                       where the Hopper kernels run the LayerNorms are folded into the GEMMs
-                      (``fusedenc.fp8_fold``: the library default when calibrated).
+                      (``fusedenc.encoder.fp8_fold``: the library default when calibrated).
   fusedenc-fp8-static-ln  the same with ``fold_norms=False``: the LayerNorm passes (the A/B).
   fusedenc-fp8-static-plain  fusedenc-fp8-static's stack called plainly (its automatic CUDA
                       graphs), against the graph runner; fusedenc-fp8 is also a plain call.
 
-The FP8 check's oracle is here too: ``emulated_linear``, FP8's GEMM in fusedenc.fp8's
+The FP8 check's oracle is here too: ``emulated_linear``, FP8's GEMM in fusedenc.fp8.rowwise's
 reference math, for ``peers.reference_forward`` to run the same net with every GEMM in
 emulated FP8 and everything else in fp32.
 """
@@ -34,10 +34,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-
-from fusedenc import core, fp8
-from fusedenc.tune.presets import Run
 from peers import Impl, TorchEncoder, load_fusedenc_stack, make_compile
+
+from fusedenc import core
+from fusedenc.fp8 import rowwise as fp8
+from fusedenc.tune.presets import Run
 
 __all__ = [
     "FP8_IMPLS",
@@ -77,7 +78,7 @@ def is_fp8(name: str) -> bool:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[M, K]`` in e4m3 with one fp32 scale per row, in torch ops (what the peer runs
     on every GEMM input, and once on each weight): ``(codes [M, K], scale [M, 1])``.  The
-    math of ``fusedenc.fp8.quantize_rows``: a row's largest magnitude maps onto 448, an
+    math of ``fusedenc.fp8.rowwise.quantize_rows``: a row's largest magnitude maps onto 448, an
     all-zero row gets scale 1."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
@@ -92,7 +93,7 @@ def scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
 
 
 def emulated_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
-    """What ``scaled_mm`` computes, in fusedenc.fp8's reference math (fp32 sums of the codes,
+    """What ``scaled_mm`` computes, in fusedenc.fp8.rowwise's reference math (fp32 sums of the codes,
     the scales and bias in fp32, one rounding): lets the peer's math be tested without a GPU."""
     x = fp8.Quantized(a, scale_a.reshape(-1))
     w = fp8.Quantized(b.t(), scale_b.reshape(-1))
@@ -229,7 +230,7 @@ def builders(
 
 
 def emulated_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``x @ w^T + b`` as an FP8 GEMM computes it, in fusedenc.fp8's reference math: ``x``'s
+    """``x @ w^T + b`` as an FP8 GEMM computes it, in fusedenc.fp8.rowwise's reference math: ``x``'s
     rows and ``w``'s output channels quantized (``fp8.quantize_rows``), fp32 sums of the codes,
     scales and bias in fp32, fp32 out (``peers.reference_forward``'s ``linear``)."""
     rows = x.reshape(-1, x.shape[-1])

@@ -26,7 +26,7 @@ clock stopped when the call returns (its kernels queued, not finished), median o
 
   eager                    the plain call with automatic graphs off (the path before them)
   plain call               the plain call as users make it: automatic CUDA graphs
-                           (``fusedenc.auto_graphs``), replaying after the first two calls
+                           (``fusedenc.graphs.auto``), replaying after the first two calls
   graph runner             the explicit runner (``graph_runner``), output views (no clone)
   torch.compile            torch.compile(module), default mode (the stack: one custom op,
                            replaying the same automatic graphs)
@@ -48,8 +48,9 @@ import torch
 import torch.nn.functional as F
 
 import fusedenc
-from fusedenc import auto_graphs, core
-from fusedenc.executors import OpsExecutor
+from fusedenc import core
+from fusedenc.encoder.executors import OpsExecutor
+from fusedenc.graphs import auto as auto_graphs
 from fusedenc.tune.presets import PRESETS
 
 

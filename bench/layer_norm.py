@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 import fusedenc
-from fusedenc import dtypes
-from fusedenc.norm import layer_norm
+from fusedenc.common import dtypes
+from fusedenc.ops.norm import layer_norm
 from fusedenc.tune.timing import MIN_REPS, time_graph
 
 

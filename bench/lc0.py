@@ -60,7 +60,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-from fusedenc import auto_graphs, dtypes  # noqa: E402
+from fusedenc.common import dtypes
+from fusedenc.graphs import auto as auto_graphs  # noqa: E402
 from fusedenc.lc0 import Lc0FileError, Lc0FormatError, Lc0Network, NetFile, check_supported, read_net  # noqa: E402
 from fusedenc.lc0.errors import reason  # noqa: E402
 from fusedenc.lc0.reference import ReferenceNetwork, placed  # noqa: E402

@@ -57,11 +57,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-from fusedenc import dtypes  # noqa: E402
+from fusedenc.common import dtypes  # noqa: E402
 from fusedenc.lc0 import Lc0Network, read_net  # noqa: E402
 from fusedenc.lc0 import board as B  # noqa: E402
-from fusedenc.lc0.evaluator import Evaluator  # noqa: E402
 from fusedenc.lc0.encoding import encode_planes  # noqa: E402
+from fusedenc.lc0.evaluator import Evaluator  # noqa: E402
 from fusedenc.lc0.positions import board_fen, parse_fens  # noqa: E402
 from fusedenc.tune.timing import MIN_REPS, time_calls  # noqa: E402
 

@@ -30,8 +30,8 @@ Implementations (all built from one idiomatic PyTorch model's weights):
   torch-compile    torch.compile(torch model), default mode, one static graph per
                    batch size (``--compile-dynamic`` for one dynamic graph);
                    ``--compile-modes`` adds torch-compile:<mode> rows.
-  fusedenc         fusedenc.encoder.EncoderStack, called plainly: automatic CUDA graphs
-                   (fusedenc.auto_graphs; first call eager, the second captures).
+  fusedenc         fusedenc.encoder.blocks.EncoderStack, called plainly: automatic CUDA graphs
+                   (fusedenc.graphs.auto; first call eager, the second captures).
   fusedenc-eager   the same with automatic graphs off (every launch from the host).
   fusedenc-compile torch.compile(EncoderStack, fullgraph=True), default mode (meant to be >= 0.95x
                    eager fusedenc at every batch).
@@ -82,7 +82,7 @@ kernels run) and fusedenc-fp8-static-ln (the same with the LayerNorm passes), gr
 fusedenc-fp8-static-plain, fusedenc-fp8-static's stack called plainly (automatic graphs).
 They cannot meet the fp16 rule; theirs is measured against what FP8 itself costs on
 this net: the same fp32 reference net with every GEMM in emulated FP8
-(fusedenc.fp8's reference math; the rest fp32) has relative error
+(fusedenc.fp8.rowwise's reference math; the rest fp32) has relative error
 e_fp8 = ||emulated - ref|| / ||ref||, and an FP8 implementation passes when
 
     ||out - ref|| / ||ref|| <= slack * e_fp8 + 0.002
@@ -125,7 +125,7 @@ from peers import (  # noqa: E402
 )
 
 import fusedenc  # noqa: E402
-from fusedenc.dtypes import ATOL  # noqa: E402
+from fusedenc.common.dtypes import ATOL  # noqa: E402
 from fusedenc.tune.presets import Run, select_runs  # noqa: E402
 from fusedenc.tune.timing import rotation_sets, sync, time_calls  # noqa: E402
 
@@ -240,7 +240,7 @@ def run_preset(run: Run, args, device: torch.device, ceilings: dict, progress: c
         rec["check"]["fp8"] = {
             "emulated_rel_err": rel_err(emulated, ref), "slack": args.check_slack, "floor": FP8_FLOOR,
             "rule": "||out - ref|| / ||ref|| <= slack * e_fp8 + floor, e_fp8 = ||emulated - ref|| / ||ref||",
-            "emulated": "every GEMM in fusedenc.fp8's reference math (e4m3 rows / output channels, fp32 sums), "
+            "emulated": "every GEMM in fusedenc.fp8.rowwise's reference math (e4m3 rows / output channels, fp32 sums), "
                         "the rest fp32",
         }  # fmt: skip
         del emulated
@@ -492,11 +492,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         wanted = _fp8_wanted(args, wanted, device, notes)
     if any(i.startswith("fusedenc") for i in wanted):
         try:
-            importlib.import_module("fusedenc.encoder")  # (an import statement here would make fusedenc local)
+            importlib.import_module("fusedenc.encoder.blocks")  # (an import statement here would make fusedenc local)
         except ImportError as exc:
             for i in [i for i in wanted if i.startswith("fusedenc")]:
                 wanted.remove(i)
-                args.skipped[i] = f"fusedenc.encoder is not importable ({exc})"
+                args.skipped[i] = f"fusedenc.encoder.blocks is not importable ({exc})"
     args.impls = wanted
 
     backend = fusedenc.backend()

@@ -12,7 +12,7 @@ tokens, 128 sequences of 128, 32 of 512), every case of each op:
   ffn1       torch.mm + bias add + activation (three kernels) | F.linear + activation (torch) |
              fusedenc.linear with the activation epilogue (native, or BIAS + fusedenc's
              activation kernel where the library lacks it: fusedenc.capabilities()) |
-             fusedenc.triton_gemm.linear_act: a Triton GEMM with bias + activation in its
+             fusedenc.core.triton_gemm.linear_act: a Triton GEMM with bias + activation in its
              own epilogue (one kernel; on a GPU with triton installed)
   out_proj,  F.linear then r + alpha*y (torch) | fusedenc.linear then r + alpha*y |
   ffn2       fusedenc.linear with the residual in the epilogue (one call; the bias is
@@ -21,7 +21,7 @@ tokens, 128 sequences of 128, 32 of 512), every case of each op:
              fusedenc.attention forced to each backend that can serve the shape
              ("default" marks the one fusedenc picks)
   layernorm  F.layer_norm(r + alpha*y) (torch: separate kernels) |
-             fusedenc.norm.layer_norm(y, residual=r, alpha=alpha) (one kernel)
+             fusedenc.ops.norm.layer_norm(y, residual=r, alpha=alpha) (one kernel)
 
 Reported per case: microseconds per call, TFLOP/s and its fraction of the GEMM
 rate, GB/s (the bytes the op must move at least: inputs and weights read once,
@@ -57,9 +57,10 @@ import common  # noqa: E402
 
 import fusedenc  # noqa: E402
 from fusedenc import attention as fattn  # noqa: E402
-from fusedenc import dtypes, gemm_routes  # noqa: E402
-from fusedenc.activations import apply_activation, canonical_activation, torch_function  # noqa: E402
-from fusedenc.norm import layer_norm  # noqa: E402
+from fusedenc.common import dtypes  # noqa: E402
+from fusedenc.common.activations import apply_activation, canonical_activation, torch_function  # noqa: E402
+from fusedenc.core import gemm_routes
+from fusedenc.ops.norm import layer_norm  # noqa: E402
 from fusedenc.tune.presets import Run, select_runs  # noqa: E402
 from fusedenc.tune.timing import rotation_sets, time_graph  # noqa: E402
 
@@ -93,9 +94,9 @@ def _routed_to_triton(device, m: int, n: int, k: int, dtype, activation: str) ->
 
 
 def _triton_gemm():
-    """fusedenc.triton_gemm, or None where triton cannot be imported."""
+    """fusedenc.core.triton_gemm, or None where triton cannot be imported."""
     try:
-        from fusedenc import triton_gemm
+        from fusedenc.core import triton_gemm
     except Exception:  # noqa: BLE001 - no triton, or a triton that cannot load here: no case
         return None
     return triton_gemm

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fusedenc
-from fusedenc.activations import apply_activation, torch_function
+from fusedenc.common.activations import apply_activation, torch_function
 from fusedenc.tune.presets import Run
 from fusedenc.tune.timing import capture_graph, time_calls
 
@@ -337,7 +337,7 @@ def make_compile(model: nn.Module, mode: str, dynamic: bool, name: str = "torch-
 
 def load_fusedenc_stack(model: TorchEncoder, run: Run, device: torch.device):
     """A fusedenc EncoderStack holding the torch model's weights (what every fusedenc row runs)."""
-    from fusedenc.encoder import EncoderBlock, EncoderStack
+    from fusedenc.encoder.blocks import EncoderBlock, EncoderStack
 
     p = run.preset
     blocks = []
@@ -381,7 +381,7 @@ def make_fusedenc(model: TorchEncoder, run: Run, device: torch.device, batches: 
 def make_fusedenc_eager(model: TorchEncoder, run: Run, device: torch.device) -> Impl:
     """The plain call with automatic CUDA graphs off: every launch issued by the host (the
     plain call before automatic graphs; ``fusedenc`` is the plain call as users make it)."""
-    from fusedenc import auto_graphs
+    from fusedenc.graphs import auto as auto_graphs
 
     stack = load_fusedenc_stack(model, run, device)
 
@@ -390,7 +390,7 @@ def make_fusedenc_eager(model: TorchEncoder, run: Run, device: torch.device) -> 
             return stack(x)
 
     impl = Impl("fusedenc-eager", call)
-    impl.notes.append("EncoderStack plain call inside fusedenc.auto_graphs.disabled()")
+    impl.notes.append("EncoderStack plain call inside fusedenc.graphs.auto.disabled()")
     return impl
 
 

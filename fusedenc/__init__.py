@@ -7,7 +7,7 @@ from them, and PyTorch references for every op.  docs/ARCHITECTURE.md maps the
 code: which module owns what, and the one seam to the native core (``core``).
 """
 
-from .activations import ACTIVATIONS
+from .common.activations import ACTIVATIONS
 from .core import (
     Backend,
     FallbackWarning,
@@ -18,14 +18,14 @@ from .core import (
     plan_cache_info,
     set_plan_cache_limit,
 )
-from .encoder import EncoderBlock, EncoderStack
-from .graphs import GraphRunner
-from .hf import patch_hf
-from .hf_embedded import sentence_embeddings
-from .norm import layer_norm
-from .ops import fused_qkv, linear, pack_qkv, reference_linear
+from .encoder.blocks import EncoderBlock, EncoderStack
+from .graphs.runner import GraphRunner
+from .graphs.varlen import VarlenGraphRunner
+from .hf.embedded import sentence_embeddings
+from .hf.patch import patch_hf
+from .ops.gemm import fused_qkv, linear, pack_qkv, reference_linear
+from .ops.norm import layer_norm
 from .report import capabilities
-from .varlen_graphs import VarlenGraphRunner
 
 __version__ = "0.1.0"
 

@@ -7,9 +7,12 @@ from typing import Any
 
 import torch
 
-from . import core, dtypes, gemm_routes, norm_fold
-from . import fp8 as fp8_mode
-from .activations import ACTIVATIONS
+from . import core
+from .common import dtypes
+from .common.activations import ACTIVATIONS
+from .core import gemm_routes
+from .fp8 import rowwise as fp8_mode
+from .ops import norm_fold
 
 try:  # written by CMake at build time; absent in a plain source checkout
     from . import _build_info
@@ -125,7 +128,7 @@ def capabilities() -> dict[str, Any]:
             if (dtypes.name(d), "none") in sm90 and core.sm90_residual_gemm_compiled(d)
         ],
     }
-    # FP8 (fusedenc.fp8): what this build holds, and whether the current GPU runs it.
+    # FP8 (fusedenc.fp8.rowwise): what this build holds, and whether the current GPU runs it.
     compiled = core.fp8_compiled()
     library = "hipBLASLt" if info and info["vendor"] == "hip" else "cuBLASLt"
     fp8: dict[str, Any] = {
@@ -139,7 +142,7 @@ def capabilities() -> dict[str, Any]:
         "sm90_epilogue_gemm": core.sm90_fp8_gemm_kernels() if compiled else [],
         # ... and of its form writing e4m3 with static column scales (a calibrated FFN1 -> FFN2).
         "sm90_e4m3_output": core.fp8.sm90_fp8_e4m3_output_kernels() if compiled else [],
-        # ... and the residual kernel of the FP8 mode with LayerNorms folded (fusedenc.fp8_fold).
+        # ... and the residual kernel of the FP8 mode with LayerNorms folded (fusedenc.encoder.fp8_fold).
         "sm90_folded_layer_norm": [n for n in ("float16", "bfloat16")
                                    if compiled and core.fp8.sm90_fp8_residual_compiled(getattr(torch, n))],
         "runs_here": False,
@@ -151,7 +154,7 @@ def capabilities() -> dict[str, Any]:
         fmt = fp8_mode.format_for(device)
         fp8.update(runs_here=ok, reason=why, format=str(fmt.dtype).replace("torch.float8_", ""), max=fmt.max)
     else:
-        fp8["reason"] = "no GPU: fusedenc.fp8 runs its PyTorch reference"
+        fp8["reason"] = "no GPU: fusedenc.fp8.rowwise runs its PyTorch reference"
     report["fp8"] = fp8
     for dtype in _DTYPES:
         per_act = {}

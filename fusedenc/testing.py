@@ -11,8 +11,10 @@ import contextlib
 import functools
 from typing import Callable, Iterator
 
-from . import auto_graphs, core, fp8
-from .norm_fold import mode as layer_norm_folding
+from . import core
+from .fp8 import rowwise as fp8
+from .graphs import auto as auto_graphs
+from .ops.norm_fold import mode as layer_norm_folding
 
 __all__ = [
     "auto_graphs_disabled",

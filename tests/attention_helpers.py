@@ -29,7 +29,7 @@ def packed_inputs(b, s, h, d, dtype, gen, variant="none", device="cuda"):
     plus the bias and mask of ``variant``; masked variants make sequence 1 all padding (its rows
     must come out as zeros)."""
     qkv = torch.randn((b, s, 3 * h * d), generator=gen).to(device, dtype)
-    q, k, v = fusedenc.ops.split_qkv(qkv, h)
+    q, k, v = fusedenc.ops.gemm.split_qkv(qkv, h)
     bias = mask = None
     if variant in ("bias", "bias+mask"):
         bias = torch.randn((b, h, s, s), generator=gen).to(device, dtype)

@@ -15,7 +15,7 @@ import torch
 
 import fusedenc
 import fusedenc.attention as A
-from fusedenc import table_files
+from fusedenc.common import table_files
 
 
 def _gpu_unavailable_reason() -> str | None:
@@ -65,7 +65,7 @@ def pytest_runtest_makereport(item, call):
     CUDA graphs: a test that asks for one is skipped with that reason instead of failing."""
     outcome = yield
     excinfo = call.excinfo
-    if excinfo is not None and excinfo.errisinstance(fusedenc.graphs.CaptureUnavailable):
+    if excinfo is not None and excinfo.errisinstance(fusedenc.graphs.runner.CaptureUnavailable):
         report = outcome.get_result()
         report.outcome, report.longrepr = "skipped", (str(item.path), item.location[1], f"Skipped: {excinfo.value}")
 

@@ -11,11 +11,11 @@ import copy
 
 import torch
 import torch.nn.functional as F
-
-from fusedenc import EncoderBlock
-from fusedenc.activations import apply_activation
 from helpers import attention_formula as views_attention_formula
 from helpers import randn
+
+from fusedenc import EncoderBlock
+from fusedenc.common.activations import apply_activation
 
 
 def torch_slow_path(module, x, dtype, **kwargs):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from encoder_helpers import randomize
-from fusedenc import EncoderStack, core, executors, fp8
+
+from fusedenc import EncoderStack, core
+from fusedenc.encoder import executors
+from fusedenc.fp8 import rowwise as fp8
 
 
 def require_fp8_gpu() -> None:
@@ -53,8 +55,9 @@ def synthetic_lc0(tmp_path, preset: str, seed: int, planes_seed: int, sample: in
                   device: str = "cpu"):  # fmt: skip
     """A synthetic fp16 Lc0 net of ``preset`` written to ``tmp_path`` and loaded, with calibration
     planes (``sample`` positions) and other planes to run (``positions``): ``(net, sample, planes)``."""
-    from fusedenc.lc0 import load_network
     from lc0_writer import random_planes, write_preset
+
+    from fusedenc.lc0 import load_network
 
     path = tmp_path / f"{preset}.pb.gz"
     write_preset(path, preset, seed=seed)

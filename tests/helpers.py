@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from fusedenc.activations import apply_activation
-from fusedenc.dtypes import ATOL  # noqa: F401 - the rule's atol, re-exported for the tests
+from fusedenc.common.activations import apply_activation
+from fusedenc.common.dtypes import ATOL  # noqa: F401 - the rule's atol, re-exported for the tests
 
 
 def ref_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fusedenc.activations import ACTIVATIONS, activation_id, apply_activation, canonical_activation
+from fusedenc.common.activations import ACTIVATIONS, activation_id, apply_activation, canonical_activation
 
 
 def _formula(name: str, x: torch.Tensor) -> torch.Tensor:

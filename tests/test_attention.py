@@ -11,13 +11,13 @@ import warnings
 
 import pytest
 import torch
+from helpers import assert_close_rule, attention_formula, randn, ref_dtype
 
 import fusedenc
 import fusedenc.attention as A
-from fusedenc import table_files
-from fusedenc.device import device_metadata
 from fusedenc.attention import AttentionTableWarning, attention, explain
-from helpers import assert_close_rule, attention_formula, randn, ref_dtype
+from fusedenc.common import table_files
+from fusedenc.common.device import device_metadata
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("no_attention_tables")
 def packed_qkv(b, s, h, d, dtype, gen, scale=1.0):
     """q, k, v as fused_qkv returns them: [B, S, H, Dh] views of one packed [B, S, 3*H*Dh] buffer."""
     qkv = randn((b, s, 3 * h * d), dtype, gen=gen, scale=scale)
-    return fusedenc.ops.split_qkv(qkv, h)
+    return fusedenc.ops.gemm.split_qkv(qkv, h)
 
 
 def padding_mask(b, s, gen, fully_masked=(1,)):
@@ -118,7 +118,7 @@ def test_matches_multihead_attention(gen):
     mask = padding_mask(b, s, gen, fully_masked=(1,))
     with torch.no_grad():
         expected, _ = mha(x, x, x, key_padding_mask=mask, need_weights=False)
-        q, k, v = fusedenc.ops.split_qkv(x @ mha.in_proj_weight.t(), h)
+        q, k, v = fusedenc.ops.gemm.split_qkv(x @ mha.in_proj_weight.t(), h)
         out = attention(q, k, v, key_padding_mask=mask)
     torch.testing.assert_close(out.view(b, s, e), expected, msg=lambda m: f"{m} seed={gen.seed_value}")
 
@@ -429,7 +429,7 @@ def test_compile_fullgraph_matches_eager(gen):
     mask = padding_mask(b, s, gen)
 
     def block(t):
-        q, k, v = fusedenc.ops.split_qkv(t @ w_qkv.t(), h)
+        q, k, v = fusedenc.ops.gemm.split_qkv(t @ w_qkv.t(), h)
         return attention(q, k, v, bias, mask, scale=0.25) * 2.0
 
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")

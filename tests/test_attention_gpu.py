@@ -11,14 +11,14 @@ import warnings
 
 import pytest
 import torch
+from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs, replays_match_eager
+from helpers import assert_close_rule, attention_formula
 
 import fusedenc
 import fusedenc.attention as A
-from fusedenc import table_files
-from fusedenc.device import device_arch, device_metadata
 from fusedenc.attention import attention, explain
-from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs, replays_match_eager
-from helpers import assert_close_rule, attention_formula
+from fusedenc.common import table_files
+from fusedenc.common.device import device_arch, device_metadata
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_attention_tables")]
 
@@ -175,7 +175,7 @@ def test_compile_fullgraph(backend, gen):
     mask = (torch.arange(s)[None, :] >= lengths[:, None]).to(DEV)
 
     def block(t, with_bias):
-        q, k, v = fusedenc.ops.split_qkv(torch.nn.functional.linear(t, w_qkv), h)
+        q, k, v = fusedenc.ops.gemm.split_qkv(torch.nn.functional.linear(t, w_qkv), h)
         a = attention(q, k, v, bias if with_bias else None, mask if with_bias else None, backend=backend)
         return torch.nn.functional.linear(a, w_o)
 

@@ -1,4 +1,4 @@
-"""``fusedenc.auto_graphs``, the CUDA graphs behind a plain call, on the CPU.
+"""``fusedenc.graphs.auto``, the CUDA graphs behind a plain call, on the CPU.
 
 The cache logic (keys, buckets, capture on the second call, LRU eviction and its back-off,
 fallbacks, switches, invalidation when weights change, ``out=``, copies, threads; the packed
@@ -20,9 +20,12 @@ import torch
 import torch.nn as nn
 
 import fusedenc
-from fusedenc import auto_graphs, graph_feeds, packed_calls, varlen
-from fusedenc import graphs
-from fusedenc.graphs import eager_calls
+from fusedenc.graphs import auto as auto_graphs
+from fusedenc.graphs import feeds as graph_feeds
+from fusedenc.graphs import runner as graphs
+from fusedenc.graphs.runner import eager_calls
+from fusedenc.varlen import calls as packed_calls
+from fusedenc.varlen import packing as varlen
 
 #: fp32 on the CPU: a graph's bucket pads the attention's layout (more masked keys), which
 #: changes only the summation order.

@@ -1,4 +1,4 @@
-"""Automatic CUDA graphs behind the plain call, on the GPU (``fusedenc.auto_graphs``).
+"""Automatic CUDA graphs behind the plain call, on the GPU (``fusedenc.graphs.auto``).
 
 Every result is checked against the eager path (``auto_graphs.disabled()``) and, where the
 math allows, the fp32 reference by the project's rule (``helpers.assert_close_rule``);
@@ -14,13 +14,14 @@ import threading
 import pytest
 import torch
 from encoder_helpers import padding_mask, randomize, stack_formula
+from helpers import assert_close_rule, poisoned, randn
 from lc0_writer import random_planes, write_preset
 
-from fusedenc import EncoderBlock, EncoderStack, auto_graphs
+from fusedenc import EncoderBlock, EncoderStack
+from fusedenc.common.dtypes import ATOL
+from fusedenc.graphs import auto as auto_graphs
 from fusedenc.lc0 import load_network, read_net
 from fusedenc.lc0.reference import reference_forward
-from fusedenc.dtypes import ATOL
-from helpers import assert_close_rule, poisoned, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -254,7 +255,7 @@ def test_offsets_reach_the_statics_through_pinned_memory(gen):
     with empty sequences ending at T after the call's."""
     import numpy as np
 
-    from fusedenc import graph_feeds
+    from fusedenc.graphs import feeds as graph_feeds
 
     copies = []
     for sequences, size in [(3, 8), (5, 8), (7, 12), (2, 3000)]:
@@ -277,7 +278,8 @@ def test_padded_ids_feed_fills_its_statics_in_one_native_call(layout, gen, monke
     columns are apart by the framework's copies."""
     import numpy as np
 
-    from fusedenc import core, graph_feeds
+    from fusedenc import core
+    from fusedenc.graphs import feeds as graph_feeds
 
     calls = []
     native = core.copy_blocks

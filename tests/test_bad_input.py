@@ -21,13 +21,13 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-
-import fusedenc
 from encoder_helpers import block_config, block_formula, block_params, randomize
-from fusedenc import EncoderBlock, EncoderStack
-from fusedenc.attention import attention
 from helpers import assert_close_rule, attention_formula, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
 from layer_norm_helpers import ln_formula, ln_same_dtype
+
+import fusedenc
+from fusedenc import EncoderBlock, EncoderStack
+from fusedenc.attention import attention
 
 H = torch.float16
 NAN, INF = float("nan"), float("inf")
@@ -75,7 +75,7 @@ def _LN(dev, **over):
 
 
 def _qkv(dev, b=2, s=5, h=2, dh=8, dtype=H):
-    return fusedenc.ops.split_qkv(_r((b, s, 3 * h * dh), dev, dtype), h)
+    return fusedenc.ops.gemm.split_qkv(_r((b, s, 3 * h * dh), dev, dtype), h)
 
 
 def _A(dev, **over):
@@ -326,7 +326,7 @@ def _valid(family: str, dev: str) -> None:
         assert_close_rule(out, ref, same, H, what=f"valid layer_norm on {dev}")
     elif family == ATT:
 
-        q, k, v = fusedenc.ops.split_qkv(randn((2, 7, 3 * 32), H, dev, g), 2)
+        q, k, v = fusedenc.ops.gemm.split_qkv(randn((2, 7, 3 * 32), H, dev, g), 2)
         out = attention(q, k, v)
         assert_close_rule(out, attention_formula(q, k, v, dtype=ref_dtype(H)), attention_formula(q, k, v, dtype=H), H, what=f"valid attention on {dev}")
     else:

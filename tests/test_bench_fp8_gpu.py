@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from bench_helpers import run_bench_on_gpu
 from fp8_helpers import require_fp8_gpu
 

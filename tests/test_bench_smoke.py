@@ -44,7 +44,7 @@ def _run(script: str, args: list[str], tmp_path, tag: str | None = "smoke") -> d
 
 def _has_encoder() -> bool:
     try:
-        return importlib.util.find_spec("fusedenc.encoder") is not None
+        return importlib.util.find_spec("fusedenc.encoder.blocks") is not None
     except ImportError:
         return False
 
@@ -116,7 +116,7 @@ def test_nps_fp8_tiny(tmp_path):
     fusedenc-fp8 runs the package's reference math and passes the FP8 rule (its relative
     error within slack x emulated FP8's); the rows that need a GPU are skipped with reasons."""
     if not _has_encoder():
-        pytest.skip("fusedenc.encoder is not importable")
+        pytest.skip("fusedenc.encoder.blocks is not importable")
     r = _run("nps.py", ["--preset", "tiny", "--dtype", "fp8", "--batch-sizes", "2", "--reps", "20"], tmp_path)
     assert r["check_passed"] is True and r["errors"] == [], r["errors"]
     assert "check_fp8" in r["methodology"]

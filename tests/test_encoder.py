@@ -10,8 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
-import fusedenc
 from encoder_helpers import (
     block_config,
     block_formula,
@@ -21,8 +19,10 @@ from encoder_helpers import (
     stack_formula,
     torch_slow_path,
 )
-from fusedenc import EncoderBlock, EncoderStack
 from helpers import assert_close_rule, randn
+
+import fusedenc
+from fusedenc import EncoderBlock, EncoderStack
 
 F32 = torch.float32
 

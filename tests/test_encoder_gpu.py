@@ -13,9 +13,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-
-import fusedenc.encoder as encoder_module
-import fusedenc.executors as executors_module
 from encoder_helpers import (
     block_config,
     block_formula,
@@ -25,8 +22,11 @@ from encoder_helpers import (
     stack_formula,
     torch_slow_path,
 )
-from fusedenc import EncoderBlock, EncoderStack
 from helpers import assert_close_rule, randn
+
+import fusedenc.encoder.blocks as encoder_module
+import fusedenc.encoder.executors as executors_module
+from fusedenc import EncoderBlock, EncoderStack
 
 pytestmark = pytest.mark.gpu
 

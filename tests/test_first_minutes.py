@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 
+import lc0_writer
 import pytest
 import torch
 import torch.nn as nn
@@ -25,10 +26,8 @@ import torch.nn as nn
 import fusedenc
 import fusedenc.__main__ as status_cli
 import fusedenc.lc0.__main__ as lc0_cli
-import lc0_writer
 from fusedenc import EncoderBlock, EncoderStack
-from fusedenc.lc0 import Evaluator, Lc0Network, load_network, read_net
-from fusedenc.lc0 import writer
+from fusedenc.lc0 import Evaluator, Lc0Network, load_network, read_net, writer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = torch.cuda.is_available()

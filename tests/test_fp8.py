@@ -1,4 +1,4 @@
-"""``fusedenc.fp8``: the reference math of the FP8 mode (per-row e4m3 scales, scaled GEMM)."""
+"""``fusedenc.fp8.rowwise``: the reference math of the FP8 mode (per-row e4m3 scales, scaled GEMM)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import randn
 
-from fusedenc.fp8 import E4M3, E4M3_MAX, dequantize, quantize_rows, scaled_linear
+from fusedenc.fp8.rowwise import E4M3, E4M3_MAX, dequantize, quantize_rows, scaled_linear
 
 
 def test_rows_round_trip_within_e4m3_precision(gen):
@@ -53,8 +53,8 @@ def test_bad_arguments():
 
 # ------------------------------------------------------------- fp8.linear ----
 
-from fusedenc import fp8  # noqa: E402
-from fusedenc.activations import apply_activation  # noqa: E402
+from fusedenc.common.activations import apply_activation  # noqa: E402
+from fusedenc.fp8 import rowwise as fp8  # noqa: E402
 
 
 @pytest.mark.parametrize("activation", ["none", "relu", "swish", "gelu"])

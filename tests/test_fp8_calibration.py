@@ -11,12 +11,15 @@ import copy
 
 import pytest
 import torch
-
 from encoder_helpers import randomize, stack_formula
 from fp8_helpers import count_quantize_passes, random_stack, rel_err, require_fp8_gpu, synthetic_lc0
-from fusedenc import EncoderBlock, executors, fp8, fp8_range
-from fusedenc.activations import apply_activation
 from helpers import randn
+
+from fusedenc import EncoderBlock
+from fusedenc.common.activations import apply_activation
+from fusedenc.encoder import executors
+from fusedenc.fp8 import range_check as fp8_range
+from fusedenc.fp8 import rowwise as fp8
 
 D, H, F_ = 128, 4, 256
 
@@ -147,7 +150,7 @@ def test_calibration_is_refused_where_it_cannot_apply(gen):
         s.quantize("fp8", keep=("ffn2",), calibration=sample)
     with pytest.raises(ValueError, match="post-LN block"):
         _stack(1, gen, norm_first=True).quantize("fp8", calibration=sample)
-    with pytest.raises(TypeError, match="sample inputs .* or a fusedenc.fp8.Calibration"):
+    with pytest.raises(TypeError, match="sample inputs .* or a fusedenc.fp8.rowwise.Calibration"):
         s.blocks[0].quantize("fp8", calibration=[1, 2])
     other = fp8.calibrate(_stack(1, gen).blocks, lambda t: None, sample)  # saw nothing
     with pytest.raises(ValueError, match="never ran this block"):

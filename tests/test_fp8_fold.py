@@ -1,4 +1,4 @@
-"""The FP8 mode with LayerNorms folded into the GEMMs (``fusedenc.fp8_fold``, issue 21).
+"""The FP8 mode with LayerNorms folded into the GEMMs (``fusedenc.encoder.fp8_fold``, issue 21).
 
 CPU tests run the torch math (``norm_fold.mode("force")``) against formulas written the
 other way round (normalize, then multiply) and the whole stack against fp32; the GPU tests
@@ -12,13 +12,16 @@ import pickle
 
 import pytest
 import torch
-
 from encoder_helpers import stack_formula
 from fp8_helpers import random_stack, rel_err, require_fp8_gpu, synthetic_lc0
-from fusedenc import core, fp8, fp8_fold, norm_fold
-from fusedenc.activations import apply_activation
-from fusedenc.testing import layer_norm_folding
 from helpers import randn
+
+from fusedenc import core
+from fusedenc.common.activations import apply_activation
+from fusedenc.encoder import fp8_fold
+from fusedenc.fp8 import rowwise as fp8
+from fusedenc.ops import norm_fold
+from fusedenc.testing import layer_norm_folding
 
 D, H, F_ = 128, 4, 256
 

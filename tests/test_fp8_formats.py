@@ -1,4 +1,4 @@
-"""``fusedenc.fp8``'s two e4m3 flavours: OCP (``float8_e4m3fn``, 448: NVIDIA, gfx95x, CPU) and
+"""``fusedenc.fp8.rowwise``'s two e4m3 flavours: OCP (``float8_e4m3fn``, 448: NVIDIA, gfx95x, CPU) and
 MI300's FNUZ (``float8_e4m3fnuz``, 240), picked per device from what the core reports."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 from helpers import randn
 
-from fusedenc import capabilities, core, fp8
-from fusedenc.fp8 import E4M3, E4M3_FNUZ, E4M3_MAX, dequantize, e4m3_columns, format_for, quantize_rows
+from fusedenc import capabilities, core
+from fusedenc.fp8 import rowwise as fp8
+from fusedenc.fp8.rowwise import E4M3, E4M3_FNUZ, E4M3_MAX, dequantize, e4m3_columns, format_for, quantize_rows
 
 FNUZ = torch.float8_e4m3fnuz
 

@@ -1,7 +1,7 @@
 """FP8 on the GPU (issue 21): the row-wise e4m3 quantization kernel against the reference
 math bit for bit, and the cuBLASLt FP8 GEMM with per-row scales against the same codes
 summed in float64, by the tolerance rule (``helpers.assert_close_rule``: the CPU reference
-``fusedenc.fp8.linear``, fp32 sums rounded once, is the same-dtype peer), into
+``fusedenc.fp8.rowwise.linear``, fp32 sums rounded once, is the same-dtype peer), into
 NaN-poisoned outputs.  Skipped where the GPU or the build has no FP8 path; on compute
 capability 9.0 with a build that holds it, the path must run."""
 
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from fusedenc import core, dtypes, fp8
-from fusedenc.activations import apply_activation
 from fp8_helpers import require_fp8_gpu
 from helpers import assert_close_rule, poisoned, randn
+
+from fusedenc import core
+from fusedenc.common import dtypes
+from fusedenc.common.activations import apply_activation
+from fusedenc.fp8 import rowwise as fp8
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
 """``EncoderBlock.quantize("fp8")`` / ``EncoderStack.quantize``: the FP8 mode of the modules
-(issue 21).  CPU tests run the reference math of ``fusedenc.fp8``; the GPU test at the end
+(issue 21).  CPU tests run the reference math of ``fusedenc.fp8.rowwise``; the GPU test at the end
 runs the kernels.  Accuracy is checked against the fp32 run of the same weights with the
 FP8 error this math measured (bench/NOTES.md), and against the fp16 run (FP8 must be doing
 something)."""
@@ -10,12 +10,14 @@ import copy
 
 import pytest
 import torch
-
-import fusedenc.testing
 from encoder_helpers import randomize, stack_formula
 from fp8_helpers import random_stack, rel_err
-from fusedenc import EncoderBlock, executors, fp8
 from helpers import randn
+
+import fusedenc.testing
+from fusedenc import EncoderBlock
+from fusedenc.encoder import executors
+from fusedenc.fp8 import rowwise as fp8
 
 D, H, F_ = 128, 4, 256
 
@@ -162,8 +164,9 @@ def test_a_quantized_stack_on_the_gpu_matches_the_reference_math(gen):
 def test_an_lc0_net_quantizes_its_body(tmp_path, monkeypatch):
     """``Lc0Network.quantize``: the body's four GEMMs a layer in FP8, heads and embedding not;
     policy logits move, the WDL stays a distribution, and ``quantize(None)`` restores the net."""
-    from fusedenc.lc0 import load_network
     from lc0_writer import random_planes, write_preset
+
+    from fusedenc.lc0 import load_network
 
     path = tmp_path / "tiny.pb.gz"
     write_preset(path, "tiny", seed=3)

@@ -1,8 +1,8 @@
 """bench/fp8_peers.py on the CPU: the torchao-style FP8 peer's math (its per-row quantization,
-its layer, its whole net) against fusedenc.fp8's reference math, and the FP8 check of
+its layer, its whole net) against fusedenc.fp8.rowwise's reference math, and the FP8 check of
 bench/nps.py, which must pass the peer and fail a wrong one.  The peer's GEMM,
 ``torch._scaled_mm``, runs where this torch takes row-wise scales on the CPU; elsewhere its
-twin ``emulated_scaled_mm`` (fusedenc.fp8.scaled_linear) stands in."""
+twin ``emulated_scaled_mm`` (fusedenc.fp8.rowwise.scaled_linear) stands in."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from helpers import randn
 
-from fusedenc import fp8
+from fusedenc.fp8 import rowwise as fp8
 from fusedenc.tune.presets import expand
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -57,7 +57,7 @@ def _linear(k, n, gen, dtype=torch.float16) -> nn.Linear:
 
 
 def test_peer_layer_is_the_reference_fp8_gemm(gen):
-    """Fp8Linear on [B, S, K] is fusedenc.fp8's GEMM of the quantized rows and the per-channel
+    """Fp8Linear on [B, S, K] is fusedenc.fp8.rowwise's GEMM of the quantized rows and the per-channel
     weight, bit for bit (same math), and that is x W^T + b up to FP8's error."""
     lin = _linear(64, 48, gen)
     x = randn((3, 5, 64), torch.float16, gen=gen)
@@ -90,7 +90,7 @@ def _net(dtype: torch.dtype, seed: int):
 
 def test_peer_net_is_the_emulated_reference_net(gen):
     """The peer on an fp32 model, its GEMM emulated, computes what the FP8 check's oracle does
-    (peers.reference_forward with every GEMM in fusedenc.fp8's math): the same codes meet the
+    (peers.reference_forward with every GEMM in fusedenc.fp8.rowwise's math): the same codes meet the
     same GEMM; only attention's and LayerNorm's fp32 rounding differ.  That rounding can move a
     value across an e4m3 rounding boundary, and the flipped code (one e4m3 step) spreads to the
     layers after it: over 200 seeds the two nets' relative difference reached 0.029 of the FP8

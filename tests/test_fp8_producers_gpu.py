@@ -1,5 +1,5 @@
 """FP8 written by its producers (issue 21): the LayerNorm kernel's e4m3 copy of its output
-against ``fusedenc.fp8.quantize_rows`` of that output, bit for bit, into poisoned buffers;
+against ``fusedenc.fp8.rowwise.quantize_rows`` of that output, bit for bit, into poisoned buffers;
 its argument checks; and a quantized stack whose LayerNorms hand their FP8 copies to the
 GEMMs, against the same stack quantizing every GEMM input by its own pass (bit-identical:
 the copies are the same codes, so only speed may change)."""
@@ -10,12 +10,13 @@ import copy
 
 import pytest
 import torch
+from fp8_helpers import count_quantize_passes, random_stack, require_fp8_gpu
+from helpers import randn
 
 import fusedenc.testing
-from fp8_helpers import count_quantize_passes, random_stack, require_fp8_gpu
-from fusedenc import core, fp8
-from fusedenc.device import current_stream
-from helpers import randn
+from fusedenc import core
+from fusedenc.common.device import current_stream
+from fusedenc.fp8 import rowwise as fp8
 
 DEV = "cuda"
 

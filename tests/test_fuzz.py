@@ -29,15 +29,15 @@ import os
 
 import pytest
 import torch
+from encoder_helpers import block_config, block_formula, block_params, padding_mask, randomize
+from helpers import assert_close_rule, attention_formula, linear_formula, randn, ref_dtype, same_dtype_torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layer_norm_helpers import ln_formula, ln_same_dtype
 
 import fusedenc
-from encoder_helpers import block_config, block_formula, block_params, padding_mask, randomize
 from fusedenc import EncoderBlock
-from fusedenc.activations import ACTIVATIONS
-from helpers import assert_close_rule, attention_formula, linear_formula, randn, ref_dtype, same_dtype_torch
-from layer_norm_helpers import ln_formula, ln_same_dtype
+from fusedenc.common.activations import ACTIVATIONS
 
 EXAMPLES = int(os.environ.get("FUSEDENC_FUZZ_EXAMPLES", "25"))
 DERANDOMIZE = os.environ.get("FUSEDENC_FUZZ_DERANDOMIZE", "") == "1"
@@ -339,7 +339,7 @@ def test_fuzz_attention(dev, case):
         dtype, g = c["dtype"], _gen(c["seed"])
         b, s, h, dh = c["batch"], c["seq"], c["heads"], c["head_dim"]
         if c["packed"]:
-            q, k, v = fusedenc.ops.split_qkv(randn((b, s, 3 * h * dh), dtype, dev, g), h)
+            q, k, v = fusedenc.ops.gemm.split_qkv(randn((b, s, 3 * h * dh), dtype, dev, g), h)
         else:
             q, k, v = (randn((b, s, h, dh), dtype, dev, g) for _ in range(3))
         bias = _attn_bias(c["bias"], b, h, s, dtype, dev, g)
@@ -404,7 +404,7 @@ def test_fuzz_block(dev, case):
 def test_attention_head_dim_1_output_is_contiguous(dev):
     """Regression (found by the block fuzz): the math backend's result must be dense rows."""
     g = _gen(0)
-    q, k, v = fusedenc.ops.split_qkv(randn((1, 3, 3 * 4), torch.float32, dev, g), 4)  # B=1, S=3, H=4, Dh=1
+    q, k, v = fusedenc.ops.gemm.split_qkv(randn((1, 3, 3 * 4), torch.float32, dev, g), 4)  # B=1, S=3, H=4, Dh=1
     out = fusedenc.attention.attention(q, k, v)
     assert out.is_contiguous(), f"strides {out.stride()}"
     block = randomize(EncoderBlock(8, 8, 16, dtype=torch.float32, device=dev), g)

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import fusedenc
-from fusedenc import core, gemm_routes, gemm_tuning, table_files, tune
+from fusedenc import core, tune
+from fusedenc.common import table_files
+from fusedenc.core import gemm_routes, gemm_tuning
 from fusedenc.tune import gemm as tune_gemm
 from fusedenc.tune import presets
 

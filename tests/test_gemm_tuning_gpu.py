@@ -17,13 +17,14 @@ import warnings
 
 import pytest
 import torch
+from helpers import assert_close_rule, linear_formula, poisoned, randn, same_dtype_torch
 
 import fusedenc
-import fusedenc.encoder as encoder_module
-from fusedenc import core, gemm_routes, gemm_tuning
-from fusedenc.device import device_arch
+import fusedenc.encoder.blocks as encoder_module
+from fusedenc import core
+from fusedenc.common.device import device_arch
+from fusedenc.core import gemm_routes, gemm_tuning
 from fusedenc.tune.presets import PRESETS, GemmProblem, block_gemms
-from helpers import assert_close_rule, linear_formula, poisoned, randn, same_dtype_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -274,7 +275,7 @@ def _triton_route_file(tmp_path, problem, x, w, b, config) -> str:
 def test_a_triton_route_serves_linear_and_the_block_identically(tmp_path, gen, monkeypatch):
     """A file's Triton choice routes exactly its problem, in fusedenc.linear and in both block paths."""
     pytest.importorskip("triton")
-    from fusedenc import triton_gemm
+    from fusedenc.core import triton_gemm
 
     problem = next(p for p in T82 if p.name == "ffn1")  # t82 batch 16: m 1024, n 2304, k 768, swish + bias
     x, w, b, _ = _operands(problem, gen)

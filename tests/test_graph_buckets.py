@@ -15,8 +15,8 @@ import contextlib
 import pytest
 import torch
 
-from fusedenc.graphs import BucketedGraphs
-from fusedenc import graphs
+from fusedenc.graphs import runner as graphs
+from fusedenc.graphs.runner import BucketedGraphs
 
 
 class _FakeGraph:
@@ -181,7 +181,7 @@ def test_a_capture_owns_its_cublas_workspace(fake_cuda, monkeypatch):
     """torch's cached cuBLAS workspaces are dropped before and after every capture (and after
     a failed one), so a graph's torch matmuls use a workspace inside its own pool:
     ``own_cublas_workspace`` says why."""
-    from fusedenc import graphs
+    from fusedenc.graphs import runner as graphs
 
     calls = []
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear"), raising=False)

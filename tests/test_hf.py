@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import sys
-
 from unittest import mock
 
 import pytest
@@ -19,8 +18,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fusedenc import hf  # noqa: E402
-from fusedenc.hf import HF_ACTIVATIONS, HFEncoderLayer, convert_mask, patch_hf  # noqa: E402
+from fusedenc.hf import patch as hf  # noqa: E402
+from fusedenc.hf.patch import HF_ACTIVATIONS, HFEncoderLayer, convert_mask, patch_hf  # noqa: E402
 
 TF_MAJOR = int(transformers.__version__.split(".")[0])
 
@@ -80,13 +79,13 @@ def _outputs(out) -> dict:
 
 def _packs(mask) -> bool:
     """Whether patch_hf's padding-free path runs for HF attention mask ``mask`` (0 = padding):
-    some padding, and every sequence's position 0 a real token (fusedenc.hf_varlen)."""
+    some padding, and every sequence's position 0 a real token (fusedenc.hf.varlen)."""
     return mask is not None and bool((mask == 0).any()) and bool((mask[:, 0] != 0).all())
 
 
 def _assert_same(got, want, what, mask=None):
     """HF's outputs; with ``mask`` where the padding-free path runs, ``last_hidden_state`` is
-    HF's at real tokens and zero at padding positions (documented in fusedenc.hf_varlen)."""
+    HF's at real tokens and zero at padding positions (documented in fusedenc.hf.varlen)."""
     for key, ref in _outputs(want).items():
         out = got[key]
         if key == "last_hidden_state" and _packs(mask):

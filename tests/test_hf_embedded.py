@@ -1,4 +1,4 @@
-"""A patched BERT / RoBERTa / XLM-R model's short path (``fusedenc.hf_embedded``) on the CPU:
+"""A patched BERT / RoBERTa / XLM-R model's short path (``fusedenc.hf.embedded``) on the CPU:
 which calls take it, that they give the unpatched model's outputs, and that every other call
 takes HF's forward with HF's results.
 
@@ -18,7 +18,9 @@ import torch
 from hf_helpers import SMALL, small_models
 
 import fusedenc
-from fusedenc import auto_graphs, graph_feeds, hf_embedded
+from fusedenc.graphs import auto as auto_graphs
+from fusedenc.graphs import feeds as graph_feeds
+from fusedenc.hf import embedded as hf_embedded
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.bert import modeling_bert  # noqa: E402
@@ -346,7 +348,7 @@ def test_a_patched_model_pickles_whole(model_type, gen, tmp_path):
         "import sys, torch\n"
         "d = torch.load(sys.argv[1], weights_only=False)\n"
         "m = d['model']; ids, types, mask = d['inputs']\n"
-        "from fusedenc import hf_embedded, hf_varlen\n"
+        "from fusedenc.hf import embedded as hf_embedded, varlen as hf_varlen\n"
         "assert isinstance(m.base_model, hf_embedded.EmbeddedModel)\n"
         "assert isinstance(m.base_model.encoder, hf_varlen.PaddingFreeEncoder)\n"
         "with torch.no_grad():\n"

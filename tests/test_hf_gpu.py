@@ -13,7 +13,6 @@ import copy
 
 import pytest
 import torch
-
 from helpers import assert_close_rule
 
 pytestmark = pytest.mark.gpu
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
 from fusedenc import patch_hf  # noqa: E402
-from fusedenc.hf import HFEncoderLayer  # noqa: E402
+from fusedenc.hf.patch import HFEncoderLayer  # noqa: E402
 
 DEV = "cuda"
 HALF = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]

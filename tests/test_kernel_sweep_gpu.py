@@ -31,13 +31,13 @@ The kernels and what is swept:
    with bias + key padding mask (one sequence all padding) and in bfloat16
    with neither; heads per program reduced (H = 3, 6); float32 inputs and a
    float32 bias.
-2. ``fusedenc.triton_gemm`` (``_linear_act_kernel``): every config of the
+2. ``fusedenc.core.triton_gemm`` (``_linear_act_kernel``): every config of the
    table, its per-bucket defaults and what ``tune gemm`` tries
    (``tuning_candidates``), as given, at M = 70 and a K that runs the
    pipeline past its stages; every activation once through the table's
    small-M config; no bias, K not a multiple of the K block, float32.
 3. ``csrc/kernels/layer_norm.cu`` (``layer_norm_kernel<T, kChunks>``) through
-   ``fusedenc.norm.layer_norm``: for float16, bfloat16 and float32, row widths
+   ``fusedenc.ops.norm.layer_norm``: for float16, bfloat16 and float32, row widths
    that give every (threads per row, chunks per thread) shape that
    ``choose_config`` picks -- groups smaller than a warp, one warp, several
    warps with shared-memory reductions (two rows per block and one), up to the
@@ -55,20 +55,20 @@ import warnings
 
 import pytest
 import torch
-
-import fusedenc
-import fusedenc.testing
 from attention_helpers import packed_inputs
-from fusedenc import checks
-from fusedenc.activations import ACTIVATIONS, apply_activation
-from fusedenc.norm import layer_norm
-from fusedenc.ops import split_qkv
 from helpers import assert_close_rule, attention_formula, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
 from layer_norm_helpers import ln_formula, ln_same_dtype
 
+import fusedenc
+import fusedenc.testing
+from fusedenc.common import checks
+from fusedenc.common.activations import ACTIVATIONS, apply_activation
+from fusedenc.ops.gemm import split_qkv
+from fusedenc.ops.norm import layer_norm
+
 try:  # the Triton sections need the triton package; the native kernels' sections do not
     import fusedenc.attention.triton_short as tri
-    import fusedenc.triton_gemm as tg
+    import fusedenc.core.triton_gemm as tg
 except ImportError:
     tri = tg = None
 

@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 import torch
-
-import fusedenc.norm  # noqa: F401 - registers torch.ops.fusedenc.layer_norm / layer_norm_out
-from fusedenc.norm import layer_norm, reference_layer_norm
 from helpers import assert_close_rule, poisoned, randn, ref_dtype
 from layer_norm_helpers import assert_rounded_once, ln_formula, ln_same_dtype
+
+import fusedenc.ops.norm  # noqa: F401 - registers torch.ops.fusedenc.layer_norm / layer_norm_out
+from fusedenc.ops.norm import layer_norm, reference_layer_norm
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 H = torch.float16

@@ -10,12 +10,12 @@ import itertools
 
 import pytest
 import torch
-
-import fusedenc.norm  # noqa: F401 - registers torch.ops.fusedenc.layer_norm / layer_norm_out
-from fusedenc import core
-from fusedenc.norm import layer_norm
 from helpers import assert_close_rule, poisoned, randn, ref_dtype
 from layer_norm_helpers import assert_rounded_once, ln_formula, ln_same_dtype
+
+import fusedenc.ops.norm  # noqa: F401 - registers torch.ops.fusedenc.layer_norm / layer_norm_out
+from fusedenc import core
+from fusedenc.ops.norm import layer_norm
 
 pytestmark = pytest.mark.gpu
 

@@ -23,8 +23,8 @@ from lc0_writer import write_preset
 from fusedenc.lc0 import Lc0Network, read_net
 from fusedenc.lc0.encoding import encode_masks, expand_planes
 from fusedenc.lc0.evaluator import Evaluator
-from fusedenc.lc0.schema import InputFormat
 from fusedenc.lc0.positions import Position
+from fusedenc.lc0.schema import InputFormat
 
 KIWIPETE = "r3k2r/p1ppqpb1/bn2pnp1/3PN3/1p2P3/2N2Q1p/PPPBBPPP/R3K2R w KQkq - 0 1"
 MATED = "rnb1kbnr/pppp1ppp/8/4p3/6Pq/5P2/PPPPP2P/RNBQKBNR w KQkq - 1 3"  # fool's mate: no legal moves

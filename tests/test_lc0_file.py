@@ -17,7 +17,7 @@ import pytest
 import torch
 from lc0_writer import PRESETS, build_net, encode_net, write_preset
 
-from fusedenc.activations import LC0_ACTIVATIONS
+from fusedenc.common.activations import LC0_ACTIVATIONS
 from fusedenc.lc0 import (
     Lc0FileError,
     Lc0FormatError,
@@ -103,7 +103,7 @@ def test_schema_is_one_consistent_table():
 
 
 def test_activation_enum_matches_fusedenc_names():
-    """``LC0_ACTIVATIONS`` (fusedenc.activations) and net.proto's enum agree on every value."""
+    """``LC0_ACTIVATIONS`` (fusedenc.common.activations) and net.proto's enum agree on every value."""
     for value, name in LC0_ACTIVATIONS.items():
         assert ActivationFunction(value).name.lower().replace("_", "") == name
     assert set(ActivationFunction) - set(LC0_ACTIVATIONS) == {ActivationFunction.DEFAULT, ActivationFunction.SOFTMAX}

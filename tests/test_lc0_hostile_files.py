@@ -25,9 +25,9 @@ import pytest
 import torch
 from lc0_hostile import (
     Zeros,
+    edit,
     encode_pieces,
     encoded,
-    edit,
     field_mutation,
     gz,
     gzip_of_pieces,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from lc0_writer import random_planes, write_preset
 
-from fusedenc.dtypes import ATOL
+from fusedenc.common.dtypes import ATOL
 from fusedenc.lc0 import Lc0FileError, Lc0GraphRunner, load_network, read_net
 from fusedenc.lc0.reference import reference_forward
 from fusedenc.testing import layer_norm_folding
@@ -60,7 +60,7 @@ def test_the_folded_path_matches_the_reference_on_cpu(tiny_path, gen):
 def test_the_folded_path_leaves_the_embedding_norm_pending(tiny_path, gen, monkeypatch):
     """With folding on, the embedding FFN's second GEMM is the residual GEMM with statistics
     (its LayerNorm pending into layer 0), not the LayerNorm pass."""
-    from fusedenc import norm_fold
+    from fusedenc.ops import norm_fold
 
     net = load_network(str(tiny_path), dtype=torch.float32, device="cpu")
     calls = []

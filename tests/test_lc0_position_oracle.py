@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from fusedenc.lc0 import load_network, prepare
 from fusedenc.lc0 import board as B
+from fusedenc.lc0 import load_network, prepare
 from fusedenc.lc0.encoding import encode_masks, expand_planes
 from fusedenc.lc0.policy import policy_indices
 from fusedenc.lc0.positions import parse_fens

@@ -21,7 +21,6 @@ from fusedenc.lc0.evaluate import Evaluation, json_lines
 from fusedenc.lc0.policy import decode_arrays
 from fusedenc.lc0.positions import Position
 
-
 # ------------------------------------------------------------ futures ----
 
 

@@ -12,11 +12,11 @@ numbers with the FP8 configurations beside them.
 
 import os
 
+import lc0_trained
 import numpy as np
 import pytest
 import torch
 
-import lc0_trained
 from fusedenc.lc0 import load_network, read_net
 
 ACCEPTANCE_POSITIONS = 10_000

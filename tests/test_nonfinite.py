@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import fusedenc
 from encoder_helpers import attention_formula, block_config, block_formula, block_params, randomize
-from fusedenc import EncoderBlock
-from fusedenc.activations import ACTIVATIONS
 from helpers import assert_close_rule, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
 from layer_norm_helpers import ln_formula, ln_same_dtype
+
+import fusedenc
+from fusedenc import EncoderBlock
+from fusedenc.common.activations import ACTIVATIONS
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
@@ -143,7 +143,7 @@ B, S, NH, DH = 2, 9, 2, 16
 
 
 def _attn_check(q_qkv, bias, mask, dtype, what):
-    q, k, v = fusedenc.ops.split_qkv(q_qkv, NH)
+    q, k, v = fusedenc.ops.gemm.split_qkv(q_qkv, NH)
     out = fusedenc.attention.attention(q, k, v, bias, mask)
     ref = attention_formula(q_qkv.to(ref_dtype(dtype)), B, S, NH, bias, mask).reshape(B * S, NH * DH)
     same = attention_formula(q_qkv, B, S, NH, bias, mask).reshape(B * S, NH * DH)

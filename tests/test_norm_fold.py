@@ -1,4 +1,4 @@
-"""LayerNorm folded into the GEMMs (fusedenc.norm_fold, issue 20 lever 2): the algebra on
+"""LayerNorm folded into the GEMMs (fusedenc.ops.norm_fold, issue 20 lever 2): the algebra on
 the CPU, where the folded path runs in torch (``layer_norm_folding("force")``), against
 the unfolded path and against fp64 LayerNorm math.  The kernels are
 tests/test_norm_fold_gpu.py's."""
@@ -10,10 +10,11 @@ import pickle
 
 import pytest
 import torch
-
-from fusedenc import EncoderStack, norm_fold
-from fusedenc.testing import layer_norm_folding
 from helpers import randn
+
+from fusedenc import EncoderStack
+from fusedenc.ops import norm_fold
+from fusedenc.testing import layer_norm_folding
 
 
 def _stack(layers, d, heads, d_ff, act, gen, bias=True, norm_first=False, mean=0.0):

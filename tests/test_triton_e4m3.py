@@ -1,5 +1,5 @@
-"""fusedenc.triton_e4m3: static-scale e4m3 codes in one pass, bit for bit the torch form of
-``fusedenc.fp8.e4m3_columns`` (upcast, times the column scale, clamp to +-448, convert).
+"""fusedenc.fp8.triton_e4m3: static-scale e4m3 codes in one pass, bit for bit the torch form of
+``fusedenc.fp8.rowwise.e4m3_columns`` (upcast, times the column scale, clamp to +-448, convert).
 
 The CPU cases run in Triton's interpreter in a child process (TRITON_INTERPRET must not leak
 into other modules; tests/interpreter_helpers.py) with a float32 output: the kernel's
@@ -52,7 +52,7 @@ def torch_form(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def check(case, seed: int, device="cpu") -> None:
     """The kernel against the torch form: codes as bytes on a GPU; in the interpreter (CPU)
     the saturated float32 products before the conversion, NaN where NaN."""
-    from fusedenc import triton_e4m3
+    from fusedenc.fp8 import triton_e4m3
 
     gen = torch.Generator().manual_seed(seed)
     x, scale = make_inputs(case, gen, device)
@@ -102,7 +102,7 @@ def test_kernel_matches_the_torch_form_in_the_interpreter(case):
 def test_kernel_and_the_dispatch_match_the_torch_form_on_the_gpu(case):
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
-    from fusedenc import fp8
+    from fusedenc.fp8 import rowwise as fp8
 
     seed = int.from_bytes(__import__("os").urandom(4), "little")
     check(case, seed, "cuda")

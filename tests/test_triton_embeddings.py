@@ -1,4 +1,4 @@
-"""fusedenc.triton_embeddings' kernel (BERT's embeddings of a padded batch's real tokens,
+"""fusedenc.hf.triton_embeddings' kernel (BERT's embeddings of a padded batch's real tokens,
 packed) on CPU through Triton's interpreter: rows against the float32 formula by the
 tolerance rule and the scatter index exactly, with empty sequences, a sequence as long as
 its row, a token bucket with slack rows past the last offset, unused offsets at the end (a
@@ -100,7 +100,7 @@ def main(seed: int) -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run by the tests with TRITON_INTERPRET=1"
     from helpers import assert_close_rule
 
-    from fusedenc import triton_embeddings
+    from fusedenc.hf import triton_embeddings
 
     return report_cases(seed, CASES, case_id, lambda case, gen: run_case(case, gen, triton_embeddings,
                                                                          assert_close_rule))  # fmt: skip

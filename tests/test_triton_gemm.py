@@ -1,4 +1,4 @@
-"""fusedenc.triton_gemm on CPU through Triton's interpreter: ``act(x @ W^T + b)`` in one kernel
+"""fusedenc.core.triton_gemm on CPU through Triton's interpreter: ``act(x @ W^T + b)`` in one kernel
 against the fp32/fp64 formula for every activation, with and without bias, at M in {1, 7, 33};
 poisoned outputs, strided rows (column slices of wider buffers), explicit tile configs (several
 row and column blocks, grouped order with a short last group, K not a multiple of the K block),
@@ -29,7 +29,7 @@ from interpreter_helpers import assert_case_passed, report_cases, run_cases_in_i
 if __name__ != "__main__" and importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from fusedenc.activations import ACTIVATIONS  # noqa: E402
+from fusedenc.common.activations import ACTIVATIONS  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
@@ -109,7 +109,7 @@ def test_cpu_tensors_without_interpreter_rejected():
     """Without the interpreter a CPU tensor is a clear ValueError, not a crash inside Triton."""
     code = (
         "import torch\n"
-        "from fusedenc.triton_gemm import linear_act\n"
+        "from fusedenc.core.triton_gemm import linear_act\n"
         "x, w = torch.randn(4, 16), torch.randn(32, 16)\n"
         "try:\n"
         "    linear_act(x, w)\n"
@@ -230,7 +230,7 @@ def main(seed: int) -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run by the tests with TRITON_INTERPRET=1"
     from helpers import assert_close_rule, linear_formula, ref_dtype, same_dtype_torch
 
-    from fusedenc.triton_gemm import GemmConfig, linear_act
+    from fusedenc.core.triton_gemm import GemmConfig, linear_act
 
     def run(case, gen):
         if case == "argument_checks":

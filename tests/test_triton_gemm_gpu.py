@@ -1,4 +1,4 @@
-"""fusedenc.triton_gemm on a GPU: ``act(x @ W^T + b)`` in one Triton kernel against the fp32
+"""fusedenc.core.triton_gemm on a GPU: ``act(x @ W^T + b)`` in one Triton kernel against the fp32
 formula by the tests' rule, float16 and bfloat16, at the FFN1 shapes of the bench presets
 (t82, bt4, bert-base) and M in {1, 7, 4097, 16384} (every config-table bucket that matters:
 the small-M tiles and the large-M tile, with row tails); every activation; pre-activations far
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from fusedenc.activations import ACTIVATIONS
 from helpers import assert_close_rule, linear_formula, poisoned, same_dtype_torch
 
+from fusedenc.common.activations import ACTIVATIONS
+
 pytest.importorskip("triton")
-tg = pytest.importorskip("fusedenc.triton_gemm")
+tg = pytest.importorskip("fusedenc.core.triton_gemm")
 
 pytestmark = pytest.mark.gpu
 

@@ -16,10 +16,13 @@ from bench_helpers import run_bench
 from hf_helpers import SMALL, small_models
 
 import fusedenc
-from fusedenc import auto_graphs, hf_varlen, packed_calls, varlen
 from fusedenc.attention import VarlenPlan, reference_varlen_attention, varlen_attention
 from fusedenc.attention import varlen as attention_varlen
-from fusedenc.varlen_graphs import VarlenGraphRunner, default_token_buckets
+from fusedenc.graphs import auto as auto_graphs
+from fusedenc.graphs.varlen import VarlenGraphRunner, default_token_buckets
+from fusedenc.hf import varlen as hf_varlen
+from fusedenc.varlen import calls as packed_calls
+from fusedenc.varlen import packing as varlen
 
 #: fp32 on the CPU: the packed and padded paths differ only in summation order.
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -556,7 +559,7 @@ TF_MAJOR = int(transformers.__version__.split(".")[0])
 
 def _layer_calls(monkeypatch) -> list:
     """Every patched layer call (each one checks its arguments first)."""
-    from fusedenc.hf import HFEncoderLayer
+    from fusedenc.hf.patch import HFEncoderLayer
 
     calls, refuse = [], HFEncoderLayer._refuse
     monkeypatch.setattr(HFEncoderLayer, "_refuse", lambda self, kw: (calls.append(self), refuse(self, kw))[1])

@@ -21,10 +21,12 @@ import torch
 from helpers import assert_close_rule
 
 import fusedenc
-from fusedenc import auto_graphs, hf_varlen, varlen
-from fusedenc.graph_feeds import PackedBucket
 from fusedenc.attention import reference_varlen_attention, varlen_attention
 from fusedenc.attention import varlen as attention_varlen
+from fusedenc.graphs import auto as auto_graphs
+from fusedenc.graphs.feeds import PackedBucket
+from fusedenc.hf import varlen as hf_varlen
+from fusedenc.varlen import packing as varlen
 
 pytestmark = pytest.mark.gpu
 
@@ -338,7 +340,7 @@ def test_patched_bert_embeddings_in_the_graph_follow_each_batch(model_type, gen,
     one bucket, and on batches without padding (an all-ones mask, no mask), with poisoned
     statics (slack rows hold ids of no batch, the offsets nonsense, the output NaN): each
     replay is its own batch's forward."""
-    from fusedenc import hf_embedded
+    from fusedenc.hf import embedded as hf_embedded
 
     monkeypatch.setenv(hf_embedded.FUSED_EMBEDDINGS_ENV, "0")
     _check_embedded_graph_batches(model_type, gen)
@@ -387,7 +389,8 @@ def test_patched_bert_embeddings_in_one_kernel_follow_each_batch(gen, graphs_on,
     """The same batches with the packed embeddings in one Triton kernel (the default;
     ``FUSEDENC_FUSED_EMBEDDINGS=0`` turns it off): each replay its own batch's forward, by the
     same rule, and the kernel is what ran."""
-    from fusedenc import hf_embedded, triton_embeddings
+    from fusedenc.hf import embedded as hf_embedded
+    from fusedenc.hf import triton_embeddings
 
     calls = []
     kernel = triton_embeddings.packed_embeddings
@@ -412,7 +415,7 @@ def test_sentence_embeddings_pool_in_the_graph(model_type, inputs_on, gen, graph
     ``host``: the tokenizer's tensors on the CPU (``HostIdsFeed``'s graphs), the pinned
     staging buffer poisoned (0xFF bytes: ids of -1) between calls: only real positions are
     read, and the result is on the GPU."""
-    from fusedenc import graph_feeds
+    from fusedenc.graphs import feeds as graph_feeds
 
     ref, model, same, ids, mask = _bert_base_shape(gen, 40, model_type)
     cache = auto_graphs.cache_of(model)
@@ -476,7 +479,7 @@ def _embed(model, tok, sentences, batch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_minilm_padding_free_real_sentences(dtype):
-    real_models = pytest.importorskip("fusedenc.real_models")
+    real_models = pytest.importorskip("fusedenc.hf.real_models")
     try:
         ref, tok = real_models.load_minilm("cuda", torch.float32)
     except real_models.RealModelMissing as e:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import fusedenc.norm  # noqa: F401 - registers the ops
-from fusedenc import core, fp8
-from fusedenc.device import current_stream
-from fusedenc.norm import layer_norm
 from helpers import assert_close_rule, poisoned, randn, ref_dtype
 from layer_norm_helpers import ln_formula, ln_same_dtype
+
+import fusedenc.ops.norm  # noqa: F401 - registers the ops
+from fusedenc import core
+from fusedenc.common.device import current_stream
+from fusedenc.fp8 import rowwise as fp8
+from fusedenc.ops.norm import layer_norm
 
 DEV = "cuda"
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

@@ -151,7 +151,7 @@ sys.path.insert(0, HERE)
 
 import lc0_games  # noqa: E402  (the part-file reader; python-chess is not needed for it)
 
-from fusedenc.activations import apply_activation  # noqa: E402
+from fusedenc.common.activations import apply_activation  # noqa: E402
 from fusedenc.lc0 import board as B  # noqa: E402
 from fusedenc.lc0.encoding import (  # noqa: E402
     _V2,

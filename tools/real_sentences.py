@@ -25,7 +25,7 @@ What it does
 6. Writes ``sentences.txt.gz`` (UTF-8, one sentence a line, gzip with mtime 0: the same
    inputs give the same bytes), ``LICENSE`` (the PSF License Agreement as the package
    states it, with the docs' copyright notice) and ``README.md`` with the token-length
-   histogram under the all-MiniLM-L6-v2 tokenizer (``fusedenc.real_models``; without the
+   histogram under the all-MiniLM-L6-v2 tokenizer (``fusedenc.hf.real_models``; without the
    ``real-models`` extra the README says the histogram was not computed).
 
 Usage::
@@ -211,7 +211,7 @@ def stats(sentences: list[str]) -> str:
     """The token-length table (markdown) under the all-MiniLM-L6-v2 tokenizer, [CLS] and
     [SEP] counted, no truncation; or a line saying why it was not computed."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from fusedenc import real_models
+    from fusedenc.hf import real_models
 
     try:
         tokenizer = real_models.load_minilm_tokenizer()
@@ -253,7 +253,7 @@ def pack_minilm(out: Path, sentence_file: Path, first: Optional[int] = None) -> 
     tokens kept) are zeroed.  Those rows are never read for these sentences, so the model's
     outputs on them are bit-identical to the full model's; ``TRIMMED.txt`` says so.  Written as
     ``out/minilm-trimmed.tar.xz`` (its folder ``model/``); point ``FUSEDENC_MINILM_DIR`` at
-    the unpacked ``model/`` (``fusedenc.real_models``)."""
+    the unpacked ``model/`` (``fusedenc.hf.real_models``)."""
     import shutil
     import tarfile
 
@@ -261,7 +261,7 @@ def pack_minilm(out: Path, sentence_file: Path, first: Optional[int] = None) -> 
     from safetensors.torch import load_file, save_file
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from fusedenc import real_models
+    from fusedenc.hf import real_models
 
     src = real_models.minilm_dir()
     tok = real_models.load_minilm_tokenizer()
@@ -325,7 +325,7 @@ has 4-120 words, balanced brackets, >= 75% letters and spaces, no word over 40 c
 no `>>>` ({total} such sentences); deduplicated case-insensitively ({unique} unique); then
 `random.Random({seed}).sample(unique, {count})`. Lengths are the documentation's own spread.
 
-## Token lengths (all-MiniLM-L6-v2 tokenizer, `fusedenc.real_models`)
+## Token lengths (all-MiniLM-L6-v2 tokenizer, `fusedenc.hf.real_models`)
 
 {stats}"""
 

@@ -79,8 +79,8 @@ sequences, ``cu_seqlens`` offsets: the padding-free path's).
 Inference only: no autograd.
 """
 
-from ..device import device_arch, device_metadata  # re-exported: public here before device.py existed
-from ..table_files import CONFIG_DIR_ENV  # re-exported likewise
+from ..common.device import device_arch, device_metadata
+from ..common.table_files import CONFIG_DIR_ENV
 from .backends import BACKENDS, FALLBACK_ORDER, AttentionBackend
 from .call import (
     BATCH_HEADS_BUCKETS,

@@ -48,7 +48,7 @@ class AttentionBackend:
     caller's bias and bool mask as they are, and must return ``[B, S, H, Dh]``
     in that memory order.  Backends with ``writes_e4m3 = True`` also take
     ``out_scale=`` (float32 ``[H*Dh]``) and then return the e4m3 codes of
-    ``out * out_scale`` per column, saturated (``fusedenc.fp8``'s static scales).
+    ``out * out_scale`` per column, saturated (``fusedenc.fp8.rowwise``'s static scales).
     """
 
     name = "abstract"

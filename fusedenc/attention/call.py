@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 import torch
 
-from .. import dtypes
-from ..device import device_facts
+from ..common import dtypes
+from ..common.device import device_facts
 
 __all__ = [
     "BATCH_HEADS_BUCKETS",

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .. import fp8
+from ..fp8 import rowwise as fp8
 from .backends import BACKENDS, FALLBACK_ORDER, AttentionBackend
 from .call import ALIGN_BYTES, AttentionCall, describe_call, table_key, validate
 from .tables import clear_tables, tables_for
@@ -202,7 +202,7 @@ def _make_bias_fn(call: AttentionCall, backend: AttentionBackend, attn_bias) -> 
 
 
 def _device_codes(call: AttentionCall) -> fp8.Fp8Format:
-    """The e4m3 flavour of the call's device (``fusedenc.fp8.format_for``)."""
+    """The e4m3 flavour of the call's device (``fusedenc.fp8.rowwise.format_for``)."""
     return fp8.format_for(torch.device(call.device_type, call.device_index if call.device_type == "cuda" else None))
 
 

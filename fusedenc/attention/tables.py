@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from .. import dtypes, table_files
-from ..device import device_arch, device_metadata
+from ..common import dtypes, table_files
+from ..common.device import device_arch, device_metadata
 from .backends import BACKENDS
 from .call import BATCH_HEADS_BUCKET_NAMES, EXTRAS, SEQ_BUCKET_NAMES, AttentionCall
 

@@ -166,7 +166,7 @@ def _short_attention_kernel(
         o = _one_tile_softmax_v(tl.where(key_ok[None, :], s, float("-inf")), v, PRECISION)
 
         # e4m3 codes of o * out_scale[column], saturated at +-448 (NaN stays NaN): OCP codes
-        # only (fusedenc.fp8.format_for; plans.Plan turns this off on FNUZ devices)
+        # only (fusedenc.fp8.rowwise.format_for; plans.Plan turns this off on FNUZ devices)
         if HAS_OUT_SCALE:
             o = o * tl.load(out_scale_ptr + h * HEAD_DIM + dims)[None, :]
             o = tl.where(o > 448.0, 448.0, tl.where(o < -448.0, -448.0, o))
@@ -193,7 +193,7 @@ def short_attention(
     overrides the table's launch config (benchmarks, tests).  out_scale: float32
     ``[H*Dh]`` on q's device, or None; given, the result is float8 e4m3 codes of
     ``out * out_scale`` per column, saturated (an FP8 out-projection's static input
-    scales, ``fusedenc.fp8``).  Arguments are not validated here: ``fusedenc.attention``
+    scales, ``fusedenc.fp8.rowwise``).  Arguments are not validated here: ``fusedenc.attention``
     does that once per signature.
     """
     b, s, h, d = q.shape

@@ -1,6 +1,6 @@
 """Attention over variable-length sequences packed into one row buffer (``cu_seqlens`` offsets).
 
-The padding-free path (``fusedenc.varlen``) keeps only a batch's real tokens: ``T`` rows,
+The padding-free path (``fusedenc.varlen.packing``) keeps only a batch's real tokens: ``T`` rows,
 sequence ``i`` being rows ``cu_seqlens[i]:cu_seqlens[i + 1]``.  Each row attends to the
 rows of its own sequence.  q, k and v are ``[T, H, Dh]`` views of the fused QKV GEMM's
 ``[T, 3D]`` output (row stride ``3D``, no copy), as on the padded path.
@@ -45,8 +45,8 @@ from typing import Optional
 
 import torch
 
-from .. import dtypes
-from ..device import device_facts
+from ..common import dtypes
+from ..common.device import device_facts
 from .op import attention
 
 __all__ = [

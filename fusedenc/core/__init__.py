@@ -33,9 +33,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .. import dtypes, gemm_routes, gemm_tuning
-from ..activations import ACTIVATIONS
-from ..device import device_arch, torch_vendor
+from ..common import dtypes
+from ..common.activations import ACTIVATIONS
+from ..common.device import device_arch, torch_vendor
+from . import gemm_routes, gemm_tuning
 
 try:  # written by CMake at build time; absent in a plain source checkout
     from .. import _build_info
@@ -241,7 +242,7 @@ def workspace(device: torch.device, stream: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------ launches ----
-# The callers have validated every operand (ops/checks.py, or the encoder once
+# The callers have validated every operand (common/checks.py, or the encoder once
 # per call signature): these functions trust shapes, strides, dtypes and
 # alignment, and take a canonical activation name.
 
@@ -292,7 +293,7 @@ def gemm(
     if residual is None and alpha == 1.0 and lda == k and ldw == k and ldo == n and gemm_routes.installed():
         route = gemm_routes.lookup(a, a.device.index, m, n, k, DTYPE_CODES[a.dtype], activation, bias is not None)
         if route is not None:  # measured faster than the library here (tune gemm)
-            from .. import triton_gemm  # imports Triton: only once a route exists
+            from . import triton_gemm  # imports Triton: only once a route exists
 
             triton_gemm.launch(a, w, bias, out, activation, route)
             return
@@ -368,7 +369,7 @@ def layer_norm(
     """``out = LayerNorm(alpha * (x + x_bias) + residual) * weight + bias`` over ``rows`` rows of
     ``cols``; ``sum_out`` (optional) gets the pre-norm sum; ``q_out`` (uint8 ``[rows, cols]``,
     dense) and ``q_scale`` (fp32 ``[rows]``), optional, the e4m3 codes of ``out`` with one
-    scale per row (``fusedenc.fp8.quantize_rows(out)``, bit for bit).  One kernel on ``stream``."""
+    scale per row (``fusedenc.fp8.rowwise.quantize_rows(out)``, bit for bit).  One kernel on ``stream``."""
     (_module or native_module()).layer_norm(
         x.device.index, stream, rows, cols, x.data_ptr(), ldx, pointer(residual), ldr, pointer(x_bias),
         pointer(weight), pointer(bias), out.data_ptr(), ldo, pointer(sum_out), lds, DTYPE_CODES[x.dtype], eps, alpha,

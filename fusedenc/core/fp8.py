@@ -1,4 +1,4 @@
-"""The FP8 kernels' seam (``fusedenc.fp8`` checks the tensors and says what they compute):
+"""The FP8 kernels' seam (``fusedenc.fp8.rowwise`` checks the tensors and says what they compute):
 cuBLASLt's e4m3 GEMM with per-row scales, the Hopper FP8 epilogue kernel, the row-wise
 quantization kernel.  Part of ``core``, the one seam to the native core."""
 
@@ -11,7 +11,7 @@ import torch
 from . import ACTIVATION_IDS, DTYPE_CODES, active_on, backend, native_module, pointer
 
 # ------------------------------------------------------------------ FP8 ----
-# (fp8.py says what these compute and checks the tensors.)
+# (fp8/rowwise.py says what these compute and checks the tensors.)
 
 
 def fp8_compiled() -> bool:
@@ -83,7 +83,7 @@ def sm90_fp8_gemm_kernels() -> list[str]:
 
 def sm90_fp8_e4m3_output_kernels() -> list[str]:
     """Bias dtypes of the Hopper FP8 GEMM that writes e4m3 codes with static column scales
-    (FFN1 feeding a calibrated FFN2, ``fusedenc.fp8``); empty without it."""
+    (FFN1 feeding a calibrated FFN2, ``fusedenc.fp8.rowwise``); empty without it."""
     module = native_module()
     return [str(d) for d in module.sm90_fp8_e4m3_output_kernels()] if module else []
 

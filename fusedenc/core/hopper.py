@@ -12,7 +12,7 @@ import torch
 from . import ACTIVATION_IDS, DTYPE_CODES, native_module, pointer
 
 # ------------------------------------------- LayerNorm folded into GEMMs ----
-# (norm_fold.py says what these compute; the callers have checked shapes and dtypes.)
+# (ops/norm_fold.py says what these compute; the callers have checked shapes and dtypes.)
 
 
 def sm90_fold_applies(

@@ -43,10 +43,10 @@ from typing import Any, Optional, TextIO
 
 import torch
 
+from ..common.device import parse_devices
 from ..tune.cli import int_list
 from ..tune.timing import time_graph
 from .errors import Lc0FileError, Lc0FormatError, reason
-from ..device import parse_devices
 from .evaluate import json_lines
 from .netfile import NetFile, read_net
 from .network import Lc0Network

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..graphs import BucketedGraphs
+from ..graphs.runner import BucketedGraphs
 from .encoding import PLANES, expand_planes
 from .network import Lc0GraphRunner, Lc0Network
 

@@ -63,7 +63,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from ..device import DeviceSpec, check_dtype, parse_devices
+from ..common.device import DeviceSpec, check_dtype, parse_devices
 from . import hostwork
 from .encoded import ROW_BYTES, EncodedRunner, input_views
 from .encoding import resolve_input_format

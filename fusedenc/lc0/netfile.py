@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from ..activations import LC0_ACTIVATIONS
+from ..common.activations import LC0_ACTIVATIONS
 from .errors import Lc0FileError, Lc0FormatError
 from .netbytes import Source, check_decoded_size, load_bytes, max_bytes_limit, not_a_net
 from .protobuf import UNKNOWN_FIELDS, decode
@@ -197,7 +197,7 @@ class NetFile:
         return _resolve(self, self.value_head_paths())
 
     def activation_names(self) -> dict[str, str]:
-        """fusedenc's names (``fusedenc.activations``) of the ``default``, ``ffn``,
+        """fusedenc's names (``fusedenc.common.activations``) of the ``default``, ``ffn``,
         ``smolgen`` and ``policy`` activations, DEFAULT resolved to the net's default as
         lc0 does (the attention policy's embedding uses the default activation).  Raises
         ``Lc0FormatError`` for one fusedenc has no elementwise form of."""

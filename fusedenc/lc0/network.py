@@ -23,17 +23,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import auto_graphs, core, fp8_fold, norm_fold
-from ..activations import apply_activation
-from ..checks import align_elems
-from ..device import check_device, check_dtype
-from ..encoder import EncoderBlock
-from ..fp8 import quantize_blocks
-from ..graphs import BucketedGraphs
-from ..norm import layer_norm
-from ..norm_fold import NormedRows
-from ..ops import linear
-from ..torch_modules import inference_only, runs_eagerly_when_compiled
+from .. import core
+from ..common.activations import apply_activation
+from ..common.checks import align_elems
+from ..common.device import check_device, check_dtype
+from ..common.torch_modules import inference_only, runs_eagerly_when_compiled
+from ..encoder import fp8_fold
+from ..encoder.blocks import EncoderBlock
+from ..fp8.rowwise import quantize_blocks
+from ..graphs import auto as auto_graphs
+from ..graphs.runner import BucketedGraphs
+from ..ops import norm_fold
+from ..ops.gemm import linear
+from ..ops.norm import layer_norm
+from ..ops.norm_fold import NormedRows
 from . import moves
 from .errors import Lc0FormatError
 from .netfile import NetFile, read_net
@@ -179,7 +182,7 @@ class Lc0Network(auto_graphs.GraphedModule):
     logits in lc0's move order (``fusedenc.lc0.moves``), "wdl": [B, 3] probabilities}``
     (``"value": [B, 1]`` for a net without a WDL head) and ``"moves_left": [B, 1]`` where
     the net has that head.  Inference only.  On a GPU, repeated calls replay CUDA graphs
-    (``fusedenc.auto_graphs``; ``self.auto_graphs``); ``forward(planes, out=heads)`` writes
+    (``fusedenc.graphs.auto``; ``self.auto_graphs``); ``forward(planes, out=heads)`` writes
     into a dict of tensors like the result.
     """
 

@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from . import board as B
-from .encoding import SQUARE_MAP, choose_transforms, resolve_input_format
-from .encoding import CANONICAL_FORMATS
+from .encoding import CANONICAL_FORMATS, SQUARE_MAP, choose_transforms, resolve_input_format
 from .moves import NUM_POLICY_MOVES, POLICY_MOVES
 from .positions import prepare
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..activations import apply_activation
+from ..common.activations import apply_activation
 from . import moves
 from .netfile import NetFile, present
 from .schema import ActivationFunction, MovesLeftFormat, ValueFormat

@@ -140,7 +140,7 @@ class MovesLeftFormat(enum.IntEnum):
 
 class ActivationFunction(enum.IntEnum):
     """``NetworkFormat.ActivationFunction`` (smolgen and FFN activations).  DEFAULT means
-    "the net's default activation"; ``fusedenc.activations.LC0_ACTIVATIONS`` maps the
+    "the net's default activation"; ``fusedenc.common.activations.LC0_ACTIVATIONS`` maps the
     elementwise ones to fusedenc's names."""
 
     DEFAULT = 0

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ..activations import LC0_ACTIVATIONS
+from ..common.activations import LC0_ACTIVATIONS
 from .errors import Lc0FileError, Lc0FormatError, Lc0NonFiniteError, Lc0ValueWarning
 from .schema import (
     ATTENTION_BODIES,

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from ..activations import LC0_ACTIVATIONS
+from ..common.activations import LC0_ACTIVATIONS
 from .protobuf import encode
 from .schema import (
     LC0_MAGIC,

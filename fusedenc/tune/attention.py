@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 
 from .. import attention as A
-from .. import dtypes, table_files
-from ..device import device_arch, device_metadata
+from ..common import dtypes, table_files
+from ..common.device import device_arch, device_metadata
 from . import timing
 from .cli import int_list, name_list, no_gpu_reason
 

@@ -19,9 +19,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import core, dtypes, gemm_routes, gemm_tuning, table_files
-from ..activations import apply_activation
-from ..device import device_arch
+from .. import core
+from ..common import dtypes, table_files
+from ..common.activations import apply_activation
+from ..common.device import device_arch
+from ..core import gemm_routes, gemm_tuning
 from . import timing
 from .cli import int_list, name_list, no_gpu_reason
 from .presets import GPU_PRESETS, PRESETS, GemmProblem, block_gemms
@@ -286,14 +288,14 @@ def _triton_configs(case: _GemmCase, found: dict, args) -> list:
         return []
     if found["epilogue"] not in ("BIAS", "DEFAULT") or not gemm_routes.triton_available():
         return []
-    from .. import triton_gemm  # imports Triton: only where it is a candidate
+    from ..core import triton_gemm  # imports Triton: only where it is a candidate
 
     return triton_gemm.tuning_candidates(p.m, p.n, p.k, case.dtype)
 
 
 def _triton_error(case: _GemmCase, config, ref: torch.Tensor) -> float:
     """Max abs error of one Triton config on input set 0 (NaN if it fails to compile or launch)."""
-    from .. import triton_gemm
+    from ..core import triton_gemm
 
     x, w, b, _, out = case.inputs[0]
     out.fill_(float("nan"))  # poison: a config that writes nothing fails
@@ -307,7 +309,7 @@ def _triton_error(case: _GemmCase, config, ref: torch.Tensor) -> float:
 
 
 def _triton_runner(case: _GemmCase, config) -> Callable[[], None]:
-    from .. import triton_gemm
+    from ..core import triton_gemm
 
     sets = [(x, w, b, out) for x, w, b, _, out in case.inputs]
     act = case.p.activation

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from .. import dtypes
+from ..common import dtypes
 
 __all__ = ["GPU_PRESETS", "PRESETS", "GemmProblem", "Preset", "Run", "block_gemms", "expand", "select_runs"]
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..graphs import capture, no_cycle_collection, own_cublas_workspace
+from ..graphs.runner import capture, no_cycle_collection, own_cublas_workspace
 
 __all__ = [
     "MIN_REPS",

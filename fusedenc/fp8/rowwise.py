@@ -36,9 +36,12 @@ from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import core, dtypes, gemm_routes, norm_fold
-from .activations import apply_activation, canonical_activation
-from .device import current_stream
+from .. import core
+from ..common import dtypes
+from ..common.activations import apply_activation, canonical_activation
+from ..common.device import current_stream
+from ..core import gemm_routes
+from ..ops import norm_fold
 
 __all__ = ["E4M3", "E4M3_MAX", "E4M3_FNUZ", "Fp8Format", "BLOCK_GEMMS", "CALIBRATION_HEADROOM", "INPUT_HEADROOM", "Calibration",
            "Quantized", "QuantizedWeights", "calibrate", "dequantize", "format_for", "linear",
@@ -148,7 +151,7 @@ def scaled_linear(
 
 def _check_operand(t: object, name: str) -> None:
     if not isinstance(t, Quantized):
-        raise TypeError(f"{name} must be a fusedenc.fp8.Quantized (from quantize_rows), got {type(t).__name__}")
+        raise TypeError(f"{name} must be a fusedenc.fp8.rowwise.Quantized (from quantize_rows), got {type(t).__name__}")
     q, scale = t
     want = format_for(q.device).dtype if isinstance(q, torch.Tensor) else E4M3
     if not isinstance(q, torch.Tensor) or q.dtype not in (E4M3, E4M3_FNUZ.dtype) or q.dim() != 2:
@@ -250,7 +253,7 @@ def _check_linear(x: Quantized, weight: Quantized, bias: Optional[torch.Tensor],
 def _require_fp8(device: torch.device) -> None:
     ok, why = core.fp8_status(device)
     if not ok:
-        raise RuntimeError(f"fusedenc.fp8.linear: FP8 GEMMs do not run here: {why}")
+        raise RuntimeError(f"fusedenc.fp8.rowwise.linear: FP8 GEMMs do not run here: {why}")
 
 
 def _gpu_operands(x: Quantized, weight: Quantized, bias: Optional[torch.Tensor]) -> tuple:
@@ -316,7 +319,7 @@ INPUT_HEADROOM = 256.0
 
 #: What a calibration observes of each block: the inputs of its FP8 GEMMs that a producer
 #: can write in e4m3 with static scales (the producer's name, what the report calls it).
-#: The LayerNorms' inputs serve the mode with LayerNorms folded (``fusedenc.fp8_fold``).
+#: The LayerNorms' inputs serve the mode with LayerNorms folded (``fusedenc.encoder.fp8_fold``).
 OBSERVED = {"ffn1": "FFN1 output", "attention": "attention output", "norm1": "first LayerNorm's input",
             "norm2": "second LayerNorm's input"}
 
@@ -424,7 +427,7 @@ class QuantizedWeights:
     (``out_scale``, ``attention_out_scale``), and the consumer's copy is made from its
     weight times ``scales`` (per input column).  A producer in ``NORM_INPUTS`` (consumer
     None): the powers of two the LayerNorm inputs are coded with where the LayerNorms are
-    folded (``norm_code_scales``, ``fusedenc.fp8_fold``)."""
+    folded (``norm_code_scales``, ``fusedenc.encoder.fp8_fold``)."""
 
     def __init__(self, params: dict[str, torch.Tensor], fast_accum: bool = False,
                  static: Iterable[tuple[str, str, torch.Tensor]] = ()):  # fmt: skip
@@ -530,7 +533,7 @@ def quantize_config(
     if isinstance(calibration, torch.Tensor):
         calibration = calibrate([block], block, calibration)
     if not isinstance(calibration, Calibration):
-        raise TypeError(f"calibration must be sample inputs (a tensor) or a fusedenc.fp8.Calibration, got "
+        raise TypeError(f"calibration must be sample inputs (a tensor) or a fusedenc.fp8.rowwise.Calibration, got "
                         f"{type(calibration).__name__}")  # fmt: skip
     scales = calibration.column_scales(block)
     if scales is None:

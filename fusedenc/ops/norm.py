@@ -4,7 +4,7 @@ One kernel does what a post-LN block spends three to five passes over memory
 on: ``LayerNorm(residual + alpha * (x + x_bias))``.  ``sum_out`` also writes
 the pre-norm sum, the residual stream that pre-LN blocks carry forward.
 
-Like the ops in ``fusedenc.ops``, ``layer_norm`` is a torch custom op
+Like the ops in ``fusedenc.ops.gemm``, ``layer_norm`` is a torch custom op
 (``torch.ops.fusedenc.layer_norm`` and ``layer_norm_out``) with fake
 implementations, called directly in eager mode and through the dispatcher
 while ``torch.compile`` traces.  CPU tensors, and GPU tensors without an
@@ -18,8 +18,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import checks, core
-from .device import current_stream
+from .. import core
+from ..common import checks
+from ..common.device import current_stream
 
 __all__ = ["layer_norm", "reference_layer_norm"]
 

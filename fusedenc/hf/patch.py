@@ -26,10 +26,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import dtypes, hf_embedded, hf_varlen, patched_classes
-from .activations import HF_ACTIVATIONS
-from .encoder import EncoderBlock
-from .ops import pack_qkv
+from ..common import dtypes
+from ..common.activations import HF_ACTIVATIONS
+from ..encoder.blocks import EncoderBlock
+from ..ops.gemm import pack_qkv
+from . import classes as patched_classes
+from . import embedded as hf_embedded
+from . import varlen as hf_varlen
 
 __all__ = [
     "HF_ACTIVATIONS",
@@ -541,8 +544,8 @@ def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = Tru
     Padding-free (``padding_free=True``, the default): when HF passes a mask with
     padding, each encoder packs the batch's real tokens once, every layer computes only
     those, and the output is scattered back to HF's padded shape with **zeros at padding
-    positions** (``fusedenc.hf_varlen`` says when the padded path runs instead); a
-    BERT/RoBERTa/XLM-R model's plain call runs its embeddings there too (``fusedenc.hf_embedded``).
+    positions** (``fusedenc.hf.varlen`` says when the padded path runs instead); a
+    BERT/RoBERTa/XLM-R model's plain call runs its embeddings there too (``fusedenc.hf.embedded``).
     ``padding_free=False`` keeps every layer on the padded batch.
 
     A model already patched is left as it is.  ``inplace=False`` patches a

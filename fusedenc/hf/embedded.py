@@ -12,7 +12,7 @@ as the GPU work of a MiniLM-sized model.  ``install(model)`` gives a patched ``B
    checks that every sequence is a prefix of its row and finds the offsets; a batch without
    padding, or a call without a mask (HF: every token real), runs its rows as they are,
    with the encoder's dense attention;
-2. one automatic CUDA graph (``fusedenc.auto_graphs`` with ``graph_feeds.PaddedIdsFeed``:
+2. one automatic CUDA graph (``fusedenc.graphs.auto`` with ``graph_feeds.PaddedIdsFeed``:
    bucketed by token count, sequence count, longest sequence and padded length) takes the
    padded ids, token types and offsets (one native call of copies; ``sentence_embeddings``
    with the tokenizer's host tensors: ``HostIdsFeed``, one copy from pinned memory), and runs everything
@@ -53,10 +53,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import auto_graphs, core, hf_varlen, patched_classes, varlen
-from .attention.varlen import BACKEND_ENV, triton_unusable_on
-from .graph_feeds import HostIdsFeed, PaddedIdsFeed
-from .torch_modules import without_autograd
+from .. import core
+from ..attention.varlen import BACKEND_ENV, triton_unusable_on
+from ..common.torch_modules import without_autograd
+from ..graphs import auto as auto_graphs
+from ..graphs.feeds import HostIdsFeed, PaddedIdsFeed
+from ..varlen import packing as varlen
+from . import classes as patched_classes
+from . import varlen as hf_varlen
 
 __all__ = ["EmbeddedModel", "install", "sentence_embeddings"]
 
@@ -331,14 +335,14 @@ def _embedded(emb: nn.Module, ids: torch.Tensor, types: torch.Tensor, positions:
     return emb.LayerNorm(x + emb.position_embeddings(positions))
 
 
-#: The packed embeddings in one Triton kernel (``fusedenc.triton_embeddings``) instead of ~15
+#: The packed embeddings in one Triton kernel (``fusedenc.hf.triton_embeddings``) instead of ~15
 #: torch ops in the short path's graph: on by default (a MiniLM graph at 32 sentences ~100 us
 #: shorter on an H200); ``FUSEDENC_FUSED_EMBEDDINGS=0`` keeps the torch ops (an A/B switch).
 FUSED_EMBEDDINGS_ENV = "FUSEDENC_FUSED_EMBEDDINGS"
 
 
 def _fused_embeddings(emb: nn.Module, ids: torch.Tensor):
-    """``fusedenc.triton_embeddings`` where its kernel computes what HF's BERT embeddings
+    """``fusedenc.hf.triton_embeddings`` where its kernel computes what HF's BERT embeddings
     module would here, else None: not switched off, a CUDA (sm80+) or ROCm device, Triton, plain
     lookups (no ``max_norm``: it renormalizes the table in place), an affine LayerNorm over
     the last dimension, one floating dtype for every table."""

@@ -20,10 +20,11 @@ from typing import Optional
 
 import torch
 
-from . import checks, core
-from .activations import ACTIVATIONS, apply_activation, canonical_activation
-from .core import FallbackWarning
-from .device import current_stream
+from .. import core
+from ..common import checks
+from ..common.activations import ACTIVATIONS, apply_activation, canonical_activation
+from ..common.device import current_stream
+from ..core import FallbackWarning
 
 __all__ = [
     "ACTIVATIONS",

@@ -1,6 +1,6 @@
 """The FP8 mode with its LayerNorms folded into the GEMMs.
 
-In the calibrated FP8 mode (``fusedenc.fp8``) each post-LN layer still runs two LayerNorm
+In the calibrated FP8 mode (``fusedenc.fp8.rowwise``) each post-LN layer still runs two LayerNorm
 passes that write the normalized rows in fp16 and in e4m3: ~22% of a t82 layer at 256
 positions, memory-bound.  Here, as ``norm_fold`` does for 16-bit blocks, no pass is left:
 
@@ -36,10 +36,12 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from . import core, fp8, norm_fold
-from .activations import apply_activation
+from .. import core
+from ..common.activations import apply_activation
+from ..fp8 import rowwise as fp8
+from ..ops import norm_fold
+from ..ops.norm_fold import NormedRows
 from .executors import Fp8Executor, NativeExecutor
-from .norm_fold import NormedRows
 
 __all__ = ["CodedRows", "FoldedFp8", "applies", "block_rows", "fold_weight", "norm_linear", "residual_linear",
            "stack_rows"]

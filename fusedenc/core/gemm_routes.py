@@ -3,7 +3,7 @@
 Where the GEMM library has no epilogue for an activation (cuBLASLt: swish,
 mish, exact GELU, ...), ``fusedenc.linear`` runs the BIAS epilogue and then one
 activation pass over the output.  ``python -m fusedenc.tune gemm`` also times
-``fusedenc.triton_gemm`` (the activation applied to the accumulator, one
+``fusedenc.core.triton_gemm`` (the activation applied to the accumulator, one
 store) at those problems and records, per problem, whichever won
 (``"kernel": "triton"`` and its launch config in the tuning file).  The loader
 (``core.load_gemm_tuning``) installs those routes here, and ``core.gemm``, the
@@ -30,7 +30,7 @@ __all__ = ["GemmConfig", "RouteKey", "install", "installed", "lookup", "routes",
 
 
 class GemmConfig(NamedTuple):
-    """Launch configuration of ``fusedenc.triton_gemm``'s kernel."""
+    """Launch configuration of ``fusedenc.core.triton_gemm``'s kernel."""
 
     block_m: int
     block_n: int

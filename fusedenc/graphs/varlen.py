@@ -18,8 +18,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from .attention.varlen import check_offsets
-from .graphs import BucketedGraphs
+from ..attention.varlen import check_offsets
+from .runner import BucketedGraphs
 
 __all__ = ["VarlenGraphRunner", "default_token_buckets"]
 

@@ -1,6 +1,6 @@
 """BERT's embeddings of the real tokens of a padded batch, in one Triton kernel.
 
-The short path of a patched ``BertModel`` (``fusedenc.hf_embedded``) packs the real tokens
+The short path of a patched ``BertModel`` (``fusedenc.hf.embedded``) packs the real tokens
 inside its CUDA graph.  In torch that is ~15 small kernels before the first layer: the
 packed row's sequence (``searchsorted`` on the offsets) and position, two gathers (ids and
 token types), three embedding lookups, two sums, the LayerNorm, and the index the last
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .varlen import padded_rows
+from ..varlen.packing import padded_rows
 
 __all__ = ["packed_embeddings", "reference_packed_embeddings"]
 

@@ -48,8 +48,8 @@ from typing import NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import core
-from .varlen_graphs import default_token_buckets
+from .. import core
+from .varlen import default_token_buckets
 
 __all__ = [
     "BUCKETS", "MAX_ROWS", "MIN_SEQLEN_BUCKET", "TOKEN_BUCKETS", "BatchFeed", "PackedBucket", "PackedFeed",

@@ -16,7 +16,7 @@ One stack, one graph: where HF's layer loop would do nothing but call each patch
 on the packed rows, the encoder runs all the layers' blocks as one ``EncoderStack`` (the
 same block objects, no weight copies; cached on the encoder, rebuilt when the layers
 change) through ``forward_packed``, which on a GPU replays one CUDA graph for the whole
-encoder (``fusedenc.auto_graphs``).  The first such call of each kind of keyword arguments
+encoder (``fusedenc.graphs.auto``).  The first such call of each kind of keyword arguments
 (their None-ness, flags' values, types) runs HF's loop with each layer handing that result
 on, and records HF's output type where the loop did nothing else (the stack's rows came out
 as the last hidden state, a 1-tuple or a ModelOutput whose other fields are None); later
@@ -51,8 +51,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import patched_classes, varlen
-from .encoder import EncoderBlock, EncoderStack
+from ..encoder.blocks import EncoderBlock, EncoderStack
+from ..varlen import packing as varlen
+from . import classes as patched_classes
 
 __all__ = ["PaddingFree", "PaddingFreeEncoder", "collected_outputs", "forward_hooked", "global_forward_hooks", "install",
            "stack_of"]  # fmt: skip

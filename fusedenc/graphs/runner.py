@@ -304,7 +304,7 @@ class GraphRunner(BucketedGraphs):
     def __init__(self, stack: nn.Module, seq_len: int, batch_sizes: Sequence[int], *, attn_bias: bool, key_padding_mask: bool):
         # Any module with EncoderStack's interface runs (``blocks`` with d_model, n_heads and
         # qkv_weight; ``batch_first``; ``forward(x, attn_bias, key_padding_mask)``): checking the
-        # interface instead of the class keeps this module free of an import of encoder.py.
+        # interface instead of the class keeps this module free of an import of the encoder package.
         blocks = getattr(stack, "blocks", None) if isinstance(stack, nn.Module) else None
         if not blocks or not all(hasattr(blocks[0], a) for a in ("d_model", "n_heads", "qkv_weight")):
             raise TypeError(f"stack must be an EncoderStack, got {type(stack).__name__}")

@@ -20,8 +20,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import dtypes, gemm_routes, table_files
-from .activations import ACTIVATIONS, activation_id
+from ..common import dtypes, table_files
+from ..common.activations import ACTIVATIONS, activation_id
+from . import gemm_routes
 from .gemm_routes import GemmConfig
 
 __all__ = [

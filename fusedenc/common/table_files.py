@@ -1,7 +1,7 @@
 """What every measured table file shares: where it lives, how it opens, how it is written.
 
 Two kinds of files are measured on the user's machine by ``python -m
-fusedenc.tune``: GEMM tuning files (``gemm_tuning.py``) and attention tables
+fusedenc.tune``: GEMM tuning files (``core/gemm_tuning.py``) and attention tables
 (``attention/tables.py``).  Both live in ``$FUSEDENC_CONFIG_DIR`` (default
 ``~/.cache/fusedenc``), open with the same header (a schema tag, the GPU
 architecture, what they were measured with), are written atomically, and are

@@ -7,13 +7,13 @@
 stack (plain, LayerNorm-folded, FP8) then runs on the packed rows unchanged, and only the
 attention differs (``fusedenc.attention.varlen``).
 
-Both are plain calls with automatic CUDA graphs on a GPU (``fusedenc.auto_graphs``, the
+Both are plain calls with automatic CUDA graphs on a GPU (``fusedenc.graphs.auto``, the
 module's own cache, ``module.auto_graphs``): a packed call is keyed by the buckets of its
 token count, sequence count and ``max_seqlen`` (``graph_feeds.PackedFeed``), whose static
 ``cu_seqlens`` ends in empty sequences.  Neither varlen attention backend reads the offsets
 on the host (``flash_varlen`` sizes its grid by ``max_seqlen``, ``padded`` its layout), so
 both replay.  ``varlen_graph_runner`` is the explicit runner (views of static buffers, no
-copy out; ``fusedenc.varlen_graphs``).
+copy out; ``fusedenc.graphs.varlen``).
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import auto_graphs, core, varlen
-from .attention import VarlenPlan
-from .attention.varlen import BACKEND_ENV
-from .graph_feeds import PackedFeed
-from .torch_modules import inference_only, runs_eagerly_when_compiled
-from .varlen_graphs import VarlenGraphRunner
+from .. import core
+from ..attention import VarlenPlan
+from ..attention.varlen import BACKEND_ENV
+from ..common.torch_modules import inference_only, runs_eagerly_when_compiled
+from ..graphs import auto as auto_graphs
+from ..graphs.feeds import PackedFeed
+from ..graphs.varlen import VarlenGraphRunner
+from . import packing as varlen
 
 __all__ = ["PaddingFreeCalls"]
 
@@ -74,7 +76,7 @@ class PaddingFreeCalls:
     def forward_packed(self, rows: torch.Tensor, cu_seqlens, max_seqlen: Optional[int] = None) -> torch.Tensor:
         """The module on packed rows, no padding: ``rows`` ``[T, D]`` with sequence i at rows
         ``cu_seqlens[i]:cu_seqlens[i + 1]`` (int32 ``[N + 1]`` on the rows' device, ending at T;
-        checked on the host, one sync) or a ``fusedenc.varlen.Packing`` (checked when made);
+        checked on the host, one sync) or a ``fusedenc.varlen.packing.Packing`` (checked when made);
         ``max_seqlen``: the longest sequence, or a bound on it (found when None).  Returns a
         new ``[T, D]`` tensor.  On a GPU, repeated calls replay CUDA graphs (module docstring)."""
         rows = self._packed_input(rows)

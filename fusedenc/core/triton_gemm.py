@@ -54,8 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import checks
-from .activations import canonical_activation
+from ..common import checks
+from ..common.activations import canonical_activation
 from .gemm_routes import GemmConfig  # defined there so that loading routes needs no Triton import
 
 __all__ = [

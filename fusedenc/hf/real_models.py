@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import varlen
+from ..varlen import packing as varlen
 
 __all__ = [
     "DIR_ENV",

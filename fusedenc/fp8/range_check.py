@@ -1,6 +1,6 @@
 """Whether inputs stay within the range of a calibrated FP8 model's static scales.
 
-Calibration (``fusedenc.fp8.calibrate``) fixes per-column scales from a sample; inputs larger
+Calibration (``fusedenc.fp8.rowwise.calibrate``) fixes per-column scales from a sample; inputs larger
 than the sample, or a sample too small to show a column's tails, drive values past what
 those codes hold, and a saturated code stands for the edge of the range.  ``check_range``
 runs inputs like the ones a model will serve once and names every static-scaled tensor
@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from . import fp8
+from . import rowwise as fp8
 
 __all__ = ["RangeExcess", "check_range", "static_limits"]
 

@@ -19,7 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
-from . import auto_graphs, core
+from .. import core
+from ..graphs import auto as auto_graphs
 from .executors import NativeExecutor
 
 __all__ = ["register"]

@@ -31,9 +31,9 @@ from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from . import core
-from .activations import apply_activation
-from .device import current_stream
+from .. import core
+from ..common.activations import apply_activation
+from ..common.device import current_stream
 from .norm import layer_norm
 
 __all__ = [
@@ -120,7 +120,7 @@ def fold(
 
 def folded_bias(weight: torch.Tensor, bias: Optional[torch.Tensor], beta: Optional[torch.Tensor]) -> torch.Tensor:
     """``W beta + b`` in fp32, rounded to ``weight``'s dtype: the bias of a Linear layer with
-    the LayerNorm before it folded in (``fold``, ``fusedenc.fp8_fold.fold_weight``)."""
+    the LayerNorm before it folded in (``fold``, ``fusedenc.encoder.fp8_fold.fold_weight``)."""
     b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
     if beta is not None:
         b = weight.float() @ beta.float()
@@ -149,7 +149,7 @@ class FoldCache:
 
     def cached(self, make: Any, *sources: Optional[torch.Tensor]) -> Any:
         """``make(*sources)``, made again when a source is replaced or changed in place
-        (``fusedenc.fp8_fold`` keeps its FP8 folds here too, ``make`` telling them apart)."""
+        (``fusedenc.encoder.fp8_fold`` keeps its FP8 folds here too, ``make`` telling them apart)."""
         key = (make,) + self._key(*sources)
         found = self._entries.get(key)
         if found is None:

@@ -20,7 +20,7 @@ the public ops (CPU, no native core) and the *native* path
 for eager calls on the GPU, which validates a call's signature once and then
 calls ``core`` directly, so a block costs a few microseconds of host time per
 op instead of the ops' per-call argument checks.  Both compute bit-identical
-results on the GPU (tested).  ``graphs.py`` replays a whole stack as CUDA graphs;
+results on the GPU (tested).  ``graphs/runner.py`` replays a whole stack as CUDA graphs;
 under ``torch.compile`` a block or stack is one custom op (``traced.py``).
 
 Inference only (``torch_modules``): blocks and stacks are made in eval mode, refuse to run in
@@ -36,17 +36,22 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from . import activations, auto_graphs, core, fp8, fp8_fold, norm_fold, traced
-from .attention import VarlenPlan, plan_for
-from .checks import check_block_call, check_block_operands
-from .device import check_device, check_dtype
+from .. import core
+from ..attention import VarlenPlan, plan_for
+from ..common import activations
+from ..common.checks import check_block_call, check_block_operands
+from ..common.device import check_device, check_dtype
+from ..common.torch_modules import block_from_torch, inference_only, stack_from_torch
+from ..fp8 import rowwise as fp8
+from ..graphs import auto as auto_graphs
+from ..graphs.runner import GraphRunner
+from ..ops import norm_fold
+from ..ops.norm import layer_norm
+from ..varlen.calls import PaddingFreeCalls
+from . import fp8_fold, traced
 from .executors import Fp8Executor, NativeExecutor, ObservingExecutor, OpsExecutor
-from .graphs import GraphRunner
-from .norm import layer_norm
-from .packed_calls import PaddingFreeCalls
-from .torch_modules import block_from_torch, inference_only, stack_from_torch
 
-__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]  # GraphRunner lives in graphs.py
+__all__ = ["EncoderBlock", "EncoderStack", "GraphRunner"]  # GraphRunner lives in graphs/runner.py
 
 _QKV_KEYS = ("q_weight", "k_weight", "v_weight")
 _QKV_BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
@@ -212,13 +217,13 @@ class EncoderBlock(PaddingFreeCalls, auto_graphs.GraphedModule):
         """Run the block's GEMMs in FP8 (``mode="fp8"``) or back in its own dtype (``None``).
 
         FP8: e4m3 weight copies with one scale per output channel (re-made when a weight
-        changes), GEMM inputs with one scale per row (``fusedenc.fp8``); fp32 sums, outputs
+        changes), GEMM inputs with one scale per row (``fusedenc.fp8.rowwise``); fp32 sums, outputs
         in the block's dtype.  ``keep``: GEMMs that stay in the block's dtype (names in
         ``fp8.BLOCK_GEMMS``).  ``fast_accum``: Hopper's faster, less precise accumulation.
         ``calibration`` (post-LN, both FFN GEMMs in FP8): sample inputs or an
         ``fp8.Calibration``; FFN1 and attention then write FFN2's and the out-projection's
         inputs in e4m3 with static per-column scales, and a stack folds its LayerNorms into the FP8
-        GEMMs (``fusedenc.fp8_fold``; no GEMM kept) unless ``fold_norms`` is False.
+        GEMMs (``fusedenc.encoder.fp8_fold``; no GEMM kept) unless ``fold_norms`` is False.
         ``input_headroom``: how far above the calibration sample's the scales that follow the
         block's input (its attention output, its first LayerNorm's input) reach: a wide
         default, since callers feed larger inputs than their sample (``fp8.INPUT_HEADROOM``);
@@ -260,7 +265,7 @@ class EncoderBlock(PaddingFreeCalls, auto_graphs.GraphedModule):
         True = that key is padding (``nn.TransformerEncoderLayer``'s
         ``src_key_padding_mask``).  Returns a new tensor of x's shape, or ``out`` (x's shape,
         dtype and device) with the result written into it.  On a GPU, repeated calls replay
-        CUDA graphs (``fusedenc.auto_graphs``; ``self.auto_graphs``).
+        CUDA graphs (``fusedenc.graphs.auto``; ``self.auto_graphs``).
         """
         x_bsd, batch, seq = self._as_rows(x, seq_len)
         if torch.compiler.is_compiling():
@@ -330,7 +335,7 @@ class EncoderBlock(PaddingFreeCalls, auto_graphs.GraphedModule):
     def _prepared(self, x2, batch, seq, attn_bias, key_padding_mask, executor):
         """(executor, attention plan) for ``x2``, validated once per signature; None for an
         empty batch.  ``executor``: a NativeExecutor shared by a stack's blocks, or None."""
-        if isinstance(key_padding_mask, VarlenPlan):  # packed rows (packed_calls.py)
+        if isinstance(key_padding_mask, VarlenPlan):  # packed rows (varlen/calls.py)
             return self._prepared_varlen(x2, key_padding_mask, executor)
         if not _native_active(x2.device):
             self._validate(x2, batch, seq, attn_bias, key_padding_mask)
@@ -484,7 +489,7 @@ class EncoderStack(PaddingFreeCalls, auto_graphs.GraphedModule):
 
     ``forward(x, attn_bias=None, key_padding_mask=None, *, seq_len=None, out=None)`` takes
     what ``EncoderBlock.forward`` takes; the same bias and mask go to every block.  On a
-    GPU, repeated calls replay CUDA graphs (``fusedenc.auto_graphs``; ``self.auto_graphs``).
+    GPU, repeated calls replay CUDA graphs (``fusedenc.graphs.auto``; ``self.auto_graphs``).
     Inference only, as EncoderBlock (the stack puts its blocks in eval mode).
     """
 

@@ -21,11 +21,12 @@ from typing import Optional
 
 import torch
 
-from . import core, fp8
-from .attention import attention
-from .device import current_stream
-from .norm import layer_norm
-from .ops import linear
+from .. import core
+from ..attention import attention
+from ..common.device import current_stream
+from ..fp8 import rowwise as fp8
+from ..ops.gemm import linear
+from ..ops.norm import layer_norm
 
 __all__ = ["Fp8Executor", "NativeExecutor", "ObservingExecutor", "OpsExecutor"]
 
@@ -72,7 +73,7 @@ class NativeExecutor:
         # memory while the library still uses it as scratch (seen: a hang in
         # replay at bt4 shapes).  Freed when the forward returns, after every
         # GEMM that uses it is queued: later reuse is stream-ordered.
-        # ``workspace``: the caller's own scratch instead (the compiled graph's op: see encoder.py).
+        # ``workspace``: the caller's own scratch instead (the compiled graph's op: see blocks.py).
         self.workspace = core.workspace(device, self.stream) if workspace is None else workspace
         self.dtype = dtype
         self.fp8_rows = None
@@ -194,7 +195,7 @@ class ObservingExecutor:
 
     def layer_norm(self, x, w, b, eps, residual=None, alpha=1.0, x_bias=None):
         # A post-LN block's LayerNorm input, alpha * (x + x_bias) + residual: what its codes'
-        # scales are made from where the LayerNorms are folded (fusedenc.fp8_fold).
+        # scales are made from where the LayerNorms are folded (fusedenc.encoder.fp8_fold).
         which = "norm1" if w is self.block.norm1_weight else "norm2" if w is self.block.norm2_weight else None
         if which is not None and residual is not None:
             z = x.float() if x_bias is None else x.float() + x_bias.float()

@@ -1,6 +1,6 @@
 """Static-scale e4m3 codes in one pass: ``e4m3(x * out_scale[column])``, saturated.
 
-``fusedenc.fp8.e4m3_columns`` is what a producer with static FP8 scales writes
+``fusedenc.fp8.rowwise.e4m3_columns`` is what a producer with static FP8 scales writes
 (FFN1's epilogue, the Triton attention kernel).  Where the producer cannot
 write it (an activation the FP8 epilogue does not apply, such as exact GELU;
 an attention backend other than ``triton_short``) the codes are made by a pass
@@ -16,7 +16,7 @@ times the fp32 scale, clamped to +-448 (NaN stays NaN), one round-to-nearest-eve
 conversion to OCP e4m3 (``torch.float8_e4m3fn``).  Only that flavour: MI300's
 FNUZ codes take the torch form.
 
-Importing this module imports Triton; ``fusedenc.fp8`` imports it only for a
+Importing this module imports Triton; ``fusedenc.fp8.rowwise`` imports it only for a
 CUDA tensor.  Set ``TRITON_INTERPRET=1`` before the import to run it on CPU
 tensors (the tests do).
 """
@@ -52,7 +52,7 @@ def e4m3_columns(x: torch.Tensor, out_scale: torch.Tensor) -> torch.Tensor:
 
     ``x``: 2-D float16/bfloat16/float32 with a unit column stride; ``out_scale``:
     contiguous float32 ``[N]`` on ``x``'s device.  Not validated here:
-    ``fusedenc.fp8.e4m3_columns`` checks what it sends."""
+    ``fusedenc.fp8.rowwise.e4m3_columns`` checks what it sends."""
     return launch(x, out_scale, torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device))
 
 

@@ -54,9 +54,9 @@ from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import torch
 
-from . import norm_fold
-from .graph_feeds import BUCKETS, MAX_ROWS, BatchFeed, bucket_for
-from .graphs import capture, capture_possible, eager_calls, eager_only
+from ..ops import norm_fold
+from .feeds import BUCKETS, MAX_ROWS, BatchFeed, bucket_for
+from .runner import capture, capture_possible, eager_calls, eager_only
 
 __all__ = [
     "BUCKETS", "ENV", "MAX_GRAPHS", "MAX_ROWS", "AutoGraphs", "GraphedModule", "bucket_for", "cache_of", "call",
@@ -98,7 +98,7 @@ def set_enabled(on: bool) -> bool:
 
 
 class disabled:
-    """``with fusedenc.auto_graphs.disabled():`` plain calls inside run eagerly (process-wide)."""
+    """``with fusedenc.graphs.auto.disabled():`` plain calls inside run eagerly (process-wide)."""
 
     def __enter__(self):
         self._was = set_enabled(False)
