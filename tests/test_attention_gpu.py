@@ -54,6 +54,7 @@ def _available_or_skip(name):
 @pytest.mark.parametrize("seq", SEQS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(A.BACKENDS))
+@pytest.mark.sweep
 def test_backend_matches_reference_and_math(name, dtype, seq, head_dim, gen):
     _available_or_skip(name)
     backend = A.BACKENDS[name]

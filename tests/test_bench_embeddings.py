@@ -13,6 +13,9 @@ import pytest
 import torch
 from bench_helpers import ROOT, run_bench
 
+# Each runs a benchmark in a subprocess (seconds each): in the exhaustive run.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 
 CPU_IMPLS = {"hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc", "fusedenc-pooled"}

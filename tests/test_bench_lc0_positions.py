@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench_helpers import run_bench
+
+# Each runs a benchmark in a subprocess (seconds each): in the exhaustive run.
+pytestmark = pytest.mark.slow
 
 
 def test_lc0_positions_tiny_cpu(tmp_path):

@@ -20,6 +20,9 @@ from bench_helpers import run_bench, run_bench_on_gpu
 
 from fusedenc.tune.presets import select_runs
 
+# Each runs a benchmark in a subprocess (seconds each): in the exhaustive run.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 #: The start of bench/nps.py's CPU_NOTE, written out: the test checks what a user reads.

@@ -81,6 +81,7 @@ def test_native_core_was_built_when_required():
     ],
     ids=["required-fails", "not-required-skips", "deselected-is-not-required"],
 )
+@pytest.mark.slow
 def test_a_required_gpu_that_is_missing_stops_the_run(require, marks, code, says):
     """With FUSEDENC_REQUIRE_GPU=1 a GPU run without a GPU (here: none visible) must not exit 0."""
     node = "tests/test_layer_norm_gpu.py::test_matches_reference[1-8-dtype0]"

@@ -118,6 +118,7 @@ ACTS = ["none", "relu", "gelu_tanh", "swish", "mish", "gelu"]
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m, n, k", [(64, 96, 64), (1, 256, 128), (1000, 2304, 768), (333, 768, 2304)])
+@pytest.mark.sweep
 def test_fp8_linear_matches_the_float64_sum_of_the_codes(activation, out_dtype, m, n, k, gen):
     require_fp8_gpu()
     x, w, b = _operands(m, n, k, gen, out_dtype)

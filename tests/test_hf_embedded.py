@@ -332,6 +332,7 @@ def test_moved_model_drops_its_graphs_and_copies_keep_the_path(gen, hf_calls):
 
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
+@pytest.mark.slow
 def test_a_patched_model_pickles_whole(model_type, gen, tmp_path):
     """``torch.save(model)`` of a patched model (its classes are made at patch time) loads in
     a new process, where those classes do not exist yet, and gives the same outputs."""

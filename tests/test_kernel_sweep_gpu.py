@@ -164,6 +164,7 @@ def _attention_table_cases():
 
 @needs_triton
 @pytest.mark.parametrize("key_block, head_dim, dtype, variant", _attention_table_cases())
+@pytest.mark.sweep
 def test_attention_table_entry(key_block, head_dim, dtype, variant, gen):
     """Each table entry as the lookup gives it: H = 4 is a multiple of every heads-per-program value."""
     seq, heads = _SEQ_FOR_KEY_BLOCK[key_block], 4
@@ -325,6 +326,7 @@ def _run_layer_norm(t, d, dtype, option, gen):
 
 
 @pytest.mark.parametrize("dtype, d", _ln_cases())
+@pytest.mark.sweep
 def test_layer_norm_row_width(dtype, d, gen):
     for option in _LN_OPTIONS:
         _run_layer_norm(_LN_ROWS, d, dtype, option, gen)
@@ -348,6 +350,7 @@ def _bias_activation_cases():
 
 
 @pytest.mark.parametrize("dtype, activation, with_bias", _bias_activation_cases())
+@pytest.mark.sweep
 def test_bias_activation_kernel(dtype, activation, with_bias, gen):
     """The kernel runs only after a library GEMM (64 x 96 x 64 here).  With the fused epilogues
     refused, every case is the DEFAULT epilogue + our kernel.  The output is a column slice of a

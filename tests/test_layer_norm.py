@@ -47,6 +47,7 @@ OPTIONS = list(itertools.product([False, True], [False, True], [1.0, 0.37], ["bo
 @pytest.mark.parametrize(
     "residual,x_bias,alpha,affine,with_sum", OPTIONS, ids=["-".join(map(str, o)) for o in OPTIONS]
 )
+@pytest.mark.sweep
 def test_every_option_combination(dtype, residual, x_bias, alpha, affine, with_sum, gen):
     shape = (13, 64)
     ops = _operands(

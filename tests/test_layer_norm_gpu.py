@@ -67,6 +67,7 @@ def test_native_backend_is_active():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("t", ROWS)
+@pytest.mark.sweep
 def test_matches_reference(dtype, d, t, gen):
     ops = _operands(gen, (t, d), dtype)
     out = poisoned((t, d), dtype, DEV)
@@ -83,6 +84,7 @@ OPTIONS = list(itertools.product([False, True], [False, True], [1.0, 0.37], ["bo
 @pytest.mark.parametrize(
     "residual,x_bias,alpha,affine,with_sum", OPTIONS, ids=["-".join(map(str, o)) for o in OPTIONS]
 )
+@pytest.mark.sweep
 def test_every_option_combination(dtype, residual, x_bias, alpha, affine, with_sum, gen):
     shape = (33, 1032 if dtype != torch.float32 else 516)
     ops = _operands(

@@ -550,6 +550,7 @@ def test_an_onnx_only_file_is_refused(tiny):
 # -- a BT4-sized net ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_bt4_sized_net_reads_in_seconds(tmp_path):
     path = tmp_path / "bt4.pb.gz"
     write_preset(path, "bt4", keep_values=False)

@@ -238,6 +238,7 @@ def test_epd_bad_best_move_names_the_line():
         rec.best_moves_uci()
 
 
+@pytest.mark.slow
 def test_many_games_read_in_batches_agree_with_python_chess():
     """More games than one conversion batch, random legal games written by python-chess:
     every move, every position's FEN and the end state as python-chess has them; a bad move

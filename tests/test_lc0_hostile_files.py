@@ -527,6 +527,7 @@ def in_child(table: str, name: str) -> dict:
 
 
 @pytest.mark.parametrize("bomb", list(BOMBS))
+@pytest.mark.slow
 def test_bombs_stay_within_bounded_memory(bomb):
     """The refusal comes, and the peak RSS stays within 300 MB over the start (256 MiB cap included)."""
     result = in_child("BOMBS", bomb)
@@ -561,6 +562,7 @@ HUGE_REFUSALS = {
 
 
 @pytest.mark.parametrize("name", list(HUGE))
+@pytest.mark.slow
 def test_huge_well_formed_layers_are_refused_before_decoding(name):
     """A file under the byte cap whose layers are huge is refused on their counts, before any is
     decoded: the peak RSS stays within the decompressed file's size + 300 MB (decoding them would

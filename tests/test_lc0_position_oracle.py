@@ -92,6 +92,7 @@ def test_the_fixtures_cover_what_they_should():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.slow
 def test_planes_are_bit_identical_to_lc0s(fmt):
     fixture = np.load(DATA / f"planes_{fmt}.npz")
     keep = accepted()

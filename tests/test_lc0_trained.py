@@ -40,6 +40,7 @@ def cpu_sample():
     return held, net.evaluate([h.history for h in held])
 
 
+@pytest.mark.slow
 def test_held_back_positions_are_distinct_and_labelled():
     held = lc0_trained.held_back()
     assert len(held) >= ACCEPTANCE_POSITIONS

@@ -78,6 +78,7 @@ def _linear_case(dev, dtype, gen, where, value, activation, alpha=1.0):
 @pytest.mark.parametrize(("activation", "where"), _activation_sites(ACTIVATIONS, ("x", "weight", "bias", "residual")))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.sweep
 def test_linear_nan(dev, dtype, activation, where, gen):
     out, ref, same, expect = _linear_case(dev, dtype, gen, where, NAN, activation, alpha=0.75)
     what = f"NaN in {where}, {activation} {dtype} on {dev}, seed={gen.seed_value}"
@@ -90,6 +91,7 @@ def test_linear_nan(dev, dtype, activation, where, gen):
 @pytest.mark.parametrize(("activation", "where"), _activation_sites(INF_ACTIVATIONS, ("x", "bias", "residual")))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.sweep
 def test_linear_inf(dev, dtype, activation, where, sign, gen):
     out, ref, same, _ = _linear_case(dev, dtype, gen, where, sign * INF, activation)
     assert_close_rule(out, ref, same, dtype, what=f"{sign * INF} in {where}, {activation} {dtype} on {dev}, seed={gen.seed_value}")
@@ -104,6 +106,7 @@ T, D = 6, 64
 @pytest.mark.parametrize("where", ["x", "residual", "x_bias", "weight", "bias"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.sweep
 def test_layer_norm_nonfinite(dev, dtype, where, value, gen):
     x, r = randn((T, D), dtype, dev, gen), randn((T, D), dtype, dev, gen)
     w, b = 1 + randn((D,), dtype, dev, gen, 0.2), randn((D,), dtype, dev, gen, 0.2)

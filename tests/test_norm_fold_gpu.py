@@ -68,6 +68,7 @@ def _ws():
         (16384 + 40, 1024, 3072),  # bt4 QKV: the wide-tile kernel without an activation, M partial
     ],
 )
+@pytest.mark.sweep
 def test_norm_gemm_is_layer_norm_then_linear(dtype, act, m, k, n, gen):
     _require(dtype)
     z, gamma, beta = _ln_inputs(m, k, dtype, gen)

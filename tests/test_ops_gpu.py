@@ -86,6 +86,7 @@ _ACTIVATION_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("dtype, activation", _ACTIVATION_CASES)
+@pytest.mark.sweep
 def test_linear_every_activation(dtype, activation, with_bias, gen):
     """Each activation, with and without bias, writes every element of out within the rule."""
     m, k, n = 333, 256, 768

@@ -57,6 +57,7 @@ def _check(out, x, w, b, act, what):
         (12288, 264, 776),  # K and N odd multiples of 8: partial K tile too
     ],
 )
+@pytest.mark.sweep
 def test_matches_the_fp32_reference(dtype, act, m, k, n, gen):
     _require_kernels(dtype, act)
     x, w, b = _operands(m, k, n, dtype, gen)

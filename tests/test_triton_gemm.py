@@ -94,6 +94,7 @@ def results():
 
 
 @pytest.mark.parametrize("case", CASES + ["argument_checks"], ids=lambda c: c if isinstance(c, str) else case_id(c))
+@pytest.mark.sweep
 def test_case_under_interpreter(case, results):
     assert_case_passed(results, case if isinstance(case, str) else case_id(case))
 

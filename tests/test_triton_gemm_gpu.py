@@ -55,6 +55,7 @@ def _cases():
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("n, k, m, act", list(_cases()))
+@pytest.mark.sweep
 def test_ffn1_shapes_match_formula(n, k, m, act, dtype, gen):
     x, w, b = _operands(m, n, k, dtype, gen)
     out = tg.linear_act(x, w, b, act)

@@ -719,6 +719,7 @@ def test_output_maker():
 # ------------------------------------------------------------ benchmark ----
 
 
+@pytest.mark.slow
 def test_embeddings_bench_smoke(tmp_path):
     run_bench("embeddings.py", ["--device", "cpu", "--model", "tiny", "--batch-sizes", "8", "--sentences", "16",
                                 "--reps", "2", "--out-dir", str(tmp_path), "--tag", "smoke"], timeout=300)  # fmt: skip
@@ -734,6 +735,7 @@ def test_embeddings_bench_smoke(tmp_path):
     assert (tmp_path / "embeddings_smoke.txt").read_text().strip()
 
 
+@pytest.mark.slow
 def test_embeddings_bench_full_length_has_no_padding(tmp_path):
     run_bench("embeddings.py", ["--device", "cpu", "--model", "tiny", "--batch-sizes", "4", "--sentences", "8",
                                 "--reps", "1", "--full-length", "12", "--impl", "hf-sdpa,fusedenc",
