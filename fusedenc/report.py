@@ -154,7 +154,7 @@ def capabilities() -> dict[str, Any]:
         fmt = fp8_mode.format_for(device)
         fp8.update(runs_here=ok, reason=why, format=str(fmt.dtype).replace("torch.float8_", ""), max=fmt.max)
     else:
-        fp8["reason"] = "no GPU: fusedenc.fp8.rowwise runs its PyTorch reference"
+        fp8["reason"] = "no GPU: fusedenc.fp8 runs its PyTorch reference"
     report["fp8"] = fp8
     for dtype in _DTYPES:
         per_act = {}

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from fusedenc.lc0 import hostwork
+from fusedenc.lc0 import Lc0FormatError, hostwork
 from fusedenc.lc0.schema import InputFormat
 
 FORMAT = InputFormat.CLASSICAL_112_PLANE
@@ -79,7 +79,7 @@ def test_a_dead_worker_fails_its_batches_and_close_returns():
 
 def test_in_process_jobs_and_bad_counts():
     _same(hostwork.Job.here(POSITIONS, FORMAT).result(), hostwork.prepare_batch(POSITIONS, FORMAT))
-    with pytest.raises(Exception):
+    with pytest.raises(Lc0FormatError, match="'no such format' is not one of lc0's"):
         hostwork.Job.here(POSITIONS, "no such format").result()
     with pytest.raises(ValueError, match="count must be >= 1"):
         hostwork.Workers(0)

@@ -17,7 +17,7 @@ import torch
 
 from fusedenc.lc0 import Lc0FormatError, Position, decode_policy, encode_planes, load_network, prepare
 from fusedenc.lc0 import board as B
-from fusedenc.lc0.encoding import GATHER, encode_masks
+from fusedenc.lc0.encoding import GATHER, SQUARE_MAP, encode_masks
 from fusedenc.lc0.moves import POLICY_MOVES
 from fusedenc.lc0.policy import policy_indices
 from fusedenc.lc0.positions import STARTPOS_FEN, parse_fens
@@ -302,7 +302,10 @@ def test_decode_policy_is_a_softmax_over_legal_moves_only():
         ref = torch.softmax(logits[b, torch.as_tensor(pol.indices)].double(), 0).numpy()
         assert np.allclose(pol.probs, ref, rtol=1e-5, atol=1e-7)
     hot = decode_policy(logits, positions, 4, temperature=0.25)
-    assert all(h.probs[0] >= p.probs[0] - 1e-6 for h, p in zip(hot, out))
+    for b, h in enumerate(hot):  # the logits divided by the temperature, then the softmax
+        ref = torch.softmax(logits[b, torch.as_tensor(h.indices)].double() / 0.25, 0).numpy()
+        assert np.allclose(h.probs, ref, rtol=1e-5, atol=1e-7), f"position {b} at temperature 0.25"
+    assert all(h.probs[0] > p.probs[0] for h, p in zip(hot, out) if len(p.moves) > 1 and p.probs[0] < 0.999)
     # a logit that favours one move makes it the first
     target = torch.full((1, 1858), -5.0)
     start_moves = policy_indices(["startpos"], 4)
@@ -347,5 +350,6 @@ def test_network_evaluate_runs_the_reference_path(tmp_path):
 
 
 def test_expanded_planes_gather_matches_the_square_map():
-    for t in range(8):
-        assert sorted(GATHER[t].tolist()) == list(range(64))
+    for t in range(8):  # GATHER[t] undoes SQUARE_MAP[t], both ways
+        assert (SQUARE_MAP[t][GATHER[t]] == np.arange(64)).all() and (GATHER[t][SQUARE_MAP[t]] == np.arange(64)).all()
+    assert not (GATHER[1:] == np.arange(64)).all(axis=1).any(), "a transform other than 0 is the identity"

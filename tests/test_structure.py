@@ -184,8 +184,10 @@ def test_core_is_the_only_caller_of_the_native_core(allowed):
 #: The folders of ``fusedenc``, lowest first (configs: the shipped tables, data only): a module may import its own folder and the
 #: folders before its own, never one after it (docs/ARCHITECTURE.md draws this picture).
 LAYERS = ("configs", "common", "core", "ops", "fp8", "attention", "graphs", "varlen", "encoder", "hf", "tune", "lc0", "embed")
-#: The modules beside the folders: the public surface, which may import any folder.
-TOP = {"fusedenc", "fusedenc.__main__", "fusedenc.report", "fusedenc.testing"}
+#: The modules beside the folders: the public surface, which may import any folder, and two
+#: re-exports that keep the module names earlier releases documented working.
+TOP = {"fusedenc", "fusedenc.__main__", "fusedenc.report", "fusedenc.testing",
+       "fusedenc.auto_graphs", "fusedenc.fp8_range"}  # the last two: earlier releases' documented names
 
 
 def _folder(module: str) -> str:
@@ -223,3 +225,30 @@ def test_the_layer_check_finds_an_upward_import():
 def test_folders_import_only_the_folders_below_them():
     breaks = _layer_breaks(_graph())
     assert breaks == [], f"imports pointing up the layers ({' < '.join(LAYERS)}): {breaks}"
+
+
+def test_the_public_names_of_the_flat_layout_still_work():
+    """The move into folders changed no public name: the modules users imported before it
+    (documented in earlier READMEs) still give the same objects."""
+    import fusedenc
+    import fusedenc.auto_graphs
+    import fusedenc.fp8
+    import fusedenc.fp8_range
+    import fusedenc.hf
+    import fusedenc.ops
+    import fusedenc.varlen
+    from fusedenc.encoder import blocks
+    from fusedenc.fp8 import range_check, rowwise
+    from fusedenc.graphs import auto, runner
+    from fusedenc.hf import patch
+    from fusedenc.ops import gemm
+    from fusedenc.varlen import packing
+
+    assert fusedenc.auto_graphs.set_enabled is auto.set_enabled and fusedenc.auto_graphs.memory is auto.memory
+    assert fusedenc.fp8_range.check_range is range_check.check_range
+    assert fusedenc.fp8.quantize_rows is rowwise.quantize_rows and fusedenc.fp8.Calibration is rowwise.Calibration
+    assert fusedenc.varlen.pack is packing.pack and fusedenc.varlen.Packing is packing.Packing
+    assert fusedenc.ops.linear is gemm.linear is fusedenc.linear and fusedenc.ops.layer_norm is fusedenc.layer_norm
+    assert fusedenc.hf.patch_hf is patch.patch_hf is fusedenc.patch_hf
+    assert fusedenc.encoder.EncoderBlock is blocks.EncoderBlock is fusedenc.EncoderBlock
+    assert fusedenc.graphs.GraphRunner is runner.GraphRunner is fusedenc.GraphRunner

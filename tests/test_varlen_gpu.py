@@ -126,7 +126,7 @@ def test_graph_runner_token_buckets(dtype, gen):
 
 
 def test_fp8_stack_packed(gen):
-    if not fusedenc.capabilities().get("fp8"):
+    if not fusedenc.capabilities()["fp8"]["runs_here"]:
         pytest.skip("no FP8 on this GPU")
     ref_stack, stack = _stack(torch.float16)
     x32, x, pad = _batch(gen, 64, 96, 768, torch.float16)

@@ -151,7 +151,7 @@ def scaled_linear(
 
 def _check_operand(t: object, name: str) -> None:
     if not isinstance(t, Quantized):
-        raise TypeError(f"{name} must be a fusedenc.fp8.rowwise.Quantized (from quantize_rows), got {type(t).__name__}")
+        raise TypeError(f"{name} must be a fusedenc.fp8.Quantized (from quantize_rows), got {type(t).__name__}")
     q, scale = t
     want = format_for(q.device).dtype if isinstance(q, torch.Tensor) else E4M3
     if not isinstance(q, torch.Tensor) or q.dtype not in (E4M3, E4M3_FNUZ.dtype) or q.dim() != 2:
@@ -253,7 +253,7 @@ def _check_linear(x: Quantized, weight: Quantized, bias: Optional[torch.Tensor],
 def _require_fp8(device: torch.device) -> None:
     ok, why = core.fp8_status(device)
     if not ok:
-        raise RuntimeError(f"fusedenc.fp8.rowwise.linear: FP8 GEMMs do not run here: {why}")
+        raise RuntimeError(f"fusedenc.fp8.linear: FP8 GEMMs do not run here: {why}")
 
 
 def _gpu_operands(x: Quantized, weight: Quantized, bias: Optional[torch.Tensor]) -> tuple:
@@ -533,7 +533,7 @@ def quantize_config(
     if isinstance(calibration, torch.Tensor):
         calibration = calibrate([block], block, calibration)
     if not isinstance(calibration, Calibration):
-        raise TypeError(f"calibration must be sample inputs (a tensor) or a fusedenc.fp8.rowwise.Calibration, got "
+        raise TypeError(f"calibration must be sample inputs (a tensor) or a fusedenc.fp8.Calibration, got "
                         f"{type(calibration).__name__}")  # fmt: skip
     scales = calibration.column_scales(block)
     if scales is None:

@@ -200,7 +200,7 @@ def _check_padded(x: torch.Tensor, packing: Packing, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(packing, Packing):
-        raise TypeError(f"packing must be a fusedenc.varlen.packing.Packing, got {type(packing).__name__}")
+        raise TypeError(f"packing must be a fusedenc.varlen.Packing, got {type(packing).__name__}")
     if x.dim() != 3 or tuple(x.shape[:2]) != (packing.batch, packing.seq):
         raise ValueError(f"{name} must be [B, S, D] = [{packing.batch}, {packing.seq}, D], got {tuple(x.shape)}")
     if x.device != packing.indices.device:
