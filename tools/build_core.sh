@@ -18,6 +18,12 @@ case ";${FUSEDENC_CUDA_ARCHITECTURES// /;};" in
   *";90;"*|*";90a;"*) export FUSEDENC_SM90_BUILD=${FUSEDENC_SM90_BUILD:-on} ;;
 esac
 export FUSEDENC_WARP_TESTS=${FUSEDENC_WARP_TESTS:-1}
+# CUTLASS's headers: the nvidia-cutlass wheel's when installed, else unpacked by bootstrap.py from
+# the wheel in .cache/wheels (carried to a machine without internet) or from PyPI.
+if [ -z "${FUSEDENC_CUTLASS_INCLUDE:-}" ] && ! python3 -c "import cutlass_library" 2>/dev/null; then
+  FUSEDENC_CUTLASS_INCLUDE=$(python3 bootstrap.py cutlass-headers) || { echo "BUILD FAILED: no CUTLASS headers"; exit 1; }
+  export FUSEDENC_CUTLASS_INCLUDE
+fi
 if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$log" 2>&1; then
   tail -40 "$log"
   echo "BUILD FAILED"

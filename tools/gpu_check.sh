@@ -34,6 +34,8 @@ fi
 echo "==== environment"; cat "$OUT/env.txt"
 echo "==== GPU tests (rc=$tests_rc$( [ $tests_rc -eq 124 ] && echo ', TIMED OUT'))"; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -3
 [ $tests_rc -ne 0 ] && grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -30
+sed -n '/GPU tests skipped on this GPU machine/,/^=/p' "$OUT/gpu-tests.log" | head -40
+grep -E "^short run:" "$OUT/gpu-tests.log"
 echo "==== CPU tests on the GPU machine (rc=$cpu_rc)"; tail -1 "$OUT/cpu-tests.log"
 echo "==== host overhead"; cat "$OUT/host_overhead.txt"
 [ -n "${FUSEDENC_OPS_BENCH:-}" ] && { echo "==== ops benchmark (rc=$ops_rc)"; tail -5 "$OUT/ops.log"; }

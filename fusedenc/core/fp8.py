@@ -43,9 +43,10 @@ def fp8_format(device: torch.device) -> str:
     module = native_module()
     if module is None or not active_on(device) or not hasattr(module, "fp8_format"):
         return "e4m3fn"
-    name = _format_by_index.get(device.index)
+    index = torch.cuda.current_device() if device.index is None else device.index  # "cuda": the current GPU
+    name = _format_by_index.get(index)
     if name is None:  # a property of the device: asked once
-        name = _format_by_index[device.index] = str(module.fp8_format(device.index))
+        name = _format_by_index[index] = str(module.fp8_format(index))
     return name
 
 
