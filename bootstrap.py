@@ -13,8 +13,8 @@ The set-up, each step skipped when already done (a second run reuses everything)
    GPU is found, the ROCm build where an AMD GPU is, the CPU-only build otherwise;
 3. the build tools, CUTLASS's headers on NVIDIA machines (unpacked from the nvidia-cutlass
    wheel, not installed: only the headers are used), fusedenc itself (editable, with the
-   native core this PyTorch can use) and the extras of the job; Triton for the tests on a
-   CPU-only PyTorch (its kernels' tests run in Triton's CPU interpreter).
+   native core this PyTorch can use) with its test and bench extras; Triton for the tests
+   on a CPU-only PyTorch (its kernels' tests run in Triton's CPU interpreter).
 It prints each step it takes.  Standard library only: it runs before anything is installed.
 """
 
@@ -268,9 +268,8 @@ def set_up(job: str) -> str:
          "cpu": "machine: no GPU found (CPU only)"}[vendor])
     own_env = Path(sys.prefix).resolve() == VENV.resolve()
     version, build = ensure_torch(vendor, own_env)
-    ensure_fusedenc(vendor, version, ["bench"] if job == "nps" else ["test"] if job == "test" else ["bench", "test"])
-    if job in ("test", "setup"):
-        ensure_triton_for_tests(build)
+    ensure_fusedenc(vendor, version, ["bench", "test"])  # both jobs' extras: the second job reuses the install
+    ensure_triton_for_tests(build)
     run([sys.executable, "-m", "fusedenc"])  # what was built, and whether GPU tensors will use it
     return build
 

@@ -536,7 +536,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             records.append(run_preset(run, args, device, ceilings, progress))
             # Each run's table as soon as it is done, and the files so far: a long run
             # that is cut off still leaves its finished presets behind.
-            progress.write("\n" + "\n".join(report_lines(records[-1], run)))
+            progress.write("\n" + "\n".join(report_lines(records[-1], run, env["device"].startswith("cuda"))))
             failures, errors = write_outputs(base_path, head, records, runs, ceilings, env, notes, args, argv)
         nets, net_lines = [], []
         for path in args.net:  # whole lc0 networks, after the presets

@@ -29,7 +29,9 @@ def _fmt(v: Optional[float], spec: str, suffix: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{suffix}"
 
 
-def report_lines(rec: dict[str, Any], run: Run) -> list[str]:
+def report_lines(rec: dict[str, Any], run: Run, on_gpu: bool = True) -> list[str]:
+    """One run's table.  On a CPU the GEMM floor and the roofline (a GPU's ceilings) are left
+    out: the PyTorch reference ops run there, and a CPU's torch.mm says nothing about them."""
     unit = run.rate_unit
     out = [f"== {rec['describe']}"]
     c = rec["check"]
@@ -59,8 +61,9 @@ def report_lines(rec: dict[str, Any], run: Run) -> list[str]:
     for name, why in rec["skipped"].items():
         out.append(f"   {name:42s} skipped: {why}")
 
+    floor_col = f"{'% floor':>8}  " if on_gpu else ""
     header = f"   {'batch':>5}  {'implementation':42s} {unit:>11} {'ms/batch':>10} {'x torch':>8} {'x compile':>9} " \
-             f"{'% floor':>8}  {'first call':>10}"  # fmt: skip
+             f"{floor_col}{'first call':>10}"  # fmt: skip
     out += ["", header, "   " + "-" * (len(header) - 3)]
     for b in rec["batch_sizes"]:
         key = str(b)
@@ -75,8 +78,12 @@ def report_lines(rec: dict[str, Any], run: Run) -> list[str]:
             out.append(
                 f"   {b:>5}  {label:42s} {_fmt_rate(pt['per_s']):>11} {pt['ms']:>10.3f} "
                 f"{_fmt(pt['x_torch'], '.2f', 'x'):>8} {_fmt(pt['x_compile'], '.2f', 'x'):>9} "
-                f"{_fmt(pt['pct_gemm_floor'], '.0f', '%'):>8}  {pt['first_call_s']:>9.2f}s"
+                + (f"{_fmt(pt['pct_gemm_floor'], '.0f', '%'):>8}  " if on_gpu else "")
+                + f"{pt['first_call_s']:>9.2f}s"
             )
+        if not on_gpu:
+            out.append("")
+            continue
         lines = rec["reference_lines"][key]
         fl = lines["gemm_floor"]
         if "ms" in fl:
@@ -93,12 +100,17 @@ def report_lines(rec: dict[str, Any], run: Run) -> list[str]:
         out.append(f"   {'':42s} " + " ".join(f"{b:>10}" for b in rec["batch_sizes"]))
         rows = [(rec["impls"][n].get("label", n), [rec["impls"][n]["points"].get(str(b), {}).get("per_s")
                  for b in rec["batch_sizes"]]) for n in names]  # fmt: skip
-        rows.append(("gemm-floor", [rec["reference_lines"][str(b)]["gemm_floor_per_s"] for b in rec["batch_sizes"]]))
-        rows.append(("roofline", [rec["reference_lines"][str(b)]["roofline_per_s"] for b in rec["batch_sizes"]]))
+        if on_gpu:
+            rows.append(("gemm-floor", [rec["reference_lines"][str(b)]["gemm_floor_per_s"] for b in rec["batch_sizes"]]))
+            rows.append(("roofline", [rec["reference_lines"][str(b)]["roofline_per_s"] for b in rec["batch_sizes"]]))
         for label, vals in rows:
             out.append(f"   {label:42s} " + " ".join(f"{_fmt_rate(v):>10}" for v in vals))
     out.append("   x torch / x compile: speed relative to torch / torch-compile at that batch size (stand-ins "
-               "excluded); % floor: GEMM-floor time / this time; first call: compile, autotune and planning, untimed")  # fmt: skip
+               "excluded); " + ("% floor: GEMM-floor time / this time; " if on_gpu else "")
+               + "first call: compile, autotune and planning, untimed")  # fmt: skip
+    if not on_gpu:
+        out.append("   on a CPU fusedenc runs its PyTorch reference ops: these rows show that everything runs "
+                   "and agrees, not fusedenc's speed (that needs an NVIDIA GPU)")
     if "fp8" in c:
         out += fp8_lines(rec)
     return out
@@ -182,7 +194,7 @@ def write_outputs(
     on_gpu = env["device"].startswith("cuda")
     lines = head[:]
     for rec, run in zip(records, runs):
-        lines += [""] + report_lines(rec, run)
+        lines += [""] + report_lines(rec, run, on_gpu)
     lines += list(net_lines)
     failures = [f"{r['name']}: {n}" for r in records for n, e in r["impls"].items()
                 if e.get("check", {}).get("passed") is False]  # fmt: skip

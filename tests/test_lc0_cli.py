@@ -119,7 +119,10 @@ def test_eval_epd_writes_json_lines(net_path, cpu_net, tmp_path, capsys):
         assert r["wdl"] == pytest.approx(list(ev.wdl), abs=1e-5)
     assert summary["positions"] == 3 and summary["failed"] == 0 and summary["positions_per_s"] > 0
     assert summary["batches"] >= 2  # --max-batch 2
-    assert "positions/s" in err.strip().splitlines()[-1]
+    parts = ("read_seconds", "load_seconds", "startup_seconds", "seconds")
+    assert summary["command_seconds"] >= sum(summary[k] for k in parts) - 0.01, summary
+    last = err.strip().splitlines()[-1]
+    assert "positions/s" in last and "loading the net" in last and "the whole command" in last, last
 
 
 def test_eval_pgn_every_position_of_every_game(net_path, cpu_net, tmp_path, capsys):
@@ -178,6 +181,11 @@ def test_bad_input_exits_2(net_path, tmp_path, monkeypatch, capsys, args, words)
         (tmp_path / name).write_text(text, encoding="utf-8")
     args = [a.format(**{k: str(tmp_path / k) for k in files}) for a in args]
     _no_network(monkeypatch)
+
+    def not_yet(path):  # the input is checked before the net file is read (seconds on a CPU)
+        raise AssertionError(f"the net {path} was read before the input was checked")
+
+    monkeypatch.setattr(cli, "_load", not_yet)
     rc, out, err = _run(["eval", net_path, *args, "--device", "cpu"], capsys)
     assert rc == 2 and out == ""
     assert len(err.strip().splitlines()) == 1, err

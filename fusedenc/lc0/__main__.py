@@ -325,15 +325,22 @@ def _open_out(path: Optional[str]) -> TextIO:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def _eval_one(args, file: NetFile, devices: list[torch.device], dtype: torch.dtype) -> int:
-    from .positions import Position, prepare
+def _checked_one(args) -> tuple[str, Any]:
+    """(the FEN, the prepared position) of --fen and --moves, or InputError: checked before the
+    net loads (seconds on a CPU), so that a typo costs nothing."""
+    from .positions import prepare
 
     fen = "startpos" if args.fen.strip() == "startpos" else args.fen
-    position = (fen, list(args.moves))
     try:
-        prepared = prepare([position])
+        return fen, prepare([(fen, list(args.moves))])
     except ValueError as exc:
         raise InputError(f"--fen/--moves: {str(exc).removeprefix('position 0 ')}") from None
+
+
+def _eval_one(args, file: NetFile, devices: list[torch.device], dtype: torch.dtype, checked: tuple[str, Any]) -> int:
+    from .positions import Position
+
+    fen, prepared = checked
     net = Lc0Network(file, dtype=dtype, device=devices[0])
     [ev] = net.evaluate(prepared, temperature=args.temperature)
     shown = Position.from_fen(fen).fen() if fen == "startpos" else fen
@@ -344,11 +351,12 @@ def _eval_one(args, file: NetFile, devices: list[torch.device], dtype: torch.dty
     return 0
 
 
-def _eval_file(args, file: NetFile, devices: list[torch.device], dtype: torch.dtype) -> int:
+def _eval_file(args, file: NetFile, devices: list[torch.device], dtype: torch.dtype,
+               items: tuple[list[Any], list[dict[str, Any]]], read_seconds: float, load_seconds: float) -> int:
+    """Evaluate the positions of the EPD or PGN file, already read and checked (``items``)."""
     from .evaluator import Evaluator
 
-    t_start = time.perf_counter()
-    positions, ids = _epd_items(args.epd) if args.epd else _pgn_items(args.pgn)
+    positions, ids = items
     prefixes = [json.dumps(rec)[:-1] for rec in ids]  # each line's opening: the position's own fields
     out = _open_out(args.out)
     max_batch = args.max_batch or (1024 if devices[0].type == "cuda" else 256)
@@ -415,7 +423,9 @@ def _eval_file(args, file: NetFile, devices: list[torch.device], dtype: torch.dt
             "positions_per_s": round((len(positions) - failed) / seconds, 1) if seconds > 0 else math.inf,
             "mean_batch": round(stats["mean_batch"], 1), "batches": stats["batches"],
             "devices": [str(d) for d in devices], "dtype": str(dtype).replace("torch.", ""),
-            "startup_seconds": round(t_ready - t0, 3), "read_seconds": round(t0 - t_start, 3),
+            "startup_seconds": round(t_ready - t0, 3), "read_seconds": round(read_seconds, 3),
+            "load_seconds": round(load_seconds, 3),
+            "command_seconds": round(time.perf_counter() - t0 + read_seconds + load_seconds, 3),
         }  # fmt: skip
         out.write(json.dumps({"summary": summary}) + "\n")
         out.flush()
@@ -424,9 +434,11 @@ def _eval_file(args, file: NetFile, devices: list[torch.device], dtype: torch.dt
             gc.unfreeze()
         if out is not sys.stdout:
             out.close()
-    print(f"{PROG}: {summary['positions']:,} positions in {seconds:.2f} s: {summary['positions_per_s']:,.0f} positions/s "
-          f"(mean batch {summary['mean_batch']}, {', '.join(summary['devices'])}, {summary['dtype']}; reading and "
-          f"checking the file {summary['read_seconds']:.2f} s, start-up {summary['startup_seconds']:.2f} s)",
+    print(f"{PROG}: {summary['positions']:,} positions in {seconds:.2f} s of evaluation: "
+          f"{summary['positions_per_s']:,.0f} positions/s (mean batch {summary['mean_batch']}, "
+          f"{', '.join(summary['devices'])}, {summary['dtype']}); the whole command {summary['command_seconds']:.2f} s: "
+          f"reading and checking the file {summary['read_seconds']:.2f} s, loading the net "
+          f"{summary['load_seconds']:.2f} s, start-up {summary['startup_seconds']:.2f} s, evaluation {seconds:.2f} s",
           file=sys.stderr)  # fmt: skip
     return 1 if failed else 0
 
@@ -445,10 +457,17 @@ def eval_main(argv: list[str]) -> int:
         if args.fen is not None and len(devices) > 1:
             raise InputError("--fen evaluates on one device; name one in --device")
         dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if devices[0].type == "cuda" else torch.float32)
+        # The input first: a bad FEN or file is refused before the net loads (seconds on a CPU).
+        t0 = time.perf_counter()
+        if args.fen is not None:
+            checked = _checked_one(args)
+        else:
+            items = _epd_items(args.epd) if args.epd else _pgn_items(args.pgn)
+        t_read = time.perf_counter()
         file = _load(args.net)
         if args.fen is not None:
-            return _eval_one(args, file, devices, dtype)
-        return _eval_file(args, file, devices, dtype)
+            return _eval_one(args, file, devices, dtype, checked)
+        return _eval_file(args, file, devices, dtype, items, t_read - t0, time.perf_counter() - t_read)
     except InputError as exc:
         print(f"fusedenc.lc0: {exc}", file=sys.stderr)
         return 2
