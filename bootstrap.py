@@ -41,12 +41,14 @@ ROCM = "rocm6.4"
 
 
 def say(message: str) -> None:
-    print(f"[bootstrap] {message}", flush=True)
+    # stderr: stdout is the job's own output (and cutlass-headers' path, for $(...))
+    print(f"[bootstrap] {message}", file=sys.stderr, flush=True)
 
 
 def run(cmd: list[str], **kw) -> None:
     say("$ " + " ".join(cmd))
-    subprocess.run(cmd, check=True, **kw)
+    sys.stdout.flush()
+    subprocess.run(cmd, check=True, stdout=kw.pop("stdout", sys.stderr), **kw)  # pip's chatter: stderr too
 
 
 def pip(*args: str, env: dict | None = None) -> None:
@@ -188,7 +190,7 @@ def cutlass_headers() -> Path:
     found = sorted(wheels.glob(f"nvidia_cutlass-{version}-*.whl"))
     if not found:
         run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q", "--no-deps",
-             "-d", str(wheels), CUTLASS], stdout=sys.stderr)
+             "-d", str(wheels), CUTLASS])
         found = sorted(wheels.glob(f"nvidia_cutlass-{version}-*.whl"))
     prefix = "cutlass_library/source/include/"
     partial = include.with_name("include.partial")
@@ -270,7 +272,7 @@ def set_up(job: str) -> str:
     version, build = ensure_torch(vendor, own_env)
     ensure_fusedenc(vendor, version, ["bench", "test"])  # both jobs' extras: the second job reuses the install
     ensure_triton_for_tests(build)
-    run([sys.executable, "-m", "fusedenc"])  # what was built, and whether GPU tensors will use it
+    run([sys.executable, "-m", "fusedenc"], stdout=None)  # what was built, and whether GPU tensors will use it
     return build
 
 
