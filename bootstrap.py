@@ -211,7 +211,7 @@ def cutlass_headers() -> Path:
 def build_inputs_digest(extras: str, torch_version: str, env: dict) -> str:
     """What an installed fusedenc was built from: the build files, the native sources, the
     PyTorch it was built against, the extras and the build's environment switches."""
-    h = hashlib.sha256(f"{extras}|{torch_version}|{sys.executable}".encode())
+    h = hashlib.sha256(f"{extras}|{torch_version}|{Path(sys.prefix).resolve()}".encode())
     for key in sorted(k for k in env if k.startswith("FUSEDENC_") or k in ("CUDACXX", "CUDA_HOME", "HIPCXX")):
         h.update(f"{key}={env[key]}".encode())
     files = [ROOT / "pyproject.toml", ROOT / "CMakeLists.txt", *sorted((ROOT / "csrc").rglob("*"))]
