@@ -466,8 +466,10 @@ def test_sentence_embeddings_refuse_bad_input(gen):
         fusedenc.sentence_embeddings(model, ids, mask[:, :-1])
     with pytest.raises(ValueError, match="token_type_ids must be a tensor"):
         fusedenc.sentence_embeddings(model, ids, mask, [0, 1])
-    with pytest.raises(TypeError, match="normalize must be True or False"):
+    with pytest.raises(TypeError, match="normalize must be True, False or None"):
         fusedenc.sentence_embeddings(model, ids, mask, normalize="yes")
+    with pytest.raises(TypeError, match=r"unexpected arguments \['modality'\] for a .*SentenceTransformer"):
+        fusedenc.sentence_embeddings(model, ids, mask, modality="text")  # an ST's tokenize() given to an HF model
     import transformers
 
     classifier, _ = _models(gen, head=transformers.AutoModelForSequenceClassification)

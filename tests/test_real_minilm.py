@@ -29,6 +29,7 @@ from helpers import assert_close_rule
 
 transformers = pytest.importorskip("transformers")
 
+import fusedenc  # noqa: E402
 from fusedenc import patch_hf  # noqa: E402
 from fusedenc.hf import real_models
 from fusedenc.hf.patch import HFEncoderLayer  # noqa: E402
@@ -148,6 +149,24 @@ def test_patched_minilm_cpu_fp32(minilm_cpu):
     assert cos.min() > 1 - 1e-6, f"worst cosine to the unpatched fp32 model {cos.min().item()}"
     agree, excused = assert_retrieval_agrees(out, same, "MiniLM CPU fp32")
     assert agree == 1.0 and excused == 0, (agree, excused)
+
+
+@needs_minilm
+def test_sentence_transformers_encode_patched_equals_unpatched_cpu():
+    """The real all-MiniLM-L6-v2 as sentence-transformers loads it (its own folder, modules.json:
+    Transformer, mean Pooling, Normalize): ``patch_hf`` on the SentenceTransformer, then its
+    ``encode()`` in its default loop (sorted by length, batches of 32) equals the unpatched
+    model's on 300 real sentences of every length, and ``sentence_embeddings`` on what its
+    ``tokenize()`` returns gives the same."""
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
+    ref = st.SentenceTransformer(str(real_models.minilm_dir()), device="cpu")
+    sentences = varied(read_sentences(), ref.tokenizer, 300)
+    patched = patch_hf(st.SentenceTransformer(str(real_models.minilm_dir()), device="cpu"))
+    want = ref.encode(sentences, convert_to_tensor=True)
+    got = patched.encode(sentences, convert_to_tensor=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+    features = ref.tokenize(sentences[:40])
+    torch.testing.assert_close(fusedenc.sentence_embeddings(patched, **features), want[:40], rtol=1e-4, atol=2e-5)
 
 
 @needs_minilm

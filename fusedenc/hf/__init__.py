@@ -4,9 +4,6 @@ encoder (varlen.py), a model's plain call as one graph and ``sentence_embeddings
 classes that pickle (classes.py) and the bundled real model (real_models.py).  transformers
 is imported only where a model is at hand."""
 
-from .embedded import (
-    sentence_embeddings,
-)
 from .patch import (
     HF_ACTIVATIONS,
     SUPPORTED_ATTN_IMPLEMENTATIONS,
@@ -14,6 +11,9 @@ from .patch import (
     HFEncoderLayer,
     convert_mask,
     patch_hf,
+)
+from .sentences import (
+    sentence_embeddings,
 )
 
 __all__ = [

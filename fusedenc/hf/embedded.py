@@ -62,7 +62,7 @@ from ..varlen import packing as varlen
 from . import classes as patched_classes
 from . import varlen as hf_varlen
 
-__all__ = ["EmbeddedModel", "install", "sentence_embeddings"]
+__all__ = ["EmbeddedModel", "install"]
 
 #: The model classes given the short path: (module, model class) -> (embeddings class, whether
 #: positions follow the ids as RoBERTa's, from padding_idx + 1).
@@ -379,82 +379,6 @@ def _output(hidden: torch.Tensor, pooled: Optional[torch.Tensor]):
 
         _output_class = BaseModelOutputWithPoolingAndCrossAttentions
     return _output_class(last_hidden_state=hidden, pooler_output=pooled)
-
-
-def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                        token_type_ids: Optional[torch.Tensor] = None, *, normalize: bool = True) -> torch.Tensor:
-    """Float32 ``[B, D]`` sentence embeddings of a BERT-family encoder: each sequence's mean over
-    its real tokens' last hidden states (sentence-transformers' mean pooling), L2-normalized
-    unless ``normalize=False`` (its ``Normalize`` module).
-
-    ``model`` is an HF base model (``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ...),
-    patched or not; ``attention_mask`` HF's (1 = real token; None: every token real).  The
-    tensors may be on the model's device or on the host, as the tokenizer returns them; the
-    result is on the model's device.  On a model ``patch_hf`` gave the short path
-    (``hf_embedded``), the pooling runs inside its CUDA graph, so a call launches once and
-    yields ``[B, D]``: at small batches most of what the host would spend on ``[B, S, D]`` and
-    a handful of pooling ops.  Host tensors are the faster hand-over there: the mask is read
-    where it is, and the ids, token types and offsets go over in one copy from pinned memory
-    (``graph_feeds.HostIdsFeed``) instead of the caller's copies and a read back.  Otherwise
-    (other models, masks the short path leaves to HF, a CPU) the model's own call, then the
-    same pooling in torch.  A sequence with no real token gets zeros."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-        got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise TypeError(f"sentence_embeddings: input_ids must be a 2-D integer tensor [B, S], got {got}")
-    for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != input_ids.shape):
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"sentence_embeddings: {name} must be a tensor of input_ids' shape "
-                             f"{tuple(input_ids.shape)}, got {got}")  # fmt: skip
-    if not isinstance(normalize, bool):
-        raise TypeError(f"sentence_embeddings: normalize must be True or False, got {normalize!r}")
-    _check_host_ids_in_range(model, input_ids, token_type_ids)
-    with torch.no_grad():
-        if isinstance(model, EmbeddedModel):
-            out = model._fusedenc_pooled_call(input_ids, attention_mask, token_type_ids, normalize)
-            if out is not None:
-                return out
-        param = next(model.parameters(), None)
-        if param is not None:  # the tokenizer's host tensors to the model's device
-            input_ids, attention_mask, token_type_ids = (
-                None if t is None else t.to(param.device) for t in (input_ids, attention_mask, token_type_ids))  # fmt: skip
-        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if token_type_ids is not None:
-            kwargs["token_type_ids"] = token_type_ids
-        hidden = model(**kwargs)[0]  # last_hidden_state, from a ModelOutput or a tuple
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != input_ids.shape:
-            got = f"{tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-            raise TypeError(f"sentence_embeddings needs a base model whose first output is the last hidden state "
-                            f"[B, S, D] (BertModel, RobertaModel, ...; a task head's is not): {type(model).__name__} "
-                            f"returned {got} first for input_ids {tuple(input_ids.shape)}")  # fmt: skip
-        pooled = varlen.masked_mean_pool(hidden, attention_mask)
-        return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
-
-
-def _check_host_ids_in_range(model: nn.Module, ids: torch.Tensor, types: Optional[torch.Tensor]) -> None:
-    """Refuse ids (and token types) outside the model's embedding tables before anything runs,
-    where they are on the host (the tokenizer's tensors: a few microseconds of numpy).  On the
-    GPU an out-of-range id is a device-side assert in HF's lookups (the CUDA context is lost)
-    and an unchecked read in the short path's one-kernel embeddings; a tokenizer of another
-    model is the usual cause.  Tensors already on the GPU are not checked (it would cost a
-    sync)."""
-    embeddings = getattr(model, "embeddings", None)
-    parts = embeddings._modules if isinstance(embeddings, nn.Module) else {}
-    words = parts.get("word_embeddings")
-    if words is None and hasattr(model, "get_input_embeddings"):
-        words = model.get_input_embeddings()
-    for name, t, table, what in (("input_ids", ids, words, "vocabulary"),
-                                 ("token_type_ids", types, parts.get("token_type_embeddings"), "token types")):  # fmt: skip
-        if t is None or t.device.type != "cpu" or t.numel() == 0 or not isinstance(table, nn.Embedding):
-            continue
-        values = t.numpy()
-        size = table.num_embeddings
-        # One reduction: read as unsigned, a negative id is larger than any table.
-        if int(values.view(np.dtype(f"u{values.itemsize}")).max()) >= size:
-            low = int(values.min())
-            bad = low if low < 0 else int(values.max())
-            raise IndexError(f"sentence_embeddings: {name} holds {bad}, outside the model's {what} of {size} "
-                             f"(0 to {size - 1}): a tokenizer of another model?")  # fmt: skip
 
 
 def install(model: nn.Module) -> None:

@@ -1,0 +1,279 @@
+"""Sentence embeddings: ``fusedenc.sentence_embeddings`` of Hugging Face base models and of
+sentence-transformers models, and what ``patch_hf`` adds to a ``SentenceTransformer`` so that
+its own ``encode()`` runs on fusedenc.
+
+A ``SentenceTransformer`` is a sequence of modules: a ``Transformer`` holding an HF model, a
+``Pooling`` and optionally a ``Normalize``.  ``patch_hf`` patches the HF model (so every
+``encode()`` batch is one CUDA graph from the padded ids, padding-free) and gives the wrapper
+a subclass (``SentenceModel``) whose ``encode()``, when only the sentence embedding is asked
+for, lets the forward pool inside that graph where the pooling allows it (mean pooling over
+the real tokens, then the ``Normalize`` module's L2 normalization if there is one): only
+``[B, D]`` leaves the graph.  Every other call (other pooling modes, token embeddings,
+prompts excluded from pooling, other modalities) runs sentence-transformers' own modules
+on the patched model.  sentence-transformers is never imported here: a model is recognized by
+its classes' names and modules.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..varlen import packing as varlen
+from . import classes as patched_classes
+from .embedded import EmbeddedModel
+
+__all__ = ["SentenceModel", "SentenceParts", "install", "sentence_embeddings", "sentence_parts"]
+
+#: Keys a sentence-transformers ``tokenize()`` / ``preprocess()`` returns besides HF's inputs:
+#: bookkeeping the model's call does not take.
+_ST_KEYS = frozenset({"modality", "prompt_length"})
+_HF_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                        token_type_ids: Optional[torch.Tensor] = None, *, normalize: Optional[bool] = None,
+                        **features: Any) -> torch.Tensor:
+    """Float32 ``[B, D]`` sentence embeddings.
+
+    ``model`` is an HF base model (``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ...)
+    or a sentence-transformers ``SentenceTransformer``, patched or not.  For an HF model: each
+    sequence's mean over its real tokens' last hidden states (sentence-transformers' mean
+    pooling), L2-normalized unless ``normalize=False``.  For a ``SentenceTransformer``: what
+    its own modules compute (its pooling mode, its ``Normalize`` module if it has one;
+    ``normalize=True`` normalizes a model without one), from what its ``tokenize()`` returns
+    (``sentence_embeddings(st, **st.tokenize(texts))``; the ``modality`` and ``prompt_length``
+    keys are taken too).
+
+    The tensors may be on the model's device or on the host, as the tokenizer returns them;
+    the result is on the model's device.  On a patched BERT, RoBERTa or XLM-R model (or a
+    ``SentenceTransformer`` holding one, with mean pooling) the pooling runs inside the
+    model's CUDA graph, so a call launches once and yields ``[B, D]``; host tensors are the
+    faster hand-over there (one copy from pinned memory).  Elsewhere the model's own call,
+    then the pooling.  A sequence with no real token gets zeros (mean pooling)."""
+    parts = sentence_parts(model)
+    if parts is not None:
+        return _sentence_model_embeddings(model, parts, input_ids, attention_mask, token_type_ids, normalize, features)
+    if features:
+        raise TypeError(f"sentence_embeddings: unexpected arguments {sorted(features)} for a {type(model).__name__}: "
+                        f"an HF model takes input_ids, attention_mask and token_type_ids (a SentenceTransformer "
+                        f"also takes the rest of what its tokenize() returns)")  # fmt: skip
+    if normalize is None:
+        normalize = True
+    return _base_model_embeddings(model, input_ids, attention_mask, token_type_ids, normalize=normalize)
+
+
+def _check_inputs(input_ids, attention_mask, token_type_ids, normalize) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise TypeError(f"sentence_embeddings: input_ids must be a 2-D integer tensor [B, S], got {got}")
+    for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != input_ids.shape):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"sentence_embeddings: {name} must be a tensor of input_ids' shape "
+                             f"{tuple(input_ids.shape)}, got {got}")  # fmt: skip
+    if normalize is not None and not isinstance(normalize, bool):
+        raise TypeError(f"sentence_embeddings: normalize must be True, False or None, got {normalize!r}")
+
+
+def _base_model_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                           token_type_ids: Optional[torch.Tensor] = None, *, normalize: bool = True) -> torch.Tensor:
+    """Float32 ``[B, D]`` sentence embeddings of a BERT-family encoder: each sequence's mean over
+    its real tokens' last hidden states (sentence-transformers' mean pooling), L2-normalized
+    unless ``normalize=False`` (its ``Normalize`` module).
+
+    ``model`` is an HF base model (``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ...),
+    patched or not; ``attention_mask`` HF's (1 = real token; None: every token real).  The
+    tensors may be on the model's device or on the host, as the tokenizer returns them; the
+    result is on the model's device.  On a model ``patch_hf`` gave the short path
+    (``fusedenc.hf.embedded``), the pooling runs inside its CUDA graph, so a call launches once and
+    yields ``[B, D]``: at small batches most of what the host would spend on ``[B, S, D]`` and
+    a handful of pooling ops.  Host tensors are the faster hand-over there: the mask is read
+    where it is, and the ids, token types and offsets go over in one copy from pinned memory
+    (``graph_feeds.HostIdsFeed``) instead of the caller's copies and a read back.  Otherwise
+    (other models, masks the short path leaves to HF, a CPU) the model's own call, then the
+    same pooling in torch.  A sequence with no real token gets zeros."""
+    _check_inputs(input_ids, attention_mask, token_type_ids, normalize)
+    _check_host_ids_in_range(model, input_ids, token_type_ids)
+    with torch.no_grad():
+        if isinstance(model, EmbeddedModel):
+            out = model._fusedenc_pooled_call(input_ids, attention_mask, token_type_ids, normalize)
+            if out is not None:
+                return out
+        param = next(model.parameters(), None)
+        if param is not None:  # the tokenizer's host tensors to the model's device
+            input_ids, attention_mask, token_type_ids = (
+                None if t is None else t.to(param.device) for t in (input_ids, attention_mask, token_type_ids))  # fmt: skip
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        hidden = model(**kwargs)[0]  # last_hidden_state, from a ModelOutput or a tuple
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != input_ids.shape:
+            got = f"{tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise TypeError(f"sentence_embeddings needs a base model whose first output is the last hidden state "
+                            f"[B, S, D] (BertModel, RobertaModel, ...; a task head's is not): {type(model).__name__} "
+                            f"returned {got} first for input_ids {tuple(input_ids.shape)}")  # fmt: skip
+        pooled = varlen.masked_mean_pool(hidden, attention_mask)
+        return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
+
+
+def _check_host_ids_in_range(model: nn.Module, ids: torch.Tensor, types: Optional[torch.Tensor]) -> None:
+    """Refuse ids (and token types) outside the model's embedding tables before anything runs,
+    where they are on the host (the tokenizer's tensors: a few microseconds of numpy).  On the
+    GPU an out-of-range id is a device-side assert in HF's lookups (the CUDA context is lost)
+    and an unchecked read in the short path's one-kernel embeddings; a tokenizer of another
+    model is the usual cause.  Tensors already on the GPU are not checked (it would cost a
+    sync)."""
+    embeddings = getattr(model, "embeddings", None)
+    parts = embeddings._modules if isinstance(embeddings, nn.Module) else {}
+    words = parts.get("word_embeddings")
+    if words is None and hasattr(model, "get_input_embeddings"):
+        words = model.get_input_embeddings()
+    for name, t, table, what in (("input_ids", ids, words, "vocabulary"),
+                                 ("token_type_ids", types, parts.get("token_type_embeddings"), "token types")):  # fmt: skip
+        if t is None or t.device.type != "cpu" or t.numel() == 0 or not isinstance(table, nn.Embedding):
+            continue
+        values = t.numpy()
+        size = table.num_embeddings
+        # One reduction: read as unsigned, a negative id is larger than any table.
+        if int(values.view(np.dtype(f"u{values.itemsize}")).max()) >= size:
+            low = int(values.min())
+            bad = low if low < 0 else int(values.max())
+            raise IndexError(f"sentence_embeddings: {name} holds {bad}, outside the model's {what} of {size} "
+                             f"(0 to {size - 1}): a tokenizer of another model?")  # fmt: skip
+
+
+# ---- sentence-transformers ------------------------------------------------------------------
+
+
+class SentenceParts(NamedTuple):
+    """What fusedenc reads of a ``SentenceTransformer``."""
+
+    hf_model: nn.Module  # the HF model inside its Transformer module
+    pooling: tuple[str, ...]  # the Pooling module's modes ("mean", "cls", "max", ...); () without one
+    include_prompt: bool  # whether pooling covers prompt tokens (Pooling.include_prompt)
+    normalize: bool  # a Normalize module after the pooling
+    standard: bool  # exactly Transformer, Pooling, optionally Normalize: the layout fusedenc can pool
+
+
+def _is_sentence_transformer(model: Any) -> bool:
+    return any(c.__name__ == "SentenceTransformer" and c.__module__.startswith("sentence_transformers")
+               for c in type(model).__mro__)  # fmt: skip
+
+
+def _pooling_modes(pooling: nn.Module) -> tuple[str, ...]:
+    mode = getattr(pooling, "pooling_mode", None)  # sentence-transformers >= 6: a name or a tuple of them
+    if isinstance(mode, str):
+        return (mode,)
+    if isinstance(mode, (tuple, list)):
+        return tuple(mode)
+    if hasattr(pooling, "get_pooling_mode_str"):  # earlier releases: one flag a mode
+        return tuple(pooling.get_pooling_mode_str().split("+"))
+    return ("unknown",)
+
+
+def sentence_parts(model: Any) -> Optional[SentenceParts]:
+    """The parts of a sentence-transformers ``SentenceTransformer`` (None for anything else);
+    ``TypeError`` for one whose first module holds no Hugging Face model."""
+    if not _is_sentence_transformer(model):
+        return None
+    modules = list(model._modules.values())
+    first = modules[0] if modules else None
+    hf_model = getattr(first, "auto_model", None) or getattr(first, "model", None)
+    if not isinstance(hf_model, nn.Module) or not hasattr(hf_model, "config"):
+        raise TypeError(f"{type(model).__name__}'s first module ({type(first).__name__}) holds no Hugging Face "
+                        f"model: fusedenc runs sentence-transformers models built on a BERT-family Transformer")  # fmt: skip
+    rest = [type(m).__name__ for m in modules[1:]]
+    pooling = modules[1] if rest[:1] == ["Pooling"] else None
+    normalize = rest[1:2] == ["Normalize"] or (pooling is None and rest[:1] == ["Normalize"])
+    standard = pooling is not None and rest[1:] in ([], ["Normalize"])
+    return SentenceParts(hf_model, _pooling_modes(pooling) if pooling is not None else (),
+                         bool(getattr(pooling, "include_prompt", True)), normalize, standard)  # fmt: skip
+
+
+def _graph_pooling(parts: SentenceParts, features: dict) -> bool:
+    """Whether the patched model's graph can pool this call: mean pooling over every real
+    token (prompt included), text, nothing but HF's inputs, a model given the short path."""
+    return (parts.standard and parts.pooling == ("mean",) and isinstance(parts.hf_model, EmbeddedModel)
+            and features.get("modality", "text") == "text"
+            and (parts.include_prompt or not features.get("prompt_length"))
+            and set(features) <= _ST_KEYS | set(_HF_KEYS))  # fmt: skip
+
+
+def _sentence_model_embeddings(model, parts: SentenceParts, input_ids, attention_mask, token_type_ids,
+                               normalize: Optional[bool], features: dict) -> torch.Tensor:  # fmt: skip
+    _check_inputs(input_ids, attention_mask, token_type_ids, normalize)
+    unknown = set(features) - _ST_KEYS
+    if unknown:
+        raise TypeError(f"sentence_embeddings: unexpected arguments {sorted(unknown)}: pass what the model's "
+                        f"tokenize() returns (input_ids, attention_mask, token_type_ids, modality, prompt_length)")  # fmt: skip
+    if normalize is False and parts.normalize:
+        raise ValueError(f"sentence_embeddings: normalize=False, but {type(model).__name__} ends in a Normalize "
+                         f"module: its embeddings are normalized (pass normalize=None for the model's own)")  # fmt: skip
+    hf_inputs = {k: v for k, v in zip(_HF_KEYS, (input_ids, attention_mask, token_type_ids)) if v is not None}
+    _check_host_ids_in_range(parts.hf_model, input_ids, token_type_ids)
+    with torch.no_grad():
+        if _graph_pooling(parts, {**hf_inputs, **features}):
+            out = parts.hf_model._fusedenc_pooled_call(input_ids, attention_mask, token_type_ids,
+                                                       parts.normalize or bool(normalize))  # fmt: skip
+            if out is not None:
+                return out
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        call = {k: v.to(device) for k, v in hf_inputs.items()}
+        was_training = model.training
+        model.eval()  # as encode() does
+        try:
+            pooled = model({**call, **features})["sentence_embedding"].float()
+        finally:
+            model.train(was_training)
+        return nn.functional.normalize(pooled, dim=1) if normalize and not parts.normalize else pooled
+
+
+#: Set by ``SentenceModel.encode`` while only the sentence embedding is asked for.
+_POOLED_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("fusedenc_pooled_only", default=False)
+
+
+class SentenceModel:
+    """The subclass ``patch_hf`` gives a ``SentenceTransformer`` (``patched_classes``): its
+    ``encode()`` and forward pool inside the patched model's graph where they can, and are
+    sentence-transformers' own everywhere else."""
+
+    name_prefix = "Fusedenc"  # patched_classes: "Fusedenc" + "SentenceTransformer"
+
+    def encode(self, *args: Any, **kwargs: Any):
+        output_value = kwargs.get("output_value", "sentence_embedding")
+        if args and len(args) > 1:  # output_value given by position: read it off the signature
+            bound = inspect.signature(super().encode).bind_partial(*args, **kwargs)
+            output_value = bound.arguments.get("output_value", output_value)
+        token = _POOLED_ONLY.set(output_value == "sentence_embedding")
+        try:
+            return super().encode(*args, **kwargs)
+        finally:
+            _POOLED_ONLY.reset(token)
+
+    def forward(self, input: Mapping, **kwargs: Any):  # noqa: A002 - sentence-transformers' name
+        # The features are a dict or a BatchEncoding (a mapping that is not a dict)
+        if _POOLED_ONLY.get() and not kwargs and isinstance(input, Mapping):
+            parts = sentence_parts(self)
+            if _graph_pooling(parts, input):
+                ids = input["input_ids"]
+                pooled = parts.hf_model._fusedenc_pooled_call(ids, input.get("attention_mask"),
+                                                              input.get("token_type_ids"), parts.normalize)  # fmt: skip
+                if pooled is not None:  # in the model's dtype, as sentence-transformers' pooling gives
+                    dtype = next(parts.hf_model.parameters()).dtype
+                    return {**input, "sentence_embedding": pooled.to(dtype)}
+        return super().forward(input, **kwargs)
+
+
+def install(model: nn.Module) -> None:
+    """Give a ``SentenceTransformer`` whose HF model ``patch_hf`` patched the ``SentenceModel``
+    subclass (its class name becomes "Fusedenc" + its own), once."""
+    if not isinstance(model, SentenceModel):
+        patched_classes.mix_in(model, SentenceModel)

@@ -1,0 +1,143 @@
+"""sentence-transformers models on fusedenc (CPU): ``patch_hf`` takes a ``SentenceTransformer``,
+and its ``encode()`` then gives what the unpatched model's gives, in every pooling mode and
+with its options (prompts, ``normalize_embeddings``, ``convert_to_tensor`` /
+``convert_to_numpy``, ``batch_size``, token embeddings); ``sentence_embeddings`` takes the
+model and what its ``tokenize()`` returns.  The models are small random BERT, RoBERTa and
+XLM-R ones (tests/st_helpers.py); on a GPU, tests/test_sentence_transformers_gpu.py checks
+the in-graph pooling against fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed (the test extra has it)")
+
+import st_helpers  # noqa: E402
+
+import fusedenc  # noqa: E402
+from fusedenc.hf import embedded, sentences  # noqa: E402
+
+MODEL_TYPES = ["bert", "roberta", "xlm-roberta"]
+TOL = dict(rtol=1e-4, atol=1e-5)  # fp32 on the CPU: the same math, reassociated
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("st-models")
+    return {t: st_helpers.hf_model_dir(root, t, seed=11 + i) for i, t in enumerate(MODEL_TYPES)}
+
+
+def _texts(gen, n: int = 23) -> list[str]:
+    """``n`` real sentences of mixed lengths (a few longer than the model's 32-token limit below)."""
+    pool = st_helpers.sentences()
+    picks = torch.randint(0, len(pool), (n,), generator=gen).tolist()
+    return [pool[i] for i in picks] + ["A", " ".join(pool[:6])]
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("pooling", ["mean", "cls", "max", "mean_sqrt_len_tokens"])
+@pytest.mark.parametrize("normalize", [True, False], ids=["Normalize", "no-Normalize"])
+def test_encode_gives_the_unpatched_models_embeddings(model_dirs, model_type, pooling, normalize, gen):
+    patched, ref = st_helpers.patched_pair(model_dirs[model_type], pooling=pooling, normalize=normalize,
+                                           max_seq_length=32)  # fmt: skip
+    texts = _texts(gen)
+    for kw in ({}, {"batch_size": 5}, {"normalize_embeddings": True}, {"prompt": "query: "},
+               {"convert_to_tensor": True}, {"batch_size": 1, "convert_to_numpy": True}):  # fmt: skip
+        got, want = patched.encode(texts, **kw), ref.encode(texts, **kw)
+        assert type(got) is type(want), kw
+        got_t, want_t = (torch.as_tensor(x) for x in (got, want))
+        assert got_t.dtype == want_t.dtype and got_t.shape == want_t.shape == (len(texts), st_helpers.WIDTH), kw
+        torch.testing.assert_close(got_t, want_t, **TOL, msg=f"{model_type} {pooling} {kw} seed {gen.seed_value}")
+    # token embeddings (every real token of each text) and a single text
+    for g, w in zip(patched.encode(texts[:4], output_value="token_embeddings"),
+                    ref.encode(texts[:4], output_value="token_embeddings")):  # fmt: skip
+        torch.testing.assert_close(g, w, **TOL)
+    torch.testing.assert_close(torch.as_tensor(patched.encode(texts[0])), torch.as_tensor(ref.encode(texts[0])), **TOL)
+
+
+def test_patch_hf_takes_a_freshly_built_sentence_transformer(model_dirs):
+    model = st_helpers.sentence_model(model_dirs["bert"])
+    assert model.training  # as SentenceTransformer(modules=...) leaves it
+    hf_model = model[0].auto_model
+    assert fusedenc.patch_hf(model) is model
+    assert not model.training and type(model).__name__ == "FusedencSentenceTransformer"
+    assert isinstance(model, sentences.SentenceModel) and isinstance(hf_model, embedded.EmbeddedModel)
+    assert fusedenc.patch_hf(model) is model  # a second call changes nothing
+    copy_ = fusedenc.patch_hf(st_helpers.sentence_model(model_dirs["roberta"]), inplace=False)
+    assert isinstance(copy_, sentences.SentenceModel)
+
+
+def test_prompt_excluded_from_pooling_and_encode_query(model_dirs, gen):
+    patched, ref = st_helpers.patched_pair(model_dirs["bert"], include_prompt=False)
+    patched.prompts = ref.prompts = {"query": "query: ", "document": ""}
+    texts = _texts(gen, 7)
+    torch.testing.assert_close(torch.as_tensor(patched.encode(texts, prompt_name="query")),
+                               torch.as_tensor(ref.encode(texts, prompt_name="query")), **TOL)  # fmt: skip
+    torch.testing.assert_close(torch.as_tensor(patched.encode_query(texts)), torch.as_tensor(ref.encode_query(texts)),
+                               **TOL)  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_sentence_embeddings_take_the_model_and_its_tokenize_output(model_dirs, model_type, gen):
+    patched, ref = st_helpers.patched_pair(model_dirs[model_type], max_seq_length=32)
+    texts = _texts(gen, 9)
+    features = ref.tokenize(texts)
+    assert "modality" in features or len(features) == 3  # sentence-transformers 6 adds the modality
+    for model in (patched, ref):
+        got = fusedenc.sentence_embeddings(model, **features)
+        assert got.dtype == torch.float32 and got.shape == (len(texts), st_helpers.WIDTH)
+        torch.testing.assert_close(got, ref.encode(texts, convert_to_tensor=True), **TOL)
+    no_norm_patched, no_norm_ref = st_helpers.patched_pair(model_dirs[model_type], normalize=False, max_seq_length=32)
+    want = no_norm_ref.encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(fusedenc.sentence_embeddings(no_norm_patched, **features), want, **TOL)
+    torch.testing.assert_close(fusedenc.sentence_embeddings(no_norm_patched, **features, normalize=True),
+                               torch.nn.functional.normalize(want, dim=1), **TOL)  # fmt: skip
+
+
+def test_sentence_embeddings_refuse_what_a_sentence_transformer_cannot_take(model_dirs, gen):
+    patched, _ = st_helpers.patched_pair(model_dirs["bert"])
+    features = patched.tokenize(_texts(gen, 3))
+    with pytest.raises(ValueError, match="normalize=False, but .* ends in a Normalize module"):
+        fusedenc.sentence_embeddings(patched, **features, normalize=False)
+    with pytest.raises(TypeError, match=r"unexpected arguments \['pixel_values'\]"):
+        fusedenc.sentence_embeddings(patched, **features, pixel_values=torch.zeros(1))
+    with pytest.raises(TypeError, match="input_ids must be a 2-D integer tensor"):
+        fusedenc.sentence_embeddings(patched, features["input_ids"].float(), features["attention_mask"])
+    bad = dict(features, input_ids=features["input_ids"].clone())
+    bad["input_ids"][0, 1] = 10_000
+    with pytest.raises(IndexError, match="input_ids holds 10000, outside the model's vocabulary"):
+        fusedenc.sentence_embeddings(patched, **bad)
+
+
+def test_encode_pools_in_the_graph_where_the_short_path_runs(model_dirs, gen, monkeypatch):
+    """Where the patched model's graph can pool (mean, text, the short path running: a GPU),
+    ``encode()`` takes the graph's ``[B, D]`` and runs no Pooling module; token embeddings and
+    other pooling modes never ask for it.  On the CPU the graph does not run, so its pooled
+    call is replaced by the reference (the mean over real tokens, normalized), counted."""
+    calls = []
+
+    def pooled_call(self, ids, mask, types, normalize):
+        calls.append((tuple(ids.shape), normalize))
+        hidden = self(input_ids=ids, attention_mask=mask, token_type_ids=types)[0].float()
+        pooled = fusedenc.varlen.masked_mean_pool(hidden, mask)
+        return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
+
+    monkeypatch.setattr(embedded.EmbeddedModel, "_fusedenc_pooled_call", pooled_call)
+    texts = _texts(gen, 11)
+    for normalize in (True, False):
+        patched, ref = st_helpers.patched_pair(model_dirs["bert"], normalize=normalize)
+        pooling_runs = []
+        patched[1].register_forward_hook(lambda *a: pooling_runs.append(1))
+        calls.clear()
+        got = patched.encode(texts, batch_size=4)
+        assert [n for _, n in calls] == [normalize] * 4 and pooling_runs == []  # 13 texts, 4 a batch
+        np.testing.assert_allclose(got, ref.encode(texts, batch_size=4), rtol=1e-4, atol=1e-5)
+        calls.clear()
+        patched.encode(texts[:3], output_value="token_embeddings")
+        patched.encode(texts[:3], output_value=None)
+        assert calls == [] and len(pooling_runs) == 2
+    cls_model, _ = st_helpers.patched_pair(model_dirs["bert"], pooling="cls")
+    cls_model.encode(texts[:3])
+    assert calls == []
