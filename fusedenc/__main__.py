@@ -38,16 +38,22 @@ def report() -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["embed"]:  # python -m fusedenc embed MODEL INPUT -o OUTPUT
+        from .embed.cli import main as embed_main
+
+        return embed_main(argv[1:])
     # argparse for its --help (usage, exit 0) and for refusing what it does not know (usage
     # on stderr, exit 2): an unknown argument is a typo, not a request for the status.
     ap = argparse.ArgumentParser(
         prog="python -m fusedenc",
         description="Print what this fusedenc installation runs on: its native core (or why there is none), "
                     "the torch it runs with, and whether GPU tensors take the fused kernels.",
-        epilog="Related: python -m fusedenc.lc0 (lc0 networks: describe, eval, synth), "
+        epilog="Related: python -m fusedenc embed MODEL INPUT -o OUTPUT (embeddings of a corpus), "
+               "python -m fusedenc.lc0 (lc0 networks: describe, eval, synth), "
                "python -m fusedenc.tune (tuning tables).",
     )  # fmt: skip
-    ap.parse_args(sys.argv[1:] if argv is None else argv)
+    ap.parse_args(argv)
     print("\n".join(report()))
     return 0
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ATOL", "BY_NAME", "SUPPORTED", "code", "from_code", "name"]
+__all__ = ["ATOL", "BY_NAME", "CLI_NAMES", "SUPPORTED", "code", "from_code", "name"]
 
 #: Dtypes the ops accept, in the core's code order (``fusedenc::DType`` in
 #: csrc/common.h): fp16/bf16 are the fast path; fp32 accumulates in fp32
@@ -19,6 +19,10 @@ SUPPORTED: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float
 
 #: Name (as tuning files, tables and CLIs spell it) -> dtype.
 BY_NAME: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+#: What the commands' ``--dtype`` takes (the Lc0 CLI, the embedding command): short names too.
+CLI_NAMES: dict[str, torch.dtype] = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
+                                     "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}  # fmt: skip
 
 _NAMES = {dtype: n for n, dtype in BY_NAME.items()}
 _CODES = {dtype: i for i, dtype in enumerate(SUPPORTED)}

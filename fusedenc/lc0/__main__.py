@@ -44,6 +44,7 @@ from typing import Any, Optional, TextIO
 import torch
 
 from ..common.device import parse_devices
+from ..common.dtypes import CLI_NAMES
 from ..tune.cli import int_list
 from ..tune.timing import time_graph
 from .errors import Lc0FileError, Lc0FormatError, reason
@@ -53,8 +54,7 @@ from .network import Lc0Network
 from .support import check_supported
 
 PROG = "python -m fusedenc.lc0"
-DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp32": torch.float32, "float32": torch.float32}  # fmt: skip
+DTYPES = CLI_NAMES
 
 
 class InputError(Exception):

@@ -1,0 +1,229 @@
+"""Embedding a list of texts the fast way: tokenized in worker threads, sorted by length,
+cut into batches by a token budget (so a batch of short sentences holds many and a batch of
+passages few), each batch handed over as host tensors to ``sentence_embeddings`` (one copy
+from pinned memory, the pooling inside the patched model's graph), the results copied back
+once per group of batches so that copies overlap the GPU's work.  ``encode`` is the Python
+API; ``python -m fusedenc embed`` (``cli.py``) runs it over a file."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..hf import real_models
+from ..hf.patch import patch_hf
+from ..hf.sentences import sentence_embeddings, sentence_parts
+from .texts import InputError
+
+__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_model"]
+
+#: Padded tokens a batch may hold (batch size x its longest sequence), TEI's default; the
+#: number of sequences a batch may hold is capped by the graphs' largest batch bucket.
+DEFAULT_MAX_BATCH_TOKENS = 16384
+MAX_BATCH_SEQUENCES = 1024
+#: Texts a tokenizer call takes: large enough to amortize its Python, small enough to spread.
+_TOKENIZE_CHUNK = 2048
+#: Batches whose results are copied back to the host together (one sync).
+_COPY_EVERY = 32
+
+
+@dataclass
+class Model:
+    """A model ready to embed: the (patched) module, its fast tokenizer, the longest sequence
+    it takes, and a label for reports."""
+
+    module: nn.Module
+    tokenizer: Any
+    max_length: int
+    label: str
+    device: torch.device
+    dtype: torch.dtype
+    token_types: bool = field(default=False)
+
+
+def load_model(spec: str, *, device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Model:
+    """``spec``: ``"minilm"`` (the real-models extra's all-MiniLM-L6-v2), a sentence-transformers
+    folder (with ``modules.json``) or a Hugging Face model folder (mean pooling, normalized).
+    ``device``: default the GPU if there is one; ``dtype``: default float16 on a GPU, float32
+    on a CPU.  The model is patched (``patch_hf``); one that is not BERT-family is refused."""
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {dev}: no GPU visible to PyTorch ({torch.__version__})")
+    dt = dtype if dtype is not None else (torch.float16 if dev.type == "cuda" else torch.float32)
+    if spec == "minilm":
+        try:
+            folder = real_models.minilm_dir()
+        except real_models.RealModelMissing as exc:
+            raise InputError(str(exc)) from None
+    else:
+        folder = Path(spec)
+        if not folder.is_dir() or not (folder / "config.json").is_file():
+            raise InputError(f"{spec}: not a model folder (a Hugging Face or sentence-transformers folder holding "
+                             f"config.json), nor 'minilm'")  # fmt: skip
+    try:
+        import transformers
+    except ImportError:
+        raise InputError("embedding needs transformers: pip install transformers") from None
+    # transformers' loading progress bars and notices would bury the command's own lines
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        module, tokenizer, max_length = _load(folder, dev, dt, transformers)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        transformers.utils.logging.enable_progress_bar()
+    if not getattr(tokenizer, "is_fast", False):
+        raise InputError(f"{spec}: its tokenizer is not a fast (Rust) tokenizer; fusedenc embeds with fast ones")
+    try:
+        patch_hf(module)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{spec}: fusedenc embeds BERT-family models (BERT, RoBERTa, XLM-R, ...): {exc}") from None
+    hf_model = sentence_parts(module).hf_model if sentence_parts(module) else module
+    token_types = "token_type_ids" in tokenizer.model_input_names and getattr(hf_model.config, "type_vocab_size", 0) > 1
+    return Model(module, tokenizer, max_length, spec, dev, dt, token_types)
+
+
+def _load(folder: Path, dev: torch.device, dt: torch.dtype, transformers: Any) -> tuple[nn.Module, Any, int]:
+    """(module, tokenizer, longest sequence) of a sentence-transformers or Hugging Face folder."""
+    if (folder / "modules.json").is_file() and _has_sentence_transformers():
+        from sentence_transformers import SentenceTransformer
+
+        module = SentenceTransformer(str(folder), device=str(dev), local_files_only=True)
+        module.to(dt)
+        tokenizer = module.tokenizer
+        max_length = int(module.max_seq_length or tokenizer.model_max_length)
+    else:
+        module = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True)
+        module = module.to(device=dev, dtype=dt).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        max_length = _max_length(module, tokenizer, folder)
+    return module, tokenizer, max_length
+
+
+def _has_sentence_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sentence_transformers") is not None
+
+
+def _max_length(model: nn.Module, tokenizer: Any, folder: Path) -> int:
+    """The longest sequence: sentence-transformers' setting where the folder has one, else the
+    smaller of the tokenizer's and the position table's (RoBERTa's table starts past its pad)."""
+    import json
+
+    st_config = folder / "sentence_bert_config.json"
+    if st_config.is_file():
+        return int(json.loads(st_config.read_text())["max_seq_length"])
+    positions = int(getattr(model.config, "max_position_embeddings", 512))
+    if getattr(model.config, "model_type", "") in ("roberta", "xlm-roberta", "camembert", "data2vec-text"):
+        positions -= int(getattr(model.config, "pad_token_id", 1) or 1) + 1
+    return min(positions, int(tokenizer.model_max_length) if tokenizer.model_max_length < 10**6 else positions)
+
+
+@dataclass
+class EncodeStats:
+    texts: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+
+    @property
+    def texts_per_s(self) -> float:
+        return self.texts / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _tokenize(model: Model, texts: Sequence[str], truncate: bool, first_row: Callable[[int], Any],
+              workers: int) -> tuple[list[list[int]], int]:  # fmt: skip
+    """Token ids of every text (special tokens included), truncated to ``model.max_length``
+    (counted) or refused (``truncate=False``), tokenized in ``workers`` threads (a fast
+    tokenizer's batch call runs outside the GIL)."""
+    tok = model.tokenizer
+
+    def run(chunk: Sequence[str]) -> list[list[int]]:
+        return tok(list(chunk), add_special_tokens=True, truncation=False, return_attention_mask=False,
+                   return_token_type_ids=False, verbose=False)["input_ids"]  # fmt: skip
+
+    chunks = [texts[i:i + _TOKENIZE_CHUNK] for i in range(0, len(texts), _TOKENIZE_CHUNK)]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        ids = [row for part in pool.map(run, chunks) for row in part]
+    long = [i for i, row in enumerate(ids) if len(row) > model.max_length]
+    if long and not truncate:
+        raise InputError(f"{first_row(long[0])}: {len(ids[long[0]])} tokens, more than the model's "
+                         f"{model.max_length} ({len(long)} such texts; without --no-truncate they are truncated)")  # fmt: skip
+    for i in long:  # keep the closing special token: the model was trained on [CLS] ... [SEP]
+        ids[i] = ids[i][:model.max_length - 1] + ids[i][-1:]
+    return ids, len(long)
+
+
+def batches_by_tokens(lengths: np.ndarray, max_batch_tokens: int,
+                      max_sequences: int = MAX_BATCH_SEQUENCES) -> list[np.ndarray]:  # fmt: skip
+    """Indices of ``lengths`` sorted longest first, cut into batches whose padded size (count x
+    longest) stays within ``max_batch_tokens`` (a text longer than the budget is a batch of
+    its own)."""
+    order = np.argsort(-lengths, kind="stable")
+    out, start = [], 0
+    while start < len(order):
+        longest = int(lengths[order[start]])
+        count = max(1, min(max_sequences, max_batch_tokens // max(longest, 1)))
+        out.append(order[start:start + count])
+        start += count
+    return out
+
+
+def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+           truncate: bool = True, row_name: Optional[Callable[[int], Any]] = None,
+           progress: Optional[Callable[[int], None]] = None, workers: Optional[int] = None) -> tuple[np.ndarray, EncodeStats]:  # fmt: skip
+    """Float32 ``[len(texts), D]`` embeddings of ``texts`` in their order, and what it took.
+    ``row_name(i)`` names text ``i`` in errors; ``progress(n)`` is told of every ``n`` texts done."""
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+    t0 = time.perf_counter()
+    stats = EncodeStats(texts=len(texts))
+    workers = workers or min(4, os.cpu_count() or 1)
+    ids, stats.truncated = _tokenize(model, texts, truncate, row_name or (lambda i: f"text {i}"), workers)
+    lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
+    stats.tokens = int(lengths.sum())
+    pad = model.tokenizer.pad_token_id or 0
+    out: Optional[np.ndarray] = None
+    pending: list[tuple[np.ndarray, torch.Tensor]] = []
+
+    def flush() -> None:
+        nonlocal out
+        if not pending:
+            return
+        done = torch.cat([e for _, e in pending]).float().cpu().numpy()  # the one sync per group
+        if out is None:
+            out = np.empty((len(texts), done.shape[1]), dtype=np.float32)
+        out[np.concatenate([rows for rows, _ in pending])] = done
+        if progress is not None:
+            progress(done.shape[0])
+        pending.clear()
+
+    with torch.inference_mode():
+        for rows in batches_by_tokens(lengths, max_batch_tokens):
+            longest = int(lengths[rows[0]])
+            batch = np.full((len(rows), longest), pad, dtype=np.int64)
+            mask = np.zeros((len(rows), longest), dtype=np.int64)
+            for j, r in enumerate(rows):
+                n = int(lengths[r])
+                batch[j, :n] = ids[r]
+                mask[j, :n] = 1
+            types = torch.zeros((len(rows), longest), dtype=torch.int64) if model.token_types else None
+            emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask), types)
+            pending.append((rows, emb))
+            stats.batches += 1
+            if len(pending) >= _COPY_EVERY:
+                flush()
+        flush()
+    stats.seconds = time.perf_counter() - t0
+    return out, stats

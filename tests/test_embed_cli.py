@@ -1,0 +1,175 @@
+"""``python -m fusedenc embed`` on the CPU with a small random BERT folder (tests/st_helpers.py):
+its embeddings equal sentence-transformers' mean pooling + Normalize over the same folder,
+in input order, for every input and output format, through chunks and many batches; bad
+input stops it before anything is written, naming the file and row; a stopped run resumes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed (the test extra has it)")
+
+import st_helpers  # noqa: E402
+
+import fusedenc.embed  # noqa: E402
+from fusedenc.embed import (
+    cli,  # noqa: E402
+    embedding,  # noqa: E402
+)
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return st_helpers.hf_model_dir(tmp_path_factory.mktemp("models"), "bert", seed=3)
+
+
+@pytest.fixture(scope="module")
+def texts():
+    pool = st_helpers.sentences()
+    return list(pool[:40]) + [" ".join(pool[40:60])]  # the last is longer than the model's 140 tokens
+
+
+@pytest.fixture(scope="module")
+def reference(folder, texts):
+    model = st_helpers.sentence_model(folder, max_seq_length=140).eval()
+    return model.encode(texts, convert_to_numpy=True)
+
+
+def _run(args, capsys) -> tuple[int, str]:
+    rc = cli.main([str(a) for a in args])
+    return rc, capsys.readouterr().err
+
+
+def test_txt_to_npy_equals_sentence_transformers(folder, texts, reference, tmp_path, capsys):
+    src = tmp_path / "corpus.txt"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out = tmp_path / "emb.npy"
+    rc, err = _run([folder, src, "-o", out, "--max-batch-tokens", "300", "--chunk", "9", "--no-progress"], capsys)
+    assert rc == 0, err
+    got = np.load(out)
+    assert got.dtype == np.float32 and got.shape == (len(texts), st_helpers.WIDTH)
+    np.testing.assert_allclose(got, reference, **TOL)
+    last = err.strip().splitlines()[-1]
+    assert "41 texts" in last and "texts/s" in last and "the whole command" in last, last
+    assert "1 texts longer than the model's 140 tokens were truncated" in err
+    assert not (tmp_path / "emb.npy.progress.json").exists() and not (tmp_path / "emb.npy.partial.npy").exists()
+
+
+def test_jsonl_to_parquet_and_parquet_to_npy(folder, texts, reference, tmp_path, capsys):
+    pq = pytest.importorskip("pyarrow.parquet")
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(json.dumps({"doc": f"d{i}", "body": t}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+    out = tmp_path / "emb.parquet"
+    rc, err = _run([folder, src, "-o", out, "--field", "body", "--id-field", "doc", "--no-progress"], capsys)
+    assert rc == 0, err
+    table = pq.read_table(out)
+    assert table.column("id").to_pylist() == [f"d{i}" for i in range(len(texts))]
+    np.testing.assert_allclose(np.array(table.column("embedding").to_pylist(), dtype=np.float32), reference, **TOL)
+    # the Parquet file as input: its column of texts
+    import pyarrow as pa
+
+    src2 = tmp_path / "corpus.parquet"
+    pq.write_table(pa.table({"passage": texts}), src2)
+    rc, err = _run([folder, src2, "-o", tmp_path / "emb2.npy", "--column", "passage", "--no-progress"], capsys)
+    assert rc == 0, err
+    np.testing.assert_allclose(np.load(tmp_path / "emb2.npy"), reference, **TOL)
+
+
+def test_the_python_api_gives_what_the_command_writes(folder, texts, reference):
+    model = fusedenc.embed.load_model(str(folder), device="cpu")
+    assert model.dtype == torch.float32 and model.max_length == 140  # a CPU picks float32
+    emb, stats = fusedenc.embed.encode(model, texts, max_batch_tokens=500)
+    np.testing.assert_allclose(emb, reference, **TOL)
+    assert stats.texts == len(texts) and stats.truncated == 1 and stats.batches >= 3 and stats.tokens > 0
+
+
+def test_batches_by_tokens_respect_the_budget():
+    lengths = np.array([5, 100, 7, 7, 300, 64, 1, 64])
+    batches = embedding.batches_by_tokens(lengths, 200)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * lengths[b].max() <= 200, b
+        assert (np.diff(lengths[b]) <= 0).all()  # longest first
+    assert [len(b) for b in batches][0] == 1  # 300 > budget: a batch of its own
+
+
+@pytest.mark.parametrize(
+    "content, args, words",
+    [
+        (b"one\n\xff\xfe bad\n", [], ["line 2", "not UTF-8"]),
+        (b"one\n\nthree\n", [], ["line 2", "empty text", "--empty skip"]),
+        (b'{"text": "a"}\n{"body": "b"}\n', ["--suffix", ".jsonl"], ["line 2", "no field 'text'"]),
+        (b'{"text": "a"}\n{"text": 3}\n', ["--suffix", ".jsonl"], ["line 2", "int, not a string"]),
+        (b'{"text": "a"}\nnot json\n', ["--suffix", ".jsonl"], ["line 2", "not JSON"]),
+        (b"one\n", ["--suffix", ".csv"], ["unknown input format '.csv'"]),
+        (b"one\n", ["--out-suffix", ".txt"], ["unknown output format '.txt'"]),
+        (b"one\n", ["--model", "/nonexistent"], ["/nonexistent: not a model folder"]),
+        (b"one\n", ["--dtype", "half"], ["--dtype half"]),
+        (b"word " * 300 + b"\n", ["--no-truncate"], ["line 1", "more than the model's 140"]),
+    ],
+)
+def test_bad_input_exits_2_naming_the_row_and_writes_nothing(folder, tmp_path, capsys, content, args, words):
+    suffix = args[args.index("--suffix") + 1] if "--suffix" in args else ".txt"
+    out_suffix = args[args.index("--out-suffix") + 1] if "--out-suffix" in args else ".npy"
+    model = args[args.index("--model") + 1] if "--model" in args else folder
+    extra = [a for a in args if a.startswith("--no-") or a == "--dtype" or a == "half"]
+    src = tmp_path / f"corpus{suffix}"
+    src.write_bytes(content)
+    out = tmp_path / f"out{out_suffix}"
+    rc, err = _run([model, src, "-o", out, "--no-progress", *extra], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    assert list(tmp_path.glob("out*")) == []
+
+
+def test_empty_texts_skipped_on_request_are_counted(folder, tmp_path, capsys):
+    src = tmp_path / "c.txt"
+    src.write_text("one\n\ntwo\n   \nthree\n", encoding="utf-8")
+    rc, err = _run([folder, src, "-o", tmp_path / "e.npy", "--empty", "skip", "--no-progress"], capsys)
+    assert rc == 0 and "2 empty texts left out (the first: line 2)" in err, err
+    assert np.load(tmp_path / "e.npy").shape == (3, st_helpers.WIDTH)
+
+
+def test_a_model_that_is_not_bert_family_is_refused(tmp_path, capsys):
+    import transformers
+
+    path = tmp_path / "distil"
+    config = transformers.DistilBertConfig(vocab_size=50, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    transformers.DistilBertModel(config).save_pretrained(path)
+    st_helpers._tokenizer().save_pretrained(path)
+    src = tmp_path / "c.txt"
+    src.write_text("one\n", encoding="utf-8")
+    rc, err = _run([path, src, "-o", tmp_path / "e.npy", "--no-progress"], capsys)
+    assert rc == 2 and "fusedenc embeds BERT-family models" in err and "DistilBertModel" in err, err
+
+
+def test_a_stopped_run_resumes_where_it_was(folder, texts, reference, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "corpus.txt"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out = tmp_path / "emb.npy"
+    real = cli.encode
+    calls = []
+
+    def stopping(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the user stops the run during the third chunk
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cli, "encode", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        _run([folder, src, "-o", out, "--chunk", "10", "--no-progress"], capsys)
+    assert not out.exists() and json.loads((tmp_path / "emb.npy.progress.json").read_text())["done"] == [0, 1]
+    calls.clear()
+    monkeypatch.setattr(cli, "encode", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    rc, err = _run([folder, src, "-o", out, "--chunk", "10", "--no-progress"], capsys)
+    assert rc == 0 and "resuming: 2 of 5 chunks already embedded" in err, err
+    assert len(calls) == 3  # only the chunks not yet done
+    np.testing.assert_allclose(np.load(out), reference, **TOL)
