@@ -300,6 +300,27 @@ def test_host_worker_processes(net_file, cpu_net):
         _same(got, want)
 
 
+def test_a_killed_host_worker_fails_no_future(net_file, cpu_net):
+    """A host worker killed (SIGKILL, as the OOM killer does) while thousands of positions are
+    queued: a new one takes its place, every position is answered as without the kill, no
+    future fails, later submits work, and ``stats()`` counts the restart."""
+    import os
+    import signal
+
+    positions = _positions(400, seed=5) * 6  # 2,400 queued
+    expected = cpu_net.evaluate(positions[:400])
+    with Evaluator(net_file, devices="cpu", dtype=torch.float32, host_workers=2, max_batch=64) as ev:
+        futures = ev.submit_many(positions)
+        os.kill(ev._workers[0]._procs[0].pid, signal.SIGKILL)
+        results = [f.result(timeout=120) for f in futures]
+        later = ev.submit(positions[3]).result(timeout=60)
+        stats = ev.stats()
+    assert stats["host_worker_restarts"] >= 1 and stats["failed"] == 0
+    for i, got in enumerate(results):
+        _same(got, expected[i % 400])
+    _same(later, expected[3])
+
+
 def test_lazy_evaluations_equal_eager_ones(net_file):
     """The Evaluator's evaluations read their batch's arrays when asked: every field, ``repr``,
     ``to_dict``, ``top`` and the JSON lines equal those of an ``Evaluation`` made eagerly from

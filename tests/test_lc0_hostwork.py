@@ -58,23 +58,53 @@ def test_an_exception_in_a_worker_is_raised_by_result():
         workers.close()
 
 
-def test_a_dead_worker_fails_its_batches_and_close_returns():
+def test_a_killed_worker_is_replaced_and_its_batches_run_again():
+    """A worker killed (SIGKILL: what the OOM killer sends) with batches queued on it: a new
+    worker takes its place, gets every batch it held again, in order, and no batch fails;
+    ``restarts`` counts it.  Then it dies again while holding batches: the same."""
     workers = hostwork.Workers(2)
     try:
-        os.kill(workers._procs[0].pid, signal.SIGKILL)
-        workers._procs[0].join(timeout=10)
-        jobs = [workers.submit(hostwork.pack(POSITIONS), FORMAT, None) for _ in range(4)]  # dealt 0, 1, 0, 1
-        for k, job in enumerate(jobs):
-            if k % 2:
-                _same(job.result(), hostwork.prepare_batch(POSITIONS, FORMAT))
-            else:
-                with pytest.raises(RuntimeError, match=r"fusedenc host worker 0 is gone \(exit code -9"):
-                    job.result()
+        for round_ in (1, 2):
+            os.kill(workers._procs[0].pid, signal.SIGKILL)
+            workers._procs[0].join(timeout=10)
+            batches = [POSITIONS[i:] + POSITIONS[:i] for i in range(6)]
+            jobs = [workers.submit(hostwork.pack(b), FORMAT, None) for b in batches]  # dealt 0, 1, 0, 1, ...
+            for job, batch in zip(jobs, batches, strict=True):
+                _same(job.result(), hostwork.prepare_batch(batch, FORMAT))
+            assert workers.restarts == round_
     finally:
         t0 = time.monotonic()
         workers.close()
         assert time.monotonic() - t0 < 15
     assert len(workers) == 0
+
+
+def test_a_batch_that_kills_every_worker_fails_alone(monkeypatch):
+    """A batch during which workers die again and again (here each worker kills itself when it
+    gets it) fails after ``MAX_DEATHS_IN_A_ROW`` deaths with the reason; the batches behind it
+    on the same worker still run."""
+    if not hostwork.forked():
+        pytest.skip("the patched task reaches the workers only where they are forked")
+    real = hostwork._TASKS["prepare_batch"]
+
+    def deadly(positions, *args):
+        if hostwork.unpack(positions)[0] == "deadly":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(positions, *args)
+
+    monkeypatch.setitem(hostwork._TASKS, "prepare_batch", deadly)  # in every worker forked from here on
+    workers = hostwork.Workers(1)
+    try:
+        good = workers.submit(hostwork.pack(POSITIONS), FORMAT, None)
+        bad = workers.submit(hostwork.pack(["deadly"]), FORMAT, None)
+        after = workers.submit(hostwork.pack(POSITIONS[1:]), FORMAT, None)
+        _same(good.result(), hostwork.prepare_batch(POSITIONS, FORMAT))
+        with pytest.raises(RuntimeError, match=r"host worker 0 died 3 times in a row on this batch \(last exit code -9"):
+            bad.result()
+        _same(after.result(), hostwork.prepare_batch(POSITIONS[1:], FORMAT))
+        assert workers.restarts == 3
+    finally:
+        workers.close()
 
 
 def test_in_process_jobs_and_bad_counts():

@@ -579,13 +579,16 @@ class Evaluator:
         self.close()
 
     def stats(self) -> dict[str, Any]:
-        """``{"positions", "failed", "batches", "mean_batch", "devices": {device: the same, and
+        """``{"positions", "failed", "batches", "mean_batch", "host_worker_restarts" (workers that
+        died and were replaced, their batches run again), "devices": {device: the same, and
         "seconds": wall time per stage (slot_wait and queue_wait: the gather thread waiting for
         a free slot and for positions; host_wait, launch, gpu_wait, decode), "trip_ms": where a
         batch's trip waits (``evalstats.Trips.medians_ms``)}}``: a stage busy for most of the wall
         time is the one that limits."""
         with self._lock:
             out = self._stats.as_dict()
+            # Host workers that died (killed, out of memory) and were replaced; their batches ran again.
+            out["host_worker_restarts"] = sum(w.restarts for w in self._workers)
             out["devices"] = {str(r.device): {**r.stats.as_dict(), "seconds": dict(r.seconds),
                                               "trip_ms": r.trips.medians_ms()} for r in self._replicas}
         return out

@@ -20,11 +20,13 @@ has for everything.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import mmap
 import multiprocessing
 import pickle
 import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -252,32 +254,47 @@ class Workers:
     own): the warning is about children that take locks those threads might hold, which these
     do not (numpy arrays in, numpy arrays out).  A worker ignores Ctrl-C (the parent stops it)."""
 
+    #: Deaths of one worker in a row (no answer between them) after which the batch at the head
+    #: of its queue, the likeliest cause, fails instead of being sent to a new worker again.
+    MAX_DEATHS_IN_A_ROW = 3
+
     def __init__(self, count: int) -> None:
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
-        ctx = multiprocessing.get_context(_start_method())
+        self._ctx = multiprocessing.get_context(_start_method())
         self._conns: list[Any] = []
         self._procs: list[Any] = []
         self._turn = itertools.cycle(range(count))
+        # Per worker: the messages sent and not yet answered, in order (sent again to the
+        # worker that replaces one that died), the lock that orders sending against a
+        # replacement, and its deaths since its last answer.
+        self._pending: list[collections.deque] = [collections.deque() for _ in range(count)]
+        self._locks = [threading.Lock() for _ in range(count)]
+        self._deaths = [0] * count
+        self.restarts = 0  # workers replaced after dying
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
-                for _ in range(count):
-                    mine, theirs = ctx.Pipe(duplex=True)
-                    proc = ctx.Process(target=_serve, args=(theirs,), name="fusedenc-host-worker", daemon=True)
-                    proc.start()
-                    theirs.close()
-                    self._conns.append(mine)
-                    self._procs.append(proc)
+            for _ in range(count):
+                conn, proc = self._start()
+                self._conns.append(conn)
+                self._procs.append(proc)
             for k in range(count):  # each worker's imports done before the first batch
                 self._conns[k].send_bytes(pickle.dumps(("warm_up", ())))
             for k in range(count):  # and a worker that cannot answer fails the Evaluator's start, not a batch
-                ok, value = self._receive(k)
+                ok, value = pickle.loads(self._conns[k].recv_bytes())
                 if not ok:
                     raise value
         except BaseException:
             self.close()
             raise
+
+    def _start(self) -> tuple[Any, Any]:
+        mine, theirs = self._ctx.Pipe(duplex=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+            proc = self._ctx.Process(target=_serve, args=(theirs,), name="fusedenc-host-worker", daemon=True)
+            proc.start()
+        theirs.close()
+        return mine, proc
 
     def __len__(self) -> int:
         return len(self._procs)
@@ -285,25 +302,76 @@ class Workers:
     def submit(self, *args: Any) -> Job:
         """Send ``prepare_batch(*args)`` to the next worker in turn (no wait for the answer)."""
         k = next(self._turn)
-        try:
-            self._conns[k].send_bytes(pickle.dumps(("prepare_batch", args), pickle.HIGHEST_PROTOCOL))
-        except (OSError, ValueError) as exc:  # the worker is gone (its pipe broken or closed)
-            return Job(self, k, (False, self._gone(k, exc)))
+        message = pickle.dumps(("prepare_batch", args), pickle.HIGHEST_PROTOCOL)
+        with self._locks[k]:
+            if not self._conns:
+                return Job(self, k, (False, RuntimeError("fusedenc host workers are closed")))
+            self._pending[k].append(message)
+            try:
+                self._conns[k].send_bytes(message)
+            except (OSError, ValueError):
+                pass  # the worker is gone: the thread waiting on it starts another and sends this again
         return Job(self, k)
 
     def _receive(self, k: int) -> tuple[bool, Any]:
-        try:
-            return pickle.loads(self._conns[k].recv_bytes())
-        except (EOFError, OSError, ValueError) as exc:
-            return False, self._gone(k, exc)
+        """The answer to worker ``k``'s oldest batch.  A worker that died (killed, out of
+        memory) is replaced and sent again every batch it held, in order; only a batch during
+        which workers die ``MAX_DEATHS_IN_A_ROW`` times in a row fails, with the reason."""
+        while True:
+            conn = self._conns[k] if self._conns else None
+            if conn is None:
+                return False, RuntimeError("fusedenc host workers are closed")
+            try:
+                answer = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError, ValueError) as exc:
+                failed = self._replace(k, conn, exc)
+                if failed is not None:
+                    return False, failed
+                continue
+            with self._locks[k]:
+                if self._pending[k]:
+                    self._pending[k].popleft()
+                self._deaths[k] = 0
+            return answer
 
-    def _gone(self, k: int, exc: BaseException) -> RuntimeError:
-        code = self._procs[k].exitcode if k < len(self._procs) else None
-        return RuntimeError(f"fusedenc host worker {k} is gone (exit code {code}; {type(exc).__name__}): "
-                            "the batches it held failed; close the Evaluator and make a new one")
+    def _replace(self, k: int, dead: Any, exc: BaseException) -> Optional[RuntimeError]:
+        """Start a new worker ``k`` in place of the one behind pipe ``dead`` and send it the
+        batches that one held; the error of the batch that failed instead, if workers kept
+        dying on it."""
+        with self._locks[k]:
+            if not self._conns:
+                return RuntimeError("fusedenc host workers are closed")
+            if self._conns[k] is not dead:  # replaced meanwhile
+                return None
+            proc = self._procs[k]
+            proc.join(timeout=5)
+            code = proc.exitcode
+            self._deaths[k] += 1
+            failed = None
+            if self._deaths[k] >= self.MAX_DEATHS_IN_A_ROW and self._pending[k]:
+                self._pending[k].popleft()
+                self._deaths[k] = 0
+                failed = RuntimeError(
+                    f"fusedenc host worker {k} died {self.MAX_DEATHS_IN_A_ROW} times in a row on this batch (last exit "
+                    f"code {code}; {type(exc).__name__}): the batch failed; the other batches go on")  # fmt: skip
+            dead.close()
+            self._conns[k], self._procs[k] = self._start()
+            self.restarts += 1
+            for message in self._pending[k]:
+                self._conns[k].send_bytes(message)
+            return failed
 
     def close(self) -> None:
         """Stop the workers (each finishes the batch it holds) and wait for them."""
+        for lock in self._locks:  # no replacement starts while they stop
+            lock.acquire()
+        try:
+            self._stop()
+        finally:
+            for lock in self._locks:
+                lock.release()
+
+    def _stop(self) -> None:
         for conn in self._conns:
             try:
                 conn.send_bytes(b"")
