@@ -183,7 +183,8 @@ def test_core_is_the_only_caller_of_the_native_core(allowed):
 
 #: The folders of ``fusedenc``, lowest first (configs: the shipped tables, data only): a module may import its own folder and the
 #: folders before its own, never one after it (docs/ARCHITECTURE.md draws this picture).
-LAYERS = ("configs", "common", "core", "ops", "fp8", "attention", "graphs", "varlen", "encoder", "hf", "tune", "lc0", "embed")
+LAYERS = ("configs", "common", "core", "ops", "fp8", "attention", "graphs", "varlen", "encoder", "hf", "tune", "lc0",
+          "embed", "distributed")
 #: The modules beside the folders: the public surface, which may import any folder, and two
 #: re-exports that keep the module names earlier releases documented working.
 TOP = {"fusedenc", "fusedenc.__main__", "fusedenc.report", "fusedenc.testing",

@@ -1,0 +1,84 @@
+"""fusedenc on a Ray cluster: sentence embeddings and Lc0 position evaluation over a
+``ray.data.Dataset``, one model per actor (one actor per GPU by default), each actor running
+the single-machine code (``fusedenc.embed.encode``: sorted, token-budget batches on the
+patched model's graph; ``Lc0Network.evaluate``: the Evaluator's encoding and decoding).
+
+Ray is imported only when a function here runs: ``pip install "fusedenc[ray]"``.  Actors that
+die (a killed process, a lost node) are restarted and their blocks run again, so every input
+row appears exactly once in the output; a row that cannot be computed (an empty text, an
+illegal FEN) gets its ``error`` column set and the job goes on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["embed", "evaluate_positions", "ray_or_exit"]
+
+#: Rows a block hands an actor at once: enough for the token-budget batches inside it to be
+#: large and sorted, small enough that a restarted actor redoes little.
+BLOCK_ROWS = 4096
+
+
+def ray_or_exit() -> Any:
+    """The ``ray`` module, or ``ImportError`` saying how to install it."""
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise ImportError('fusedenc.distributed needs Ray Data: pip install "fusedenc[ray]"') from None
+    return ray
+
+
+def _actor_options(ray: Any, num_gpus: Optional[float]) -> tuple[float, int]:
+    """(GPUs an actor takes, how many actors): one a GPU where the cluster has GPUs, else one
+    CPU actor."""
+    gpus = float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
+    if num_gpus is None:
+        num_gpus = 1.0 if gpus else 0.0
+    count = max(1, int(gpus // num_gpus)) if num_gpus else 1
+    return num_gpus, count
+
+
+#: Ray's own retries: an actor restarted without limit, a task run again on the new one.
+_RETRIES = {"max_restarts": -1, "max_task_retries": -1}
+
+
+def embed(dataset: Any, model: str, *, text_column: str = "text", output_column: str = "embedding",
+          concurrency: Optional[int] = None, num_gpus: Optional[float] = None, device: Optional[str] = None,
+          dtype: Optional[str] = None, max_batch_tokens: Optional[int] = None, truncate: bool = True,
+          block_rows: int = BLOCK_ROWS) -> Any:  # fmt: skip
+    """``dataset`` with ``output_column`` (float32 ``[D]`` a row, NaN for a row that failed) and
+    ``error`` (None, or why the row has no embedding) added.  ``model``: what
+    ``fusedenc.embed.load_model`` takes (a folder on every node, or ``"minilm"``).
+    ``concurrency``: actors (default one a GPU, or one); ``num_gpus``: GPUs an actor takes
+    (default 1 where the cluster has GPUs, else 0: CPU actors)."""
+    ray = ray_or_exit()
+    gpus, actors = _actor_options(ray, num_gpus)
+    from .actors import Embedder
+
+    return dataset.map_batches(
+        Embedder, batch_format="numpy", batch_size=block_rows, concurrency=concurrency or actors, num_gpus=gpus,
+        fn_constructor_kwargs=dict(model=model, text_column=text_column, output_column=output_column,
+                                   device=device, dtype=dtype, max_batch_tokens=max_batch_tokens, truncate=truncate),
+        **_RETRIES)  # fmt: skip
+
+
+def evaluate_positions(dataset: Any, net: str, *, fen_column: str = "fen", moves_column: Optional[str] = None,
+                       concurrency: Optional[int] = None, num_gpus: Optional[float] = None,
+                       device: Optional[str] = None, dtype: Optional[str] = None, temperature: float = 1.0,
+                       top: Optional[int] = None, block_rows: int = BLOCK_ROWS) -> Any:  # fmt: skip
+    """``dataset`` with the net's evaluation of each position added: ``best_move``, ``moves``
+    and ``probs`` (every legal move, or the ``top`` most probable, most probable first),
+    ``wdl``, ``q``, ``moves_left`` and ``error`` (None, or why the row has no evaluation).
+    ``fen_column``: a FEN (or "startpos") a row; ``moves_column``: the UCI moves played since,
+    a list or a space-separated string.  ``net``: an lc0 net file on every node."""
+    ray = ray_or_exit()
+    gpus, actors = _actor_options(ray, num_gpus)
+    from .actors import PositionEvaluator
+
+    return dataset.map_batches(
+        PositionEvaluator, batch_format="numpy", batch_size=block_rows, concurrency=concurrency or actors,
+        num_gpus=gpus, fn_constructor_kwargs=dict(net=net, fen_column=fen_column, moves_column=moves_column,
+                                                  device=device, dtype=dtype, temperature=temperature, top=top),
+        **_RETRIES)  # fmt: skip

@@ -1,0 +1,141 @@
+"""The classes Ray Data makes one of per actor (``map_batches``): each loads its model once and
+then turns blocks of rows (numpy batches: a dict of column arrays) into the same rows with
+the results added.  Plain classes: nothing here imports Ray, so they run (and are tested)
+without it too."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..common.dtypes import CLI_NAMES
+from ..embed import embedding
+
+
+def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    if name not in CLI_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(CLI_NAMES)}, got {name!r}")
+    return CLI_NAMES[name]
+
+
+def _column(batch: dict, name: str) -> np.ndarray:
+    if name not in batch:
+        raise KeyError(f"the dataset has no column {name!r} (it has {', '.join(batch)})")
+    return batch[name]
+
+
+class Embedder:
+    """Sentence embeddings of a text column (``fusedenc.distributed.embed``)."""
+
+    def __init__(self, model: str, text_column: str = "text", output_column: str = "embedding",
+                 device: Optional[str] = None, dtype: Optional[str] = None, max_batch_tokens: Optional[int] = None,
+                 truncate: bool = True) -> None:  # fmt: skip
+        self.model = embedding.load_model(model, device=device, dtype=_dtype(dtype))
+        self.text_column, self.output_column = text_column, output_column
+        self.max_batch_tokens = max_batch_tokens or embedding.DEFAULT_MAX_BATCH_TOKENS
+        self.truncate = truncate
+        # One text now: the width every block's column has (a block of failed rows too), and
+        # the model's first call (planning, a graph) before the first block.
+        self.width = embedding.encode(self.model, ["fusedenc"])[0].shape[1]
+
+    def __call__(self, batch: dict) -> dict:
+        texts = _column(batch, self.text_column)
+        errors: list[Optional[str]] = [None] * len(texts)
+        good = []
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                errors[i] = f"not a text: {type(t).__name__}"
+            elif not t.strip():
+                errors[i] = "empty text"
+            else:
+                good.append(i)
+        emb = None
+        if good:
+            try:
+                emb, _ = embedding.encode(self.model, [texts[i] for i in good], max_batch_tokens=self.max_batch_tokens,
+                                          truncate=self.truncate, row_name=lambda j: f"row {good[j]} of the block")  # fmt: skip
+            except embedding.InputError as exc:  # --no-truncate: the whole block's texts one by one
+                emb = self._one_by_one([texts[i] for i in good], good, errors, exc)
+        out = np.full((len(texts), self.width), np.nan, dtype=np.float32)
+        if emb is not None and len(good):
+            out[good] = emb
+        batch[self.output_column] = out
+        batch["error"] = np.array(errors, dtype=object)
+        return batch
+
+    def _one_by_one(self, texts, good, errors, first: Exception) -> Optional[np.ndarray]:
+        """A block where a text is refused (too long with ``truncate=False``): each text alone,
+        so that only the refused ones get an error."""
+        rows, kept = [], []
+        for text, i in zip(texts, good):
+            try:
+                e, _ = embedding.encode(self.model, [text], truncate=self.truncate)
+            except embedding.InputError as exc:
+                errors[i] = str(exc).split(": ", 1)[-1]
+                continue
+            rows.append(e[0])
+            kept.append(i)
+        if not rows:
+            return None
+        out = np.full((len(good), self.width), np.nan, dtype=np.float32)
+        where = {i: k for k, i in enumerate(good)}
+        for i, r in zip(kept, rows):
+            out[where[i]] = r
+        return out
+
+
+class PositionEvaluator:
+    """An Lc0 net's evaluation of a column of FENs (``fusedenc.distributed.evaluate_positions``)."""
+
+    def __init__(self, net: str, fen_column: str = "fen", moves_column: Optional[str] = None,
+                 device: Optional[str] = None, dtype: Optional[str] = None, temperature: float = 1.0,
+                 top: Optional[int] = None) -> None:  # fmt: skip
+        from ..lc0 import load_network
+
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dt = _dtype(dtype) or (torch.float16 if dev.startswith("cuda") else torch.float32)
+        self.net = load_network(net, device=dev, dtype=dt)
+        self.fen_column, self.moves_column = fen_column, moves_column
+        self.temperature, self.top = temperature, top
+
+    def __call__(self, batch: dict) -> dict:
+        from ..lc0 import prepare
+
+        fens = _column(batch, self.fen_column)
+        moves = _column(batch, self.moves_column) if self.moves_column else [None] * len(fens)
+        n = len(fens)
+        errors: list[Optional[str]] = [None] * n
+        positions, good = [], []
+        for i, (fen, played) in enumerate(zip(fens, moves)):
+            played = played.split() if isinstance(played, str) else list(played) if played is not None else []
+            position = (fen, played) if played else fen
+            try:
+                prepare([position])  # each row checked alone: a bad one fails only itself
+            except (ValueError, TypeError) as exc:
+                errors[i] = str(exc).removeprefix("position 0 ")
+                continue
+            positions.append(position)
+            good.append(i)
+        evaluations = self.net.evaluate(positions, temperature=self.temperature) if positions else []
+        best = np.full(n, None, dtype=object)
+        move_lists, prob_lists = np.full(n, None, dtype=object), np.full(n, None, dtype=object)
+        wdl = np.full((n, 3), np.nan, dtype=np.float32)
+        q = np.full(n, np.nan, dtype=np.float32)
+        left = np.full(n, np.nan, dtype=np.float32)
+        k = self.top
+        for i, ev in zip(good, evaluations):
+            best[i] = ev.best_move
+            move_lists[i] = list(ev.moves[:k])
+            prob_lists[i] = np.asarray(ev.probs[:k], dtype=np.float32)
+            q[i] = ev.q
+            if ev.wdl is not None:
+                wdl[i] = ev.wdl
+            if ev.moves_left is not None:
+                left[i] = ev.moves_left
+        batch.update(best_move=best, moves=move_lists, probs=prob_lists, wdl=wdl, q=q, moves_left=left,
+                     error=np.array(errors, dtype=object))  # fmt: skip
+        return batch

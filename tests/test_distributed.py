@@ -1,0 +1,183 @@
+"""fusedenc.distributed on the CPU: the actors' classes alone (their rows equal the
+single-process results; a bad row gets an error and the block goes on), then the jobs on a
+local Ray cluster and on a two-node cluster on this machine (equal to the single-process
+results, every id exactly once, also when an actor's process is killed mid-job)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from lc0_writer import write_preset
+
+import fusedenc.embed
+from fusedenc.distributed.actors import Embedder, PositionEvaluator
+from fusedenc.lc0 import load_network
+
+st_helpers = pytest.importorskip("st_helpers")
+TOL = dict(rtol=1e-4, atol=1e-5)
+FENS = ["startpos", "r3k2r/p1ppqpb1/bn2pnp1/3PN3/1p2P3/2N2Q1p/PPPBBPPP/R3K2R w KQkq - 0 1",
+        "8/P7/8/8/8/8/6k1/K7 w - - 0 1", "8/8/8 w - -", "4k3/8/8/8/8/8/8/4K3 w - - 0 1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return str(st_helpers.hf_model_dir(tmp_path_factory.mktemp("models"), "bert", seed=9))
+
+
+@pytest.fixture(scope="module")
+def net_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("net") / "tiny.pb.gz"
+    write_preset(str(path), "tiny", seed=4)
+    return str(path)
+
+
+def _texts(n: int) -> list[str]:
+    pool = st_helpers.sentences()
+    return [pool[(i * 37) % len(pool)] for i in range(n)]
+
+
+def test_the_embedder_gives_the_single_process_embeddings_and_errors_for_bad_rows(folder):
+    texts = _texts(30)
+    want, _ = fusedenc.embed.encode(fusedenc.embed.load_model(folder, device="cpu"), texts)
+    block = {"id": np.arange(33), "text": np.array(texts[:10] + ["", "   "] + texts[10:20] + [None] + texts[20:], dtype=object)}
+    out = Embedder(folder, device="cpu", max_batch_tokens=200)(block)
+    good = [i for i in range(33) if i not in (10, 11, 22)]
+    np.testing.assert_allclose(out["embedding"][good], want, **TOL)
+    assert np.isnan(out["embedding"][[10, 11, 22]]).all()
+    assert [out["error"][i] for i in (10, 11, 22)] == ["empty text", "empty text", "not a text: NoneType"]
+    assert all(out["error"][i] is None for i in good) and out["id"].tolist() == list(range(33))
+    with pytest.raises(KeyError, match="no column 'body'"):
+        Embedder(folder, device="cpu", text_column="body")(block)
+
+
+def test_the_embedder_refuses_only_the_long_texts_without_truncation(folder):
+    texts = _texts(4) + ["word " * 400]
+    out = Embedder(folder, device="cpu", truncate=False)({"text": np.array(texts, dtype=object)})
+    assert out["error"][4] is not None and "more than the model's" in out["error"][4]
+    assert all(e is None for e in out["error"][:4]) and np.isfinite(out["embedding"][:4]).all()
+
+
+def test_the_position_evaluator_gives_the_nets_evaluations(net_path):
+    net = load_network(net_path, device="cpu", dtype=torch.float32)
+    moves = np.array(["e2e4 e7e5", "", None, None, "e1e2"], dtype=object)
+    out = PositionEvaluator(net_path, device="cpu", moves_column="moves")({"fen": np.array(FENS, dtype=object),
+                                                                          "moves": moves})  # fmt: skip
+    want = net.evaluate([("startpos", ["e2e4", "e7e5"]), FENS[1], FENS[2], (FENS[4], ["e1e2"])])
+    for i, ev in zip((0, 1, 2, 4), want):
+        assert out["error"][i] is None and out["best_move"][i] == ev.best_move and out["moves"][i] == ev.moves
+        np.testing.assert_allclose(out["probs"][i], ev.probs, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out["wdl"][i], ev.wdl, rtol=1e-5, atol=1e-6)
+        assert abs(out["q"][i] - ev.q) < 1e-5
+    assert out["best_move"][3] is None and "ranks" in out["error"][3] and np.isnan(out["wdl"][3]).all()
+
+
+# ---------------------------------------------------------------- on Ray ----
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "fusedenc[ray]")')
+    tests = os.path.dirname(os.path.abspath(__file__))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": tests}})  # fmt: skip
+    yield ray
+    ray.shutdown()
+
+
+def _by_id(rows: list[dict]) -> dict:
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "a row appears twice"
+    return {r["id"]: r for r in rows}
+
+
+@pytest.mark.slow
+def test_embed_and_evaluate_on_a_local_cluster(ray_local, folder, net_path):
+    from fusedenc import distributed
+
+    texts = _texts(300)
+    want, _ = fusedenc.embed.encode(fusedenc.embed.load_model(folder, device="cpu"), texts)
+    ds = ray_local.data.from_items([{"id": i, "text": t} for i, t in enumerate(texts)] + [{"id": 300, "text": ""}])
+    rows = _by_id(distributed.embed(ds, folder, device="cpu", block_rows=64).take_all())
+    assert sorted(rows) == list(range(301))
+    np.testing.assert_allclose(np.stack([rows[i]["embedding"] for i in range(300)]), want, **TOL)
+    assert rows[300]["error"] == "empty text" and np.isnan(rows[300]["embedding"]).all()
+
+    ds = ray_local.data.from_items([{"id": i, "fen": f} for i, f in enumerate(FENS * 20)])
+    rows = _by_id(distributed.evaluate_positions(ds, net_path, device="cpu", block_rows=16).take_all())
+    net = load_network(net_path, device="cpu", dtype=torch.float32)
+    good = net.evaluate([f for f in FENS if f != FENS[3]])
+    for i in range(100):
+        k = i % 5
+        if k == 3:
+            assert rows[i]["error"] and rows[i]["best_move"] is None
+        else:
+            assert rows[i]["error"] is None and rows[i]["best_move"] == good[k - (k > 3)].best_move
+
+
+def test_ray_missing_is_one_line(monkeypatch):
+    import builtins
+
+    from fusedenc import distributed
+
+    real = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(ImportError, match=r'pip install "fusedenc\[ray\]"'):
+        distributed.embed(None, "minilm")
+
+
+def _map_worker_pids() -> list[int]:
+    """Processes of Ray Data's map actors on this machine (Ray names them ``ray::_MapWorker``)."""
+    pids = []
+    for proc in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{proc}/cmdline", "rb") as f:
+                if b"MapWorker" in f.read():
+                    pids.append(int(proc))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the actor's process in /proc (Linux)")
+def test_a_killed_actor_loses_no_row_and_repeats_none(ray_local, folder):
+    """An actor's process killed (SIGKILL) while the job runs: Ray restarts it and runs its
+    block again; the output holds every id exactly once, each with its embedding."""
+    from fusedenc import distributed
+
+    texts = _texts(1500)
+    ds = ray_local.data.from_items([{"id": i, "text": t} for i, t in enumerate(texts)])
+    result = {}
+
+    def run() -> None:
+        result["rows"] = distributed.embed(ds, folder, device="cpu", block_rows=50).take_all()
+
+    job = threading.Thread(target=run)
+    job.start()
+    killed = None
+    deadline = time.monotonic() + 120
+    while killed is None and time.monotonic() < deadline and job.is_alive():
+        pids = _map_worker_pids()
+        if pids:
+            time.sleep(3)  # well inside the job: some blocks done, others held
+            os.kill(pids[0], signal.SIGKILL)
+            killed = pids[0]
+        time.sleep(0.2)
+    job.join(timeout=600)
+    assert killed is not None, "the job ended before an actor could be killed: make it longer"
+    rows = _by_id(result["rows"])
+    assert sorted(rows) == list(range(1500))
+    assert all(r["error"] is None and np.isfinite(r["embedding"]).all() for r in rows.values())
