@@ -39,7 +39,11 @@ def report() -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["embed"]:  # python -m fusedenc embed MODEL INPUT -o OUTPUT
+    if argv[:1] == ["embed"]:  # python -m fusedenc embed MODEL INPUT -o OUTPUT [--ray [ADDRESS]]
+        if any(a == "--ray" or a.startswith("--ray=") for a in argv):
+            from .distributed.cli import embed_main as ray_embed_main
+
+            return ray_embed_main(argv[1:])
         from .embed.cli import main as embed_main
 
         return embed_main(argv[1:])

@@ -40,3 +40,41 @@ def test_embed_on_two_nodes_equals_one_process(tmp_path):
     assert sorted(ids) == list(range(400))
     got = np.stack([r["embedding"] for r in sorted(rows, key=lambda r: r["id"])])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _command(*args: str) -> None:
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "fusedenc", "embed", *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rows/s (the whole command)" in run.stderr.strip().splitlines()[-1], run.stderr[-1000:]
+
+
+@pytest.mark.slow
+def test_the_embed_command_with_ray_writes_what_it_writes_without(tmp_path, capsys):
+    """``python -m fusedenc embed ... --ray local``: a text file to ``.npy`` equals the
+    single-process command's file; a Parquet directory to a directory keeps every row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fusedenc.__main__ import main
+
+    folder = str(st_helpers.hf_model_dir(tmp_path, "bert", seed=9))
+    pool = st_helpers.sentences()
+    texts = [pool[(i * 31) % len(pool)] for i in range(120)]
+    src = tmp_path / "c.txt"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    assert main(["embed", folder, str(src), "-o", str(tmp_path / "one.npy"), "--no-progress", "--device", "cpu"]) == 0
+    # --ray runs in a process of its own, as a user runs it (each starts and stops its local cluster)
+    _command(folder, str(src), "-o", str(tmp_path / "ray.npy"), "--device", "cpu", "--ray", "local", "--block-rows", "32")
+    np.testing.assert_allclose(np.load(tmp_path / "ray.npy"), np.load(tmp_path / "one.npy"), rtol=1e-4, atol=1e-5)
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"doc": list(range(120)), "body": texts}), tmp_path / "in" / "part-0.parquet")
+    _command(folder, str(tmp_path / "in"), "-o", str(tmp_path / "out"), "--field", "body", "--device", "cpu",
+             "--ray", "local")
+    table = pq.read_table(tmp_path / "out")
+    assert sorted(table.column("doc").to_pylist()) == list(range(120))
+    by_doc = dict(zip(table.column("doc").to_pylist(), table.column("embedding").to_pylist()))
+    np.testing.assert_allclose(np.array([by_doc[i] for i in range(120)], dtype=np.float32), np.load(tmp_path / "one.npy"),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip

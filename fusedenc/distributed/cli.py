@@ -1,0 +1,99 @@
+"""``--ray [ADDRESS]`` of ``python -m fusedenc embed``: the same job on a Ray cluster.
+
+``--ray`` alone joins the cluster this machine belongs to (Ray's ``address="auto"``),
+``--ray local`` starts one on this machine, ``--ray HOST:PORT`` joins that head.  INPUT may
+also be a Parquet directory (read by the cluster, ``--field`` its text column); OUTPUT may be
+a directory (written by the cluster as Parquet: the input's columns, ``embedding`` and
+``error``) besides a ``.npy`` or ``.parquet`` file (gathered here, in input order).  A file
+INPUT is read and checked here first, as without ``--ray``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from ..embed import cli as embed_cli
+from ..embed.texts import InputError, read_corpus
+from . import embed, ray_or_exit
+
+PROG = embed_cli.PROG
+
+
+def _connect(ray: Any, address: str) -> None:
+    if address == "local":
+        ray.init(include_dashboard=False)
+    else:
+        ray.init(address=address)
+
+
+def embed_main(argv: list[str]) -> int:
+    ap = embed_cli.parser()
+    ap.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                    help="run on a Ray cluster: alone, the one this machine is in; 'local'; or a head's HOST:PORT")
+    ap.add_argument("--block-rows", type=int, default=4096, help="rows an actor takes at once (default 4096)")
+    args = ap.parse_args(argv)
+    src, out = Path(args.input), Path(args.output)
+    try:
+        try:
+            ray = ray_or_exit()
+        except ImportError as exc:
+            raise InputError(str(exc)) from None
+        to_dir = out.suffix == "" or out.is_dir()
+        if not to_dir and out.suffix.lower() not in embed_cli.OUTPUTS:
+            raise InputError(f"{out}: unknown output format {out.suffix!r}: use .npy, .parquet or a directory")
+        if args.dtype is not None and args.dtype not in embed_cli.DTYPES:
+            raise InputError(f"--dtype {args.dtype}: use one of {', '.join(embed_cli.DTYPES)}")
+        t0 = time.perf_counter()
+        corpus = None
+        if not src.is_dir():  # a file: read and checked here, before the cluster starts anything
+            corpus = read_corpus(src, field=args.field, id_field=args.id_field, empty=args.empty)
+        _connect(ray, args.ray)
+        try:
+            if corpus is not None:
+                rows = [{"row": i, "id": id_, "text": t} for i, (id_, t) in enumerate(zip(corpus.ids, corpus.texts))]
+                ds, column = ray.data.from_items(rows), "text"
+            else:
+                ds, column = ray.data.read_parquet(str(src)), args.field
+            result = embed(ds, args.model, text_column=column, device=args.device, dtype=args.dtype,
+                           max_batch_tokens=args.max_batch_tokens, truncate=not args.no_truncate,
+                           block_rows=args.block_rows)  # fmt: skip
+            failed, count = _write(result, out, to_dir)
+        finally:
+            ray.shutdown()
+    except InputError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    wall = time.perf_counter() - t0
+    print(f"{PROG}: {count:,} rows -> {out} on Ray in {wall:.2f} s: {count / wall:,.0f} rows/s (the whole command)"
+          + (f"; {failed} rows failed, their error column says why" if failed else ""), file=sys.stderr)  # fmt: skip
+    return 1 if failed else 0
+
+
+def _write(result: Any, out: Path, to_dir: bool) -> tuple[int, int]:
+    """Write the job's rows; (rows with an error, rows)."""
+    if to_dir:
+        result = result.materialize()
+        result.write_parquet(str(out))
+        failed = result.filter(lambda r: r["error"] is not None).count()
+        return failed, result.count()
+    rows = sorted(result.take_all(), key=lambda r: r["row"])
+    emb = np.stack([r["embedding"] for r in rows]).astype(np.float32)
+    failed = sum(r["error"] is not None for r in rows)
+    if out.suffix.lower() == ".npy":
+        np.save(out, emb)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        column = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1])
+        pq.write_table(pa.table({"id": [r["id"] for r in rows], "embedding": column,
+                                 "error": [r["error"] for r in rows]}), out)  # fmt: skip
+    return failed, len(rows)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return embed_main(list(sys.argv[1:] if argv is None else argv))
