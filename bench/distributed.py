@@ -1,0 +1,109 @@
+"""What Ray costs: the same texts embedded by one process (``fusedenc.embed.encode``) and by a
+Ray Data job on a local cluster (``fusedenc.distributed.embed``, one actor), per block size.
+
+    python3 bench/distributed.py [--model minilm|FOLDER] [--texts 4000] [--blocks 64,256,1024,4096]
+
+The Ray job's extra time over the single process, divided by its blocks, is Ray's cost per
+block (scheduling, the object store's copies of texts in and embeddings out, the block's
+own smaller sorted batches); the block size from which it is a few percent of the job is the
+smallest worth using.  On a GPU the per-actor work is ``encode`` itself: the cluster's rate is
+about (one GPU's rate) x (GPUs), less this cost.  Writes a table and a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="minilm")
+    ap.add_argument("--texts", type=int, default=4000)
+    ap.add_argument("--blocks", default="64,256,1024,4096")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out-dir", default=os.environ.get("FUSEDENC_RESULTS_DIR", "fusedenc-results"))
+    args = ap.parse_args()
+    import numpy as np
+    import ray
+    import torch
+
+    import fusedenc
+    from fusedenc import distributed
+    from fusedenc.embed import encode, load_model
+
+    with gzip.open(HERE.parent / "tests" / "data" / "real_sentences" / "sentences.txt.gz", "rt", encoding="utf-8") as f:
+        pool = f.read().splitlines()
+    texts = [pool[i % len(pool)] for i in range(args.texts)]
+    model = load_model(args.model, device=args.device)
+    encode(model, texts[:64])  # first calls out of the timing
+    single = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        want, stats = encode(model, texts)
+        single.append(time.perf_counter() - t0)
+    t_single = min(single)
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    rows = []
+    try:
+        ds = ray.data.from_items([{"row": i, "text": t} for i, t in enumerate(texts)]).materialize()
+        for block in [int(b) for b in args.blocks.split(",")]:
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                out = distributed.embed(ds, args.model, device=args.device, block_rows=block, concurrency=1).take_all()
+                times.append(time.perf_counter() - t0)
+            got = np.stack([r["embedding"] for r in sorted(out, key=lambda r: r["row"])])
+            err = float(np.abs(got - want).max())
+            blocks = -(-len(texts) // block)
+            t = min(times)
+            rows.append({"block_rows": block, "blocks": blocks, "seconds": round(t, 3),
+                         "rows_per_s": round(len(texts) / t, 1), "x_single": round(t_single / t, 3),
+                         "ms_per_block_over_single": round((t - t_single) / blocks * 1e3, 1),
+                         "max_abs_diff": err})  # fmt: skip
+    finally:
+        ray.shutdown()
+    # t = fixed + blocks x per_block, least squares over the block sizes: the job's fixed cost
+    # (actor start, model load, first calls) apart from what each block adds
+    b = np.array([r["blocks"] for r in rows], dtype=float)
+    t = np.array([r["seconds"] for r in rows])
+    per_block, fixed = (np.polyfit(b, t, 1) if len(rows) > 1 else (0.0, float(t[0])))
+    env = {"torch": torch.__version__, "ray": ray.__version__, "fusedenc": fusedenc.__version__,
+           "python": platform.python_version(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+           "device": args.device, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}  # fmt: skip
+    lines = [f"Ray Data job vs one process: {args.model}, {len(texts)} real sentences, {args.device}, "
+             f"{stats.tokens} tokens; one process {t_single:.2f} s ({len(texts) / t_single:,.0f} rows/s); "
+             f"one actor, a local cluster; best of {args.repeats}",
+             f"{'block rows':>10} {'blocks':>7} {'seconds':>8} {'rows/s':>8} {'x one process':>14} "
+             f"{'ms a block over':>16}"]  # fmt: skip
+    for r in rows:
+        lines.append(f"{r['block_rows']:>10} {r['blocks']:>7} {r['seconds']:>8.2f} {r['rows_per_s']:>8,.0f} "
+                     f"{r['x_single']:>14.2f} {r['ms_per_block_over_single']:>16.1f}")  # fmt: skip
+    lines.append(f"fit: the job = {fixed:.2f} s fixed (actor start, model load, first calls; one process: "
+                 f"{t_single:.2f} s of work) + {per_block * 1e3:.1f} ms a block (scheduling, object-store copies, "
+                 f"smaller sorted batches)")
+    lines.append(f"environment: {json.dumps(env)}")
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"distributed_{Path(args.model).name}_{args.device}"
+    (out / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps({"rows": rows, "single_seconds": t_single, "fixed_seconds": fixed,
+                                                  "per_block_seconds": per_block, "environment": env},
+                                                 indent=1), encoding="utf-8")  # fmt: skip
+    return 0 if all(r["max_abs_diff"] < 1e-4 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
