@@ -229,7 +229,9 @@ def test_a_position_failing_in_a_chunk_is_written_as_its_error(net_path, cpu_net
     should one be refused all the same (checks skipped here), its chunk is evaluated again a
     position at a time: that position's line is its error, every other line as before, in
     order, and the command exits 1."""
-    monkeypatch.setattr(cli, "_check_positions", lambda *a, **k: None)
+    import fusedenc.lc0.evalinputs as evalinputs
+
+    monkeypatch.setattr(evalinputs, "check_positions", lambda *a, **k: None)
     good = [KIWIPETE + " 0 1", "rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq -", "8/P7/8/8/8/8/6k1/K7 w - -"]
     lines = [good[0], "8/8/8/8/8/8/8/8 w - -", good[1], good[2], good[0], good[1], good[2]]
     epd = tmp_path / "mixed.epd"
