@@ -78,3 +78,35 @@ def test_the_embed_command_with_ray_writes_what_it_writes_without(tmp_path, caps
     by_doc = dict(zip(table.column("doc").to_pylist(), table.column("embedding").to_pylist()))
     np.testing.assert_allclose(np.array([by_doc[i] for i in range(120)], dtype=np.float32), np.load(tmp_path / "one.npy"),
                                rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_lc0_eval_with_ray_writes_what_it_writes_without(tmp_path):
+    """``python -m fusedenc.lc0 eval NET --pgn FILE --ray local``: the same JSON lines (every
+    position of every game, in order, with their histories) as the single-machine command."""
+    import json
+    import subprocess
+    import sys
+
+    from lc0_writer import write_preset
+
+    net = tmp_path / "tiny.pb.gz"
+    write_preset(str(net), "tiny", seed=8)
+    pgn = tmp_path / "games.pgn"
+    pgn.write_text('[Event "a"]\n\n1. e4 e5 2. Nf3 Nc6 3. Bb5 a6 *\n\n[Event "b"]\n\n1. d4 d5 2. c4 e6 *\n', encoding="utf-8")
+
+    def run(*extra: str) -> list[dict]:
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        cmd = [sys.executable, "-m", "fusedenc.lc0", "eval", str(net), "--pgn", str(pgn), "--device", "cpu",
+               "--out", str(out), "--no-progress", "--top", "0", *extra]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [json.loads(line) for line in out.read_text().splitlines()][:-1]
+
+    local, on_ray = run(), run("--ray", "local", "--block-rows", "4")
+    assert len(local) == len(on_ray) == 12
+    for a, b in zip(local, on_ray, strict=True):
+        assert (a["game"], a["ply"], a["fen"], a["best_move"], a["moves"]) == (b["game"], b["ply"], b["fen"],
+                                                                               b["best_move"], b["moves"])  # fmt: skip
+        np.testing.assert_allclose(b["probs"], a["probs"], atol=2e-6)
+        np.testing.assert_allclose(b["wdl"], a["wdl"], atol=2e-6)

@@ -97,3 +97,76 @@ def _write(result: Any, out: Path, to_dir: bool) -> tuple[int, int]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     return embed_main(list(sys.argv[1:] if argv is None else argv))
+
+
+# ---- python -m fusedenc.lc0 eval ... --ray ------------------------------------------------------
+
+
+def eval_main(argv: list[str]) -> int:
+    """``python -m fusedenc.lc0 eval NET --epd FILE|--pgn FILE --ray [ADDRESS]``: the file's
+    positions (read and checked here) evaluated on the cluster, written as the single-machine
+    command writes them (JSON lines in the file's order, a summary last)."""
+    import json
+
+    from ..lc0.evalinputs import InputError as Lc0InputError
+    from ..lc0.evalinputs import epd_items, eval_parser, pgn_items
+    from . import evaluate_positions
+
+    ap = eval_parser()
+    ap.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                    help="run on a Ray cluster: alone, the one this machine is in; 'local'; or a head's HOST:PORT")
+    ap.add_argument("--block-rows", type=int, default=4096, help="positions an actor takes at once (default 4096)")
+    args = ap.parse_args(argv)
+    prog = "python -m fusedenc.lc0 eval"
+    try:
+        if args.fen is not None:
+            raise Lc0InputError("--ray evaluates files (--epd, --pgn); --fen runs on this machine")
+        try:
+            ray = ray_or_exit()
+        except ImportError as exc:
+            raise Lc0InputError(str(exc)) from None
+        t0 = time.perf_counter()
+        positions, ids = epd_items(args.epd) if args.epd else pgn_items(args.pgn)
+        rows = []
+        for i, position in enumerate(positions):
+            fen, moves = position if isinstance(position, tuple) else (position, [])
+            rows.append({"row": i, "fen": fen, "moves": " ".join(moves)})
+        _connect(ray, args.ray)
+        try:
+            ds = ray.data.from_items(rows)
+            top = None if args.top <= 0 else args.top
+            result = evaluate_positions(ds, args.net, fen_column="fen", moves_column="moves", device=args.device,
+                                        dtype=args.dtype, temperature=args.temperature, top=top,
+                                        block_rows=args.block_rows)  # fmt: skip
+            done = sorted(result.take_all(), key=lambda r: r["row"])
+        finally:
+            ray.shutdown()
+    except Lc0InputError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115 - closed below
+    failed = 0
+    try:
+        for r in done:
+            record = dict(ids[r["row"]])
+            if r["error"] is not None:
+                failed += 1
+                record["error"] = r["error"]
+            else:
+                record.update(best_move=r["best_move"], moves=list(r["moves"]),
+                              probs=[round(float(p), 6) for p in r["probs"]], q=round(float(r["q"]), 6))  # fmt: skip
+                if not np.isnan(r["wdl"]).any():
+                    record["wdl"] = [round(float(x), 6) for x in r["wdl"]]
+                if not np.isnan(r["moves_left"]):
+                    record["moves_left"] = round(float(r["moves_left"]), 3)
+            out.write(json.dumps(record) + "\n")
+        seconds = time.perf_counter() - t0
+        out.write(json.dumps({"summary": {"positions": len(done) - failed, "failed": failed,
+                                          "seconds": round(seconds, 4), "ray": True}}) + "\n")  # fmt: skip
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print(f"{prog}: {len(done) - failed:,} positions on Ray in {seconds:.2f} s (the whole command): "
+          f"{(len(done) - failed) / seconds:,.0f} positions/s" + (f"; {failed} failed" if failed else ""),
+          file=sys.stderr)  # fmt: skip
+    return 1 if failed else 0

@@ -382,6 +382,10 @@ def eval_main(argv: list[str]) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "eval":
+        if any(a == "--ray" or a.startswith("--ray=") for a in argv):
+            from ..distributed.cli import eval_main as ray_eval_main  # the entry point may reach any layer
+
+            return ray_eval_main(argv[1:])
         return eval_main(argv[1:])
     if argv and argv[0] == "synth":
         from .writer import synth_main
