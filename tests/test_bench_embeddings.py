@@ -70,3 +70,28 @@ def test_embeddings_warm_up_runs_each_batch_shape_once(monkeypatch):
 
     batches = [{"input_ids": torch.zeros(8, s, dtype=torch.long)} for s in (16, 24, 16, 32, 24)]
     assert [b["input_ids"].shape[1] for b in embeddings.distinct_shapes(batches)] == [16, 24, 32]
+
+
+def test_st_loop_tiny_and_the_loop_is_sentence_transformers(tmp_path):
+    """bench/st_loop.py end to end on the CPU (every peer checked against the fp32 loop, a
+    positive rate), and, where the real model and sentence-transformers are installed, the
+    reproduced ``encode()`` loop against sentence-transformers' own embeddings."""
+    import importlib.util
+
+    from fusedenc.hf import real_models
+
+    check = importlib.util.find_spec("sentence_transformers") is not None
+    try:
+        real_models.minilm_dir()
+    except real_models.RealModelMissing:
+        check = False
+    args = ["--device", "cpu", "--model", "tiny", "--batch-sizes", "8", "--sentences", "48", "--reps", "1",
+            "--impl", "plain,patched,patched-pooled" + (",corpus" if check else ""), "--out-dir", str(tmp_path)]
+    run_bench("st_loop.py", args + (["--check-st"] if check else []), timeout=600)
+    [path] = list(tmp_path.glob("st_loop_tiny_*.json"))
+    result = json.loads(path.read_text(encoding="utf-8"))
+    [record] = result["records"]
+    for r in record["results"]:
+        assert "error" not in r and r["cosine_ok"] and r["sentences_per_s"] > 0, r
+    if check:
+        assert result["st_check"]["max_abs_diff"] < 1e-5, result["st_check"]

@@ -1,0 +1,211 @@
+"""sentence-transformers' ``encode()`` loop, reproduced for every peer, and the corpus command.
+
+    python3 bench/st_loop.py                                   # GPU: minilm and bert-base, batch 32 and 128
+    python3 bench/st_loop.py --model tiny --device cpu --sentences 256 --batch-sizes 16   # CPU smoke run
+    python3 bench/st_loop.py --model minilm --device cpu --check-st   # the loop against sentence-transformers
+
+The loop is ``SentenceTransformer.encode()``'s (sentence-transformers 6): the sentences
+sorted by text length, longest first; batches of ``batch_size`` in that order, each
+tokenized (padded to its longest, truncated at 256 tokens), moved to the device, run through
+the model, mean-pooled over the mask, L2-normalized and copied back; then put back in input
+order.  It is reproduced here because sentence-transformers (SciPy, scikit-learn) cannot be
+installed on the GPU machine; ``--check-st`` shows on a CPU that the reproduction gives
+sentence-transformers' own embeddings for all-MiniLM-L6-v2.
+
+Peers, in the same run: ``plain`` (the HF model, sdpa), ``compile`` (``torch.compile(dynamic=
+True)`` of the model: the mode that takes changing shapes without recompiling each),
+``patched`` (``patch_hf``: the model's call on fusedenc, pooled by the loop, as an unpatched
+sentence-transformers would run a patched model), ``patched-pooled`` (``patch_hf`` and
+``sentence_embeddings`` on the loop's device tensors: what a patched ``SentenceTransformer``'s
+``encode()`` runs with mean pooling) and ``corpus`` (``fusedenc.embed.encode`` over the whole
+list: its own sort, token-budget batches and host tensors; not at the loop's batch size).
+Every peer's embeddings are checked against the fp32 plain loop (cosine >= 0.9999) first.
+Timed: the wall clock of whole passes (tokenization included), the median of ``--reps``,
+after one warm-up pass.  The sentences are tests/data/real_sentences (their token histogram
+is in the result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import common
+import embeddings as eb
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import fusedenc
+import fusedenc.embed
+from fusedenc.hf import real_models
+
+IMPLS = ("plain", "compile", "patched", "patched-pooled", "corpus")
+MAX_LENGTH = 256  # sentence-transformers' all-MiniLM-L6-v2 setting
+COSINE = 0.9999
+
+
+def st_order(sentences: list[str]) -> np.ndarray:
+    """sentence-transformers' order: by text length, longest first (a stable sort of -len)."""
+    return np.argsort([-len(s) for s in sentences], kind="stable")
+
+
+def tokenize(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
+    if tokenizer is None or isinstance(tokenizer, eb.WordTokenizer):
+        return (tokenizer or eb.WordTokenizer())(texts, max_length=MAX_LENGTH, pad_to_multiple_of=1)
+    return dict(tokenizer(texts, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt"))
+
+
+def st_loop(step: Callable[[dict], torch.Tensor], tokenizer, sentences: list[str], batch: int,
+            device: torch.device) -> np.ndarray:  # fmt: skip
+    """``encode()``'s loop with ``step(features on the device) -> [B, D]`` as the model + pooling."""
+    order = st_order(sentences)
+    out: list[np.ndarray] = []
+    with torch.inference_mode():
+        for start in range(0, len(sentences), batch):
+            features = tokenize(tokenizer, [sentences[i] for i in order[start:start + batch]])
+            features = {k: v.to(device) for k, v in features.items()}
+            out.append(F.normalize(step(features).float(), dim=1).cpu().numpy())
+    emb = np.concatenate(out)
+    return emb[np.argsort(order)]
+
+
+def peer(impl: str, name: str, device: torch.device, dtype: torch.dtype, seed: int, tokenizer):
+    """``(run(sentences, batch) -> [N, D] numpy, note)`` of one peer."""
+    if impl == "corpus":
+        if tokenizer is None:
+            raise RuntimeError("needs the real-models extra's fast tokenizer")
+        model = fusedenc.patch_hf(eb.load_model(name, device, dtype, "sdpa", seed))
+        wrapped = fusedenc.embed.Model(model, tokenizer, MAX_LENGTH, name, device, dtype, True)
+        return (lambda sentences, batch: fusedenc.embed.encode(wrapped, sentences)[0]), \
+            f"fusedenc.embed.encode, {fusedenc.embed.DEFAULT_MAX_BATCH_TOKENS} padded tokens a batch"
+    model = eb.load_model(name, device, dtype, "sdpa", seed)
+    note = ""
+    if impl == "compile":
+        model = torch.compile(model, dynamic=True)
+        note = "torch.compile(dynamic=True)"
+    elif impl.startswith("patched"):
+        fusedenc.patch_hf(model)
+    if impl == "patched-pooled":
+        def step(f):
+            return fusedenc.sentence_embeddings(model, f["input_ids"], f["attention_mask"], f.get("token_type_ids"))
+        note = "sentence_embeddings on the loop's device tensors"
+    else:
+        def step(f):
+            return eb.pooled(model(**f).last_hidden_state, f["attention_mask"])
+    return (lambda sentences, batch: st_loop(step, tokenizer, sentences, batch, device)), note
+
+
+def timed(run, sentences, batch, device, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        run(sentences, batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def reference(name: str, device: torch.device, seed: int, tokenizer, sentences: list[str],
+              batches: list[int]) -> dict[int, np.ndarray]:  # fmt: skip
+    """The fp32 plain loop's embeddings at each batch size: what every peer is checked against."""
+    model = eb.load_model(name, device, torch.float32, "sdpa", seed)
+    return {b: st_loop(lambda f: eb.pooled(model(**f).last_hidden_state, f["attention_mask"]), tokenizer, sentences, b,
+                       device) for b in batches}  # fmt: skip
+
+
+def check_sentence_transformers(sentences: list[str], batch: int) -> dict[str, Any]:
+    """The reproduced loop (fp32, CPU, the real model) against sentence-transformers' encode()."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(real_models.minilm_dir()), device="cpu")
+    want = st.encode(sentences, batch_size=batch, convert_to_numpy=True)
+    model, tokenizer = real_models.load_minilm("cpu", torch.float32)
+    got = st_loop(lambda f: eb.pooled(model(**f).last_hidden_state, f["attention_mask"]), tokenizer, sentences, batch,
+                  torch.device("cpu"))  # fmt: skip
+    return {"sentences": len(sentences), "batch": batch, "max_abs_diff": float(np.abs(got - want).max())}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="comma list of minilm, bert-base, tiny (default minilm,bert-base)")
+    ap.add_argument("--batch-sizes", default="32,128")
+    ap.add_argument("--impl", default=",".join(IMPLS))
+    ap.add_argument("--sentences", type=int, default=20000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check-st", action="store_true", help="the loop against sentence-transformers (CPU, minilm)")
+    ap.add_argument("--out-dir", default=os.environ.get(common.RESULTS_DIR_ENV) or common.DEFAULT_RESULTS_DIR)
+    args = ap.parse_args(argv)
+    device = common.resolve_device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+    names = common.comma_list(args.model or "minilm,bert-base")
+    batches = [int(b) for b in common.comma_list(args.batch_sizes)]
+    sentences = eb.read_sentences(args.sentences)
+    env = common.environment(device)
+    result: dict[str, Any] = {"schema": "fusedenc.bench.st_loop/1", "environment": env, "records": []}
+    if args.check_st:
+        result["st_check"] = check_sentence_transformers(sentences[:512], batches[0])
+        print(f"the reproduced loop against sentence-transformers' encode(): {result['st_check']}")
+    for name in names:
+        tokenizer, tok_note = eb.tokenizer_for(name)
+        lengths = eb.length_histogram([tokenize(tokenizer, sentences[i:i + 512]) for i in range(0, len(sentences), 512)])
+        ref = reference(name, device, args.seed, tokenizer, sentences, batches)
+        for b in batches:
+            record = {"model": name, "batch": b, "dtype": str(dtype).replace("torch.", ""), "tokenizer": tok_note,
+                      "lengths": lengths, "results": []}  # fmt: skip
+            result["records"].append(record)
+            for impl in common.comma_list(args.impl):
+                try:
+                    t0 = time.perf_counter()
+                    run, note = peer(impl, name, device, dtype, args.seed, tokenizer)
+                    got = run(sentences, b)  # the warm-up pass: compiles, captures, plans
+                    setup = time.perf_counter() - t0
+                    cos = np.sum(got * ref[b], 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref[b], axis=1)
+                    t = statistics.median(timed(run, sentences, b, device, args.reps))
+                    record["results"].append({"impl": impl, "sentences_per_s": len(sentences) / t, "seconds": t,
+                                              "min_cosine": float(cos.min()), "cosine_ok": bool(cos.min() >= COSINE),
+                                              "setup_seconds": setup, "note": note})  # fmt: skip
+                except Exception as exc:  # noqa: BLE001 - a peer that fails is a row saying so
+                    record["results"].append({"impl": impl, "error": f"{type(exc).__name__}: {exc}"})
+                print("\n".join(table(record)), flush=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    base = os.path.join(args.out_dir, f"st_loop_{common.slug('-'.join(names))}_{common.slug(env['device_name'] or 'cpu')}")
+    common.write_json(base + ".json", result)
+    with open(base + ".txt", "w", encoding="utf-8") as fh:
+        fh.write("\n".join([common.describe_environment(env), ""] + [x for r in result["records"] for x in table(r)]) + "\n")
+    print(f"wrote {base}.json, {base}.txt")
+    bad = [r for rec in result["records"] for r in rec["results"] if "error" in r or not r["cosine_ok"]]
+    return 1 if bad else 0
+
+
+def table(record: dict) -> list[str]:
+    h = record["lengths"]
+    out = [f"{record['model']}, sentence-transformers' encode() loop at batch {record['batch']}, {record['dtype']}: "
+           f"{h['sentences']} sentences, tokens median {h['median']:.0f} / p90 {h['p90']:.0f} / max {h['max']}",
+           "  length histogram: " + ", ".join(f"{k}: {v}" for k, v in h["bins"].items() if v),
+           f"  {'implementation':<16} {'sentences/s':>12} {'x best peer':>11} {'min cosine':>11}  setup"]  # fmt: skip
+    ok = [r for r in record["results"] if "error" not in r]
+    peers = [r["sentences_per_s"] for r in ok if r["impl"] in ("plain", "compile")]
+    best = max(peers) if peers else None
+    for r in record["results"]:
+        if "error" in r:
+            out.append(f"  {r['impl']:<16} failed: {r['error'][:150]}")
+            continue
+        ratio = f"{r['sentences_per_s'] / best:.2f}x" if best else "-"
+        out.append(f"  {r['impl']:<16} {r['sentences_per_s']:>12.0f} {ratio:>11} {r['min_cosine']:>11.6f}  "
+                   f"{r['setup_seconds']:.1f}s {r['note']}" + ("" if r["cosine_ok"] else "  BELOW 0.9999"))  # fmt: skip
+    return out + [""]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
