@@ -81,8 +81,15 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import numpy as np
 
 from . import board as B
-from .encoding import CANONICAL_FORMATS, FLIP, SQUARE_MAP, SUPPORTED_INPUT_FORMATS, encode_masks, expand_planes
-from .encoding import resolve_input_format
+from .encoding import (
+    CANONICAL_FORMATS,
+    FLIP,
+    SQUARE_MAP,
+    SUPPORTED_INPUT_FORMATS,
+    encode_masks,
+    expand_planes,
+    resolve_input_format,
+)
 from .errors import Lc0FileError, Lc0FormatError
 from .moves import NUM_POLICY_MOVES
 from .policy import policy_indices
