@@ -138,16 +138,30 @@ def test_ray_missing_is_one_line(monkeypatch):
         distributed.embed(None, "minilm")
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])  # the field after the state
+
+
 def _map_worker_pids() -> list[int]:
-    """Processes of Ray Data's map actors on this machine (Ray names them ``ray::_MapWorker``)."""
-    pids = []
-    for proc in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{proc}/cmdline", "rb") as f:
-                if b"MapWorker" in f.read():
-                    pids.append(int(proc))
-        except (OSError, ValueError):
+    """Ray Data's map actors (``ray::_MapWorker``) of the cluster this process started: those
+    whose ancestors include this process (a cluster of another process on the machine is not
+    ours to kill)."""
+    me, pids = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
             continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"MapWorker" not in f.read():
+                    continue
+            pid = int(entry)
+            while pid > 1 and pid != me:
+                pid = _parent(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+        if pid == me:
+            pids.append(int(entry))
     return pids
 
 
@@ -172,9 +186,12 @@ def test_a_killed_actor_loses_no_row_and_repeats_none(ray_local, folder):
     while killed is None and time.monotonic() < deadline and job.is_alive():
         pids = _map_worker_pids()
         if pids:
-            time.sleep(3)  # well inside the job: some blocks done, others held
-            os.kill(pids[0], signal.SIGKILL)
-            killed = pids[0]
+            time.sleep(2)  # well inside the job: some blocks done, others held
+            try:
+                os.kill(pids[0], signal.SIGKILL)
+                killed = pids[0]
+            except ProcessLookupError:  # that actor ended meanwhile: look again
+                pass
         time.sleep(0.2)
     job.join(timeout=600)
     assert killed is not None, "the job ended before an actor could be killed: make it longer"
