@@ -16,7 +16,7 @@ import torch
 from lc0_writer import write_preset
 
 import fusedenc.embed
-from fusedenc.distributed.actors import Embedder, PositionEvaluator
+from fusedenc.distributed.actors import Embedder, FrameEvaluator, PositionEvaluator
 from fusedenc.lc0 import load_network
 
 st_helpers = pytest.importorskip("st_helpers")
@@ -76,6 +76,37 @@ def test_the_position_evaluator_gives_the_nets_evaluations(net_path):
         np.testing.assert_allclose(out["wdl"][i], ev.wdl, rtol=1e-5, atol=1e-6)
         assert abs(out["q"][i] - ev.q) < 1e-5
     assert out["best_move"][3] is None and "ranks" in out["error"][3] and np.isnan(out["wdl"][3]).all()
+
+
+def _frames_file(tmp_path, net_path, positions, name="games.gz"):
+    from fusedenc.lc0 import trainingdata
+
+    net = load_network(net_path, device="cpu", dtype=torch.float32)
+    path = tmp_path / name
+    trainingdata.write_frames(path, positions, net.input_format)
+    return net, path
+
+
+TRAINING_POSITIONS = ["startpos", ("startpos", ["e2e4", "e7e5", "g1f3"]), FENS[1], FENS[2], FENS[4]]
+
+
+def test_the_frame_evaluator_relabels_frames_with_the_net(net_path, tmp_path):
+    """Frames of known positions: the net's policy (softmax over the frame's legal moves), WDL
+    and moves left equal the net's on ``encode_planes`` of those positions; the frame's own
+    policy and result come back beside them."""
+    from fusedenc.lc0 import encode_planes, trainingdata
+
+    net, path = _frames_file(tmp_path, net_path, TRAINING_POSITIONS)
+    chunk = trainingdata.read_frames(path)
+    out = FrameEvaluator(net_path, device="cpu")({"frame": np.array([f.tobytes() for f in chunk.frames], dtype=object)})
+    heads = net(encode_planes(TRAINING_POSITIONS, net.input_format).to(torch.float32))
+    legal = chunk.frames["probabilities"] >= 0
+    want = torch.softmax(heads["policy"].masked_fill(~torch.from_numpy(legal), float("-inf")), dim=1).numpy()
+    np.testing.assert_allclose(out["net_policy"], want, rtol=1e-5, atol=1e-7)
+    assert (out["net_policy"][~legal] == 0).all() and np.allclose(out["net_policy"].sum(1), 1)
+    np.testing.assert_allclose(out["net_wdl"], heads["wdl"].numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(out["frame_policy"], trainingdata.frame_targets(chunk.frames)["probabilities"])
+    assert out["frame_result_wdl"].shape == (len(TRAINING_POSITIONS), 3)
 
 
 # ---------------------------------------------------------------- on Ray ----
@@ -198,3 +229,28 @@ def test_a_killed_actor_loses_no_row_and_repeats_none(ray_local, folder):
     rows = _by_id(result["rows"])
     assert sorted(rows) == list(range(1500))
     assert all(r["error"] is None and np.isfinite(r["embedding"]).all() for r in rows.values())
+
+
+@pytest.mark.slow
+def test_relabel_training_frames_on_a_cluster(ray_local, net_path, tmp_path):
+    """``training_frames`` of a .gz and a .tar of two .gz files, relabelled on the cluster:
+    every frame once, with the same values as the actor class alone."""
+    import tarfile
+
+    from fusedenc import distributed
+
+    _, one = _frames_file(tmp_path, net_path, TRAINING_POSITIONS, "a.gz")
+    _, two = _frames_file(tmp_path, net_path, TRAINING_POSITIONS[::-1], "b.gz")
+    tar = tmp_path / "chunk.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(one, arcname="a.gz")
+        t.add(two, arcname="b.gz")
+    rows = distributed.relabel(distributed.training_frames([one, tar]), net_path, device="cpu", block_rows=3).take_all()
+    assert len(rows) == 3 * len(TRAINING_POSITIONS)
+    keys = sorted((r["source"], r["index"]) for r in rows)
+    assert len(set(keys)) == len(keys)
+    alone = FrameEvaluator(net_path, device="cpu")
+    for r in rows:
+        want = alone({"frame": np.array([r["frame"]], dtype=object)})
+        np.testing.assert_allclose(r["net_policy"], want["net_policy"][0], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(r["net_wdl"], want["net_wdl"][0], rtol=1e-5, atol=1e-7)

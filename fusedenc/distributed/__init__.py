@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["embed", "evaluate_positions", "ray_or_exit"]
+__all__ = ["embed", "evaluate_positions", "ray_or_exit", "relabel", "training_frames"]
 
 #: Rows a block hands an actor at once: enough for the token-budget batches inside it to be
 #: large and sorted, small enough that a restarted actor redoes little.
@@ -82,3 +82,38 @@ def evaluate_positions(dataset: Any, net: str, *, fen_column: str = "fen", moves
         num_gpus=gpus, fn_constructor_kwargs=dict(net=net, fen_column=fen_column, moves_column=moves_column,
                                                   device=device, dtype=dtype, temperature=temperature, top=top),
         **_RETRIES)  # fmt: skip
+
+
+def training_frames(paths: Any, *, max_bytes: Optional[int] = None) -> Any:
+    """A dataset of lc0 training frames, one row a position: ``source`` (the file, and the tar
+    member), ``index`` (the frame's place in it), ``version`` and ``frame`` (its bytes, as lc0
+    wrote them).  ``paths``: a file or a list of ``.gz``, plain or ``.tar`` files of frames
+    (``fusedenc.lc0.trainingdata.read_frames``), each read by the cluster."""
+    ray = ray_or_exit()
+    files = [paths] if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__") else list(paths)
+
+    def rows_of(item: dict) -> list[dict]:
+        from ..lc0 import trainingdata
+
+        read = trainingdata.read_frames(item["path"], max_bytes=max_bytes)
+        chunks = [read] if isinstance(read, trainingdata.FrameChunk) else read
+        return [{"source": c.source, "index": i, "version": c.version, "frame": c.frames[i].tobytes()}
+                for c in chunks for i in range(len(c))]  # fmt: skip
+
+    return ray.data.from_items([{"path": str(p)} for p in files]).flat_map(rows_of)
+
+
+def relabel(dataset: Any, net: str, *, concurrency: Optional[int] = None, num_gpus: Optional[float] = None,
+            device: Optional[str] = None, dtype: Optional[str] = None, block_rows: int = BLOCK_ROWS) -> Any:  # fmt: skip
+    """``dataset`` of training frames (``training_frames``) with the net's evaluation beside
+    the frame's own: ``net_policy`` (``[1858]``, softmax over the moves the frame marks legal),
+    ``net_wdl``, ``net_moves_left`` (where the net has those heads), ``frame_policy``,
+    ``frame_result_wdl``, ``frame_best_q``, ``frame_played_idx``.  The planes are the frame's,
+    taken as they are."""
+    ray = ray_or_exit()
+    gpus, actors = _actor_options(ray, num_gpus)
+    from .actors import FrameEvaluator
+
+    return dataset.map_batches(FrameEvaluator, batch_format="numpy", batch_size=block_rows,
+                               concurrency=concurrency or actors, num_gpus=gpus,
+                               fn_constructor_kwargs=dict(net=net, device=device, dtype=dtype), **_RETRIES)  # fmt: skip

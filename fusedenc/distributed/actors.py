@@ -139,3 +139,47 @@ class PositionEvaluator:
         batch.update(best_move=best, moves=move_lists, probs=prob_lists, wdl=wdl, q=q, moves_left=left,
                      error=np.array(errors, dtype=object))  # fmt: skip
         return batch
+
+
+class FrameEvaluator:
+    """An Lc0 net's evaluation of lc0 training frames (``fusedenc.distributed.relabel``): the
+    planes taken as the frame stores them, the net's policy (softmax over the moves the frame
+    marks legal: probabilities >= 0) beside the frame's own policy and result."""
+
+    def __init__(self, net: str, device: Optional[str] = None, dtype: Optional[str] = None) -> None:
+        from ..lc0 import load_network
+
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dt = _dtype(dtype) or (torch.float16 if dev.startswith("cuda") else torch.float32)
+        self.net = load_network(net, device=dev, dtype=dt)
+        self.device, self.dtype = torch.device(dev), dt
+
+    def __call__(self, batch: dict) -> dict:
+        from ..lc0 import trainingdata
+
+        raw = _column(batch, "frame")
+        versions = {len(bytes(f)) for f in raw}
+        sizes = {d.itemsize: v for v, d in trainingdata.FRAME_DTYPES.items()}
+        if len(versions) != 1 or next(iter(versions)) not in sizes:
+            raise ValueError(f"frames of sizes {sorted(versions)} in one block: expected one of {sorted(sizes)}")
+        frames = np.frombuffer(b"".join(bytes(f) for f in raw), dtype=trainingdata.FRAME_DTYPES[sizes[versions.pop()]])
+        targets = trainingdata.frame_targets(frames)
+        planes = torch.from_numpy(trainingdata.frames_to_planes(frames)).to(self.device, self.dtype)
+        with torch.inference_mode():
+            heads = self.net(planes)
+        legal = targets["probabilities"] >= 0
+        logits = heads["policy"].float().cpu().numpy()
+        logits = np.where(legal, logits, -np.inf)
+        logits -= logits.max(axis=1, keepdims=True)
+        policy = np.exp(logits)
+        policy /= policy.sum(axis=1, keepdims=True)
+        batch["net_policy"] = policy.astype(np.float32)
+        if "wdl" in heads:  # already probabilities
+            batch["net_wdl"] = heads["wdl"].float().cpu().numpy()
+        if "moves_left" in heads:
+            batch["net_moves_left"] = heads["moves_left"].float().reshape(-1).cpu().numpy()
+        batch["frame_policy"] = targets["probabilities"]
+        batch["frame_result_wdl"] = targets["result_wdl"]
+        batch["frame_best_q"] = targets["best_q"]
+        batch["frame_played_idx"] = targets["played_idx"]
+        return batch
