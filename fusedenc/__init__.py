@@ -21,8 +21,8 @@ from .core import (
 from .encoder.blocks import EncoderBlock, EncoderStack
 from .graphs.runner import GraphRunner
 from .graphs.varlen import VarlenGraphRunner
-from .hf.sentences import sentence_embeddings
 from .hf.patch import patch_hf
+from .hf.sentences import sentence_embeddings
 from .ops.gemm import fused_qkv, linear, pack_qkv, reference_linear
 from .ops.norm import layer_norm
 from .report import capabilities

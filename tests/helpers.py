@@ -101,3 +101,19 @@ def assert_close_rule(out, ref, same, dtype, what="", atol=None):
         f"{what}: max|out-ref|={worst:.3g} > 2*max|torch-ref| + atol = {bound:.3g} "
         f"(torch {dtype} error {base.max().item():.3g}, atol {atol})"
     )
+
+
+def random_game(rng, plies: int, start: str = "startpos") -> list:
+    """The ``Position``s of one random legal game from ``start`` (fusedenc's own move
+    generator), history and all: ``plies`` moves, fewer where the game ends."""
+    from fusedenc.lc0 import Position
+
+    p = Position.from_fen(start)
+    out = [p]
+    for _ in range(plies):
+        moves = p.legal_moves()
+        if not moves:
+            break
+        p = p.push(rng.choice(moves))
+        out.append(p)
+    return out

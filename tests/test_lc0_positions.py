@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import random_game
 
 from fusedenc.lc0 import Lc0FormatError, Position, decode_policy, encode_planes, load_network, prepare
 from fusedenc.lc0 import board as B
@@ -50,19 +51,6 @@ def test_perft_of_a_batch_is_per_board():
     fens = [f for f, _ in PERFT]
     got = B.perft(parse_fens(fens), 2)
     assert got.tolist() == [c[1] for _, c in PERFT]
-
-
-def random_game(rng: random.Random, plies: int, start: str = STARTPOS_FEN) -> list[Position]:
-    """The positions of one random legal game (our own move generator)."""
-    p = Position.from_fen(start)
-    out = [p]
-    for _ in range(plies):
-        moves = p.legal_moves()
-        if not moves:
-            break
-        p = p.push(rng.choice(moves))
-        out.append(p)
-    return out
 
 
 @pytest.mark.slow

@@ -17,9 +17,10 @@ import tarfile
 import numpy as np
 import pytest
 import torch
+from helpers import random_game
 from lc0_writer import write_preset
 
-from fusedenc.lc0 import Lc0FileError, Lc0FormatError, Position, encode_planes, load_network
+from fusedenc.lc0 import Lc0FileError, Lc0FormatError, encode_planes, load_network
 from fusedenc.lc0.encoding import FLIP, MIRROR, TRANSPOSE, encode_masks, expand_planes
 from fusedenc.lc0.policy import policy_indices
 from fusedenc.lc0.positions import prepare
@@ -36,19 +37,6 @@ from fusedenc.lc0.trainingdata import (
 )
 
 ALL_FORMATS = (1, 2, 3, 4, 5, 132, 133)
-
-
-def _random_game(rng: random.Random, plies: int, start: str = "startpos") -> list[Position]:
-    """The positions of one random legal game, history and all."""
-    p = Position.from_fen(start)
-    out = [p]
-    for _ in range(plies):
-        moves = p.legal_moves()
-        if not moves:
-            break
-        p = p.push(rng.choice(moves))
-        out.append(p)
-    return out
 
 
 def _positions() -> list:
@@ -70,10 +58,10 @@ def _positions() -> list:
     ]
     games = []
     for g in range(6):
-        game = _random_game(rng, rng.randint(10, 80))
+        game = random_game(rng, rng.randint(10, 80))
         games += rng.sample(game, 3)
     for start in ("8/8/2k5/8/8/4K3/8/3QR3 w - - 0 1", "8/1n6/3k4/8/8/4K3/8/2B1R3 b - - 0 1"):
-        game = _random_game(rng, 40, start)
+        game = random_game(rng, 40, start)
         games += rng.sample(game, 6)
     return known + games
 

@@ -22,6 +22,15 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return CLI_NAMES[name]
 
 
+def _load_net(net: str, device: Optional[str], dtype: Optional[str]):
+    """The net on ``device`` (default the GPU if there is one) in ``dtype`` (default fp16 on
+    a GPU, fp32 on a CPU), as the Lc0 CLI picks them."""
+    from ..lc0 import load_network
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return load_network(net, device=dev, dtype=_dtype(dtype) or (torch.float16 if dev.startswith("cuda") else torch.float32))
+
+
 def _column(batch: dict, name: str) -> np.ndarray:
     if name not in batch:
         raise KeyError(f"the dataset has no column {name!r} (it has {', '.join(batch)})")
@@ -94,11 +103,7 @@ class PositionEvaluator:
     def __init__(self, net: str, fen_column: str = "fen", moves_column: Optional[str] = None,
                  device: Optional[str] = None, dtype: Optional[str] = None, temperature: float = 1.0,
                  top: Optional[int] = None) -> None:  # fmt: skip
-        from ..lc0 import load_network
-
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dt = _dtype(dtype) or (torch.float16 if dev.startswith("cuda") else torch.float32)
-        self.net = load_network(net, device=dev, dtype=dt)
+        self.net = _load_net(net, device, dtype)
         self.fen_column, self.moves_column = fen_column, moves_column
         self.temperature, self.top = temperature, top
 
@@ -147,22 +152,19 @@ class FrameEvaluator:
     marks legal: probabilities >= 0) beside the frame's own policy and result."""
 
     def __init__(self, net: str, device: Optional[str] = None, dtype: Optional[str] = None) -> None:
-        from ..lc0 import load_network
-
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dt = _dtype(dtype) or (torch.float16 if dev.startswith("cuda") else torch.float32)
-        self.net = load_network(net, device=dev, dtype=dt)
-        self.device, self.dtype = torch.device(dev), dt
+        self.net = _load_net(net, device, dtype)
+        param = next(self.net.parameters())
+        self.device, self.dtype = param.device, param.dtype
 
     def __call__(self, batch: dict) -> dict:
         from ..lc0 import trainingdata
 
-        raw = _column(batch, "frame")
-        versions = {len(bytes(f)) for f in raw}
+        raw = [bytes(f) for f in _column(batch, "frame")]
+        lengths = {len(f) for f in raw}
         sizes = {d.itemsize: v for v, d in trainingdata.FRAME_DTYPES.items()}
-        if len(versions) != 1 or next(iter(versions)) not in sizes:
-            raise ValueError(f"frames of sizes {sorted(versions)} in one block: expected one of {sorted(sizes)}")
-        frames = np.frombuffer(b"".join(bytes(f) for f in raw), dtype=trainingdata.FRAME_DTYPES[sizes[versions.pop()]])
+        if len(lengths) != 1 or next(iter(lengths)) not in sizes:
+            raise ValueError(f"frames of sizes {sorted(lengths)} in one block: expected one of {sorted(sizes)}")
+        frames = np.frombuffer(b"".join(raw), dtype=trainingdata.FRAME_DTYPES[sizes[lengths.pop()]])
         targets = trainingdata.frame_targets(frames)
         planes = torch.from_numpy(trainingdata.frames_to_planes(frames)).to(self.device, self.dtype)
         with torch.inference_mode():

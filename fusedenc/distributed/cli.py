@@ -86,12 +86,7 @@ def _write(result: Any, out: Path, to_dir: bool) -> tuple[int, int]:
     if out.suffix.lower() == ".npy":
         np.save(out, emb)
     else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        column = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1])
-        pq.write_table(pa.table({"id": [r["id"] for r in rows], "embedding": column,
-                                 "error": [r["error"] for r in rows]}), out)  # fmt: skip
+        embed_cli.write_parquet(out, {"id": [r["id"] for r in rows], "error": [r["error"] for r in rows]}, emb)
     return failed, len(rows)
 
 

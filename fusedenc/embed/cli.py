@@ -155,14 +155,20 @@ def _write(out: Path, partial: Path, corpus) -> None:
     if out.suffix.lower() == ".npy":
         partial.replace(out)
         return
+    emb = np.load(partial, mmap_mode="r")
+    write_parquet(out, {"id": corpus.ids}, emb)
+    del emb
+    partial.unlink()
+
+
+def write_parquet(out: Path, columns: dict, emb: np.ndarray) -> None:
+    """A Parquet file of ``columns`` (lists a row) and ``embedding``, ``emb``'s rows as
+    fixed-size lists of float32."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    emb = np.load(partial, mmap_mode="r")
-    column = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(emb).reshape(-1)), emb.shape[1])
-    pq.write_table(pa.table({"id": corpus.ids, "embedding": column}), out)
-    del emb
-    partial.unlink()
+    flat = pa.array(np.ascontiguousarray(emb, dtype=np.float32).reshape(-1))
+    pq.write_table(pa.table({**columns, "embedding": pa.FixedSizeListArray.from_arrays(flat, emb.shape[1])}), out)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ def load_model(spec: str, *, device: Optional[str] = None, dtype: Optional[torch
         patch_hf(module)
     except (TypeError, ValueError) as exc:
         raise InputError(f"{spec}: fusedenc embeds BERT-family models (BERT, RoBERTa, XLM-R, ...): {exc}") from None
-    hf_model = sentence_parts(module).hf_model if sentence_parts(module) else module
+    parts = sentence_parts(module)
+    hf_model = parts.hf_model if parts else module
     token_types = "token_type_ids" in tokenizer.model_input_names and getattr(hf_model.config, "type_vocab_size", 0) > 1
     return Model(module, tokenizer, max_length, spec, dev, dt, token_types)
 

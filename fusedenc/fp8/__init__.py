@@ -3,48 +3,5 @@ the one-pass static-scale coding (triton_e4m3.py) and the range check of calibra
 (range_check.py).  The FP8 mode of a stack with its LayerNorms folded is an executor:
 ``fusedenc.encoder.fp8_fold``."""
 
-from .rowwise import (
-    BLOCK_GEMMS,
-    CALIBRATION_HEADROOM,
-    E4M3,
-    E4M3_FNUZ,
-    E4M3_MAX,
-    INPUT_HEADROOM,
-    Calibration,
-    Fp8Format,
-    Quantized,
-    QuantizedWeights,
-    calibrate,
-    dequantize,
-    format_for,
-    linear,
-    producers_disabled,
-    producers_write_fp8,
-    quantize_blocks,
-    quantize_config,
-    quantize_rows,
-    scaled_linear,
-)
-
-__all__ = [
-    "E4M3",
-    "E4M3_MAX",
-    "E4M3_FNUZ",
-    "Fp8Format",
-    "BLOCK_GEMMS",
-    "CALIBRATION_HEADROOM",
-    "INPUT_HEADROOM",
-    "Calibration",
-    "Quantized",
-    "QuantizedWeights",
-    "calibrate",
-    "dequantize",
-    "format_for",
-    "linear",
-    "producers_disabled",
-    "producers_write_fp8",
-    "quantize_blocks",
-    "quantize_config",
-    "quantize_rows",
-    "scaled_linear",
-]
+from .rowwise import *  # noqa: F401,F403 - the names of rowwise.__all__
+from .rowwise import __all__  # noqa: F401

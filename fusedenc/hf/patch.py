@@ -510,27 +510,6 @@ def _transformers_major() -> int:
     return int(transformers.__version__.split(".")[0])
 
 
-def _patch_sentence_model(model: nn.Module, *, inplace: bool, padding_free: bool) -> nn.Module:
-    """``patch_hf`` of a sentence-transformers ``SentenceTransformer``: its HF model patched,
-    the wrapper in eval mode and given ``sentences.SentenceModel``."""
-    if not inplace:
-        model = copy.deepcopy(model)
-    hf_model = sentences.sentence_parts(model).hf_model
-    # A SentenceTransformer is an inference wrapper whose encode() puts it in eval mode on every
-    # call; a freshly built one still says training.  Its HF model is checked as any other
-    # (a refusal leaves both as they were).
-    hf_was_training = hf_model.training
-    hf_model.eval()
-    try:
-        patch_hf(hf_model, inplace=True, padding_free=padding_free)
-    except (TypeError, ValueError):
-        hf_model.train(hf_was_training)
-        raise
-    model.eval()
-    sentences.install(model)
-    return model
-
-
 def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = True) -> nn.Module:
     """Replace the encoder layers of a Hugging Face BERT-family model with fusedenc blocks.
 
@@ -570,10 +549,8 @@ def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = Tru
     BERT/RoBERTa/XLM-R model's plain call runs its embeddings there too (``fusedenc.hf.embedded``).
     ``padding_free=False`` keeps every layer on the padded batch.
 
-    A sentence-transformers ``SentenceTransformer`` is taken too: the HF model inside it is
-    patched, the wrapper is put in eval mode (its ``encode()`` does so on every call) and its
-    ``encode()`` then runs on fusedenc, pooling inside the model's CUDA graph where it can
-    (``fusedenc.hf.sentences``).
+    A sentence-transformers ``SentenceTransformer`` is taken too (``fusedenc.hf.sentences.patch``):
+    its HF model is patched, and its ``encode()`` runs on fusedenc.
 
     A model already patched is left as it is.  ``inplace=False`` patches a
     deep copy and leaves ``model`` alone.  Returns the patched model.
@@ -581,7 +558,7 @@ def patch_hf(model: nn.Module, *, inplace: bool = True, padding_free: bool = Tru
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if sentences.sentence_parts(model) is not None:
-        return _patch_sentence_model(model, inplace=inplace, padding_free=padding_free)
+        return sentences.patch(model, patch_hf, inplace=inplace, padding_free=padding_free)
     # What the model is comes before its state: a module with no encoder is told so, whatever its mode.
     encoders = _find_encoders(model)
     if not encoders:

@@ -17,6 +17,7 @@ its classes' names and modules.
 from __future__ import annotations
 
 import contextvars
+import copy
 import inspect
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
@@ -29,7 +30,7 @@ from ..varlen import packing as varlen
 from . import classes as patched_classes
 from .embedded import EmbeddedModel
 
-__all__ = ["SentenceModel", "SentenceParts", "install", "sentence_embeddings", "sentence_parts"]
+__all__ = ["SentenceModel", "SentenceParts", "patch", "sentence_embeddings", "sentence_parts"]
 
 #: Keys a sentence-transformers ``tokenize()`` / ``preprocess()`` returns besides HF's inputs:
 #: bookkeeping the model's call does not take.
@@ -272,8 +273,24 @@ class SentenceModel:
         return super().forward(input, **kwargs)
 
 
-def install(model: nn.Module) -> None:
-    """Give a ``SentenceTransformer`` whose HF model ``patch_hf`` patched the ``SentenceModel``
-    subclass (its class name becomes "Fusedenc" + its own), once."""
+def patch(model: nn.Module, patch_hf: Any, *, inplace: bool, padding_free: bool) -> nn.Module:
+    """``patch_hf`` of a ``SentenceTransformer`` (``patch_hf`` passes itself: it imports this
+    module): its HF model patched, the wrapper in eval mode and given ``SentenceModel`` (its
+    class name becomes "Fusedenc" + its own), once."""
+    if not inplace:
+        model = copy.deepcopy(model)
+    hf_model = sentence_parts(model).hf_model
+    # A SentenceTransformer is an inference wrapper whose encode() puts it in eval mode on every
+    # call; a freshly built one still says training.  Its HF model is checked as any other
+    # (a refusal leaves both as they were).
+    hf_was_training = hf_model.training
+    hf_model.eval()
+    try:
+        patch_hf(hf_model, inplace=True, padding_free=padding_free)
+    except (TypeError, ValueError):
+        hf_model.train(hf_was_training)
+        raise
+    model.eval()
     if not isinstance(model, SentenceModel):
         patched_classes.mix_in(model, SentenceModel)
+    return model

@@ -2,28 +2,8 @@
 ``pack_qkv`` (gemm.py), ``layer_norm`` (norm.py) and the LayerNorm folded into GEMMs
 (norm_fold.py).  They call the native core only through ``fusedenc.core``."""
 
-from .gemm import (
-    ACTIVATIONS,
-    FallbackWarning,
-    fused_qkv,
-    linear,
-    pack_qkv,
-    reference_linear,
-    split_qkv,
-)
-from .norm import (
-    layer_norm,
-    reference_layer_norm,
-)
+from . import gemm, norm
+from .gemm import *  # noqa: F401,F403 - the names of gemm.__all__ and norm.__all__
+from .norm import *  # noqa: F401,F403
 
-__all__ = [
-    "ACTIVATIONS",
-    "FallbackWarning",
-    "fused_qkv",
-    "linear",
-    "pack_qkv",
-    "reference_linear",
-    "split_qkv",
-    "layer_norm",
-    "reference_layer_norm",
-]
+__all__ = gemm.__all__ + norm.__all__
