@@ -118,6 +118,8 @@ CPU_IMPLS = ("hf-eager", "hf-sdpa", "fusedenc-padded", "fusedenc", "fusedenc-poo
 MODELS = ("minilm", "bert-base", "tiny")
 FP16_COSINE = 0.9999
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+#: all-MiniLM-L6-v2's shape: its random-weight stand-in where the real weights are not installed.
+MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 LENGTH_BINS = (8, 16, 32, 64, 128, 256, 512)
 REPS = 10
@@ -224,17 +226,28 @@ def length_histogram(batches) -> dict[str, Any]:
 _CPU_MODELS: dict[tuple, Any] = {}  # (name, attn implementation, seed) -> the fp32 CPU model, made once
 
 
+def minilm_weights() -> bool:
+    """Whether the real all-MiniLM-L6-v2 weights are here (else ``minilm`` is its shape with
+    random weights: the same work per token, on the real tokenizer's counts)."""
+    try:
+        real_models.minilm_dir()
+    except real_models.RealModelMissing:
+        return False
+    return True
+
+
 def load_model(name: str, device, dtype, impl: str, seed: int):
     """The HF model (eval, on device, in dtype) with attn_implementation ``impl``: a copy of
-    the fp32 CPU model made once per (name, impl, seed) (building bert-base takes seconds)."""
+    the fp32 CPU model made once per (name, impl, seed) (building bert-base takes seconds);
+    ``minilm``: the real model where installed (``minilm_weights``), else its shape."""
     import transformers
 
     key = (name, impl, seed)
     if key not in _CPU_MODELS:
-        if name == "minilm":
+        if name == "minilm" and minilm_weights():
             _CPU_MODELS[key], _ = real_models.load_minilm("cpu", torch.float32, attn_implementation=impl)
         else:
-            shape = BERT_BASE if name == "bert-base" else TINY
+            shape = {"bert-base": BERT_BASE, "minilm": MINILM}.get(name, TINY)
             config = transformers.BertConfig(vocab_size=30522, max_position_embeddings=512, hidden_act="gelu",
                                              layer_norm_eps=1e-12, attn_implementation=impl, **shape)  # fmt: skip
             with torch.random.fork_rng():

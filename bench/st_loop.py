@@ -19,6 +19,11 @@ sentence-transformers would run a patched model), ``patched-pooled`` (``patch_hf
 ``sentence_embeddings`` on the loop's device tensors: what a patched ``SentenceTransformer``'s
 ``encode()`` runs with mean pooling) and ``corpus`` (``fusedenc.embed.encode`` over the whole
 list: its own sort, token-budget batches and host tensors; not at the loop's batch size).
+Where sentence-transformers is installed, its own ``encode()`` runs too, on a
+``SentenceTransformer`` built around the same weights (Transformer, mean Pooling,
+Normalize): ``st-plain``, ``st-compile`` (its HF model under ``torch.compile(dynamic=True)``)
+and ``st-patched`` (``fusedenc.patch_hf(st)``).  For fusedenc's peers the result gives the
+model's graph-cache counts over the timed passes (captures, evictions, eager calls).
 Every peer's embeddings are checked against the fp32 plain loop (cosine >= 0.9999) first.
 Timed: the wall clock of whole passes (tokenization included), the median of ``--reps``,
 after one warm-up pass.  The sentences are tests/data/real_sentences (their token histogram
@@ -28,9 +33,11 @@ is in the result).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -42,9 +49,13 @@ import torch.nn.functional as F
 
 import fusedenc
 import fusedenc.embed
-from fusedenc.hf import real_models
+from fusedenc.hf import real_models, sentences
 
-IMPLS = ("plain", "compile", "patched", "patched-pooled", "corpus")
+IMPLS = ("plain", "compile", "patched", "patched-pooled", "corpus", "st-plain", "st-compile", "st-patched")
+#: The peers that run sentence-transformers itself (where it is installed); the ratios take the
+#: best of these and of the reproduced loop's plain and compile peers.
+ST_IMPLS = ("st-plain", "st-compile", "st-patched")
+PEERS = ("plain", "compile", "st-plain", "st-compile")
 MAX_LENGTH = 256  # sentence-transformers' all-MiniLM-L6-v2 setting
 COSINE = 0.9999
 
@@ -74,15 +85,50 @@ def st_loop(step: Callable[[dict], torch.Tensor], tokenizer, sentences: list[str
     return emb[np.argsort(order)]
 
 
-def peer(impl: str, name: str, device: torch.device, dtype: torch.dtype, seed: int, tokenizer):
-    """``(run(sentences, batch) -> [N, D] numpy, note)`` of one peer."""
+def st_model(name: str, device: torch.device, dtype: torch.dtype, seed: int, tokenizer, folder: str):
+    """A ``SentenceTransformer`` (Transformer, mean Pooling, Normalize) around ``load_model``'s
+    weights, saved with the tokenizer under ``folder``."""
+    from sentence_transformers import SentenceTransformer, models
+
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        eb.load_model(name, "cpu", torch.float32, "sdpa", seed).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    word = models.Transformer(folder, max_seq_length=MAX_LENGTH, model_args={"attn_implementation": "sdpa"})
+    pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode="mean")
+    return SentenceTransformer(modules=[word, pooling, models.Normalize()], device=str(device)).to(dtype).eval()
+
+
+def peer(impl: str, name: str, device: torch.device, dtype: torch.dtype, seed: int, tokenizer, folder: str):
+    """``(run(sentences, batch) -> [N, D] numpy, note, the patched HF model or None)`` of one peer."""
+    if impl in ST_IMPLS:
+        st = st_model(name, device, dtype, seed, tokenizer, folder)
+        hf = sentences.sentence_parts(st).hf_model
+        note = "sentence-transformers' encode()"
+        if impl == "st-compile":
+            holder = st[0]
+            # sentence-transformers >= 6 holds the model as ``model`` (``auto_model`` is a read-only
+            # property there); earlier releases as ``auto_model``.
+            attr = "model" if "model" in holder._modules else "auto_model"
+            setattr(holder, attr, torch.compile(getattr(holder, attr), dynamic=True))
+            note += ", torch.compile(dynamic=True)"
+            hf = None
+        elif impl == "st-patched":
+            fusedenc.patch_hf(st)
+            note += ", patch_hf"
+        else:
+            hf = None
+
+        def run_st(sentences, batch):
+            return np.asarray(st.encode(sentences, batch_size=batch, convert_to_numpy=True), dtype=np.float32)
+
+        return run_st, note, hf
     if impl == "corpus":
         if tokenizer is None:
             raise RuntimeError("needs the real-models extra's fast tokenizer")
         model = fusedenc.patch_hf(eb.load_model(name, device, dtype, "sdpa", seed))
         wrapped = fusedenc.embed.Model(model, tokenizer, MAX_LENGTH, name, device, dtype, True)
         return (lambda sentences, batch: fusedenc.embed.encode(wrapped, sentences)[0]), \
-            f"fusedenc.embed.encode, {fusedenc.embed.DEFAULT_MAX_BATCH_TOKENS} padded tokens a batch"
+            f"fusedenc.embed.encode, {fusedenc.embed.DEFAULT_MAX_BATCH_TOKENS} padded tokens a batch", model
     model = eb.load_model(name, device, dtype, "sdpa", seed)
     note = ""
     if impl == "compile":
@@ -97,7 +143,22 @@ def peer(impl: str, name: str, device: torch.device, dtype: torch.dtype, seed: i
     else:
         def step(f):
             return eb.pooled(model(**f).last_hidden_state, f["attention_mask"])
-    return (lambda sentences, batch: st_loop(step, tokenizer, sentences, batch, device)), note
+    patched = model if impl.startswith("patched") else None
+    return (lambda sentences, batch: st_loop(step, tokenizer, sentences, batch, device)), note, patched
+
+
+def graph_counts(model) -> dict:
+    """The patched model's graph-cache counts (captures, replays, evictions, eager calls by why)."""
+    if model is None:
+        return {}
+    from fusedenc.graphs import auto as auto_graphs
+
+    stats = auto_graphs.cache_of(model).stats()
+    return {**stats["counts"], "graphs held": stats["graphs"]}
+
+
+def counts_since(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if k == "graphs held" or v - before.get(k, 0)}
 
 
 def timed(run, sentences, batch, device, reps: int) -> list[float]:
@@ -152,6 +213,11 @@ def main(argv=None) -> int:
     batches = [int(b) for b in common.comma_list(args.batch_sizes)]
     sentences = eb.read_sentences(args.sentences)
     env = common.environment(device)
+    has_st = importlib.util.find_spec("sentence_transformers") is not None
+    if has_st:
+        import sentence_transformers
+
+        env["sentence_transformers"] = sentence_transformers.__version__
     result: dict[str, Any] = {"schema": "fusedenc.bench.st_loop/1", "environment": env, "records": []}
     if args.check_st:
         result["st_check"] = check_sentence_transformers(sentences[:512], batches[0])
@@ -160,21 +226,28 @@ def main(argv=None) -> int:
         tokenizer, tok_note = eb.tokenizer_for(name)
         lengths = eb.length_histogram([tokenize(tokenizer, sentences[i:i + 512]) for i in range(0, len(sentences), 512)])
         ref = reference(name, device, args.seed, tokenizer, sentences, batches)
+        folder = os.path.join(tempfile.mkdtemp(prefix="st_loop_"), name)  # the ST peers' saved model
         for b in batches:
             record = {"model": name, "batch": b, "dtype": str(dtype).replace("torch.", ""), "tokenizer": tok_note,
+                      "reps": args.reps, "weights": "real" if name == "minilm" and eb.minilm_weights() else "random",
                       "lengths": lengths, "results": []}  # fmt: skip
             result["records"].append(record)
             for impl in common.comma_list(args.impl):
+                if impl in ST_IMPLS and not has_st:
+                    continue
                 try:
                     t0 = time.perf_counter()
-                    run, note = peer(impl, name, device, dtype, args.seed, tokenizer)
+                    run, note, patched = peer(impl, name, device, dtype, args.seed, tokenizer, folder)
                     got = run(sentences, b)  # the warm-up pass: compiles, captures, plans
                     setup = time.perf_counter() - t0
+                    warm = graph_counts(patched)
                     cos = np.sum(got * ref[b], 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref[b], axis=1)
                     t = statistics.median(timed(run, sentences, b, device, args.reps))
                     record["results"].append({"impl": impl, "sentences_per_s": len(sentences) / t, "seconds": t,
                                               "min_cosine": float(cos.min()), "cosine_ok": bool(cos.min() >= COSINE),
-                                              "setup_seconds": setup, "note": note})  # fmt: skip
+                                              "setup_seconds": setup, "note": note,
+                                              "warm_up_graphs": warm,
+                                              "timed_graphs": counts_since(warm, graph_counts(patched))})  # fmt: skip
                 except Exception as exc:  # noqa: BLE001 - a peer that fails is a row saying so
                     record["results"].append({"impl": impl, "error": f"{type(exc).__name__}: {exc}"})
                 print("\n".join(table(record)), flush=True)
@@ -195,7 +268,7 @@ def table(record: dict) -> list[str]:
            "  length histogram: " + ", ".join(f"{k}: {v}" for k, v in h["bins"].items() if v),
            f"  {'implementation':<16} {'sentences/s':>12} {'x best peer':>11} {'min cosine':>11}  setup"]  # fmt: skip
     ok = [r for r in record["results"] if "error" not in r]
-    peers = [r["sentences_per_s"] for r in ok if r["impl"] in ("plain", "compile")]
+    peers = [r["sentences_per_s"] for r in ok if r["impl"] in PEERS]
     best = max(peers) if peers else None
     for r in record["results"]:
         if "error" in r:
@@ -204,7 +277,14 @@ def table(record: dict) -> list[str]:
         ratio = f"{r['sentences_per_s'] / best:.2f}x" if best else "-"
         out.append(f"  {r['impl']:<16} {r['sentences_per_s']:>12.0f} {ratio:>11} {r['min_cosine']:>11.6f}  "
                    f"{r['setup_seconds']:.1f}s {r['note']}" + ("" if r["cosine_ok"] else "  BELOW 0.9999"))  # fmt: skip
+        if r.get("timed_graphs"):
+            out.append(f"  {'':<16} graphs, warm-up pass: {_counts(r['warm_up_graphs'])}; "
+                       f"{record.get('reps', '')} timed passes: {_counts(r['timed_graphs'])}")
     return out + [""]
+
+
+def _counts(c: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "-"
 
 
 if __name__ == "__main__":

@@ -240,6 +240,8 @@ def test_invalidate_and_apply_drop_graphs(gen):
     assert net.auto_graphs.stats()["graphs"] == 0
     net(x)
     net(x)
+    net.to(torch.float32).to("cpu")  # replaces no tensor (sentence-transformers does it every encode())
+    assert net.auto_graphs.stats()["graphs"] == 1, "a .to() that changes nothing dropped the graphs"
     net.to(torch.float64).to(torch.float32)  # .to/.half/.cuda go through _apply
     assert net.auto_graphs.stats()["graphs"] == 0
 

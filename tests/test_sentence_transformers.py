@@ -141,3 +141,29 @@ def test_encode_pools_in_the_graph_where_the_short_path_runs(model_dirs, gen, mo
     cls_model, _ = st_helpers.patched_pair(model_dirs["bert"], pooling="cls")
     cls_model.encode(texts[:3])
     assert calls == []
+
+
+def test_encode_keeps_the_patched_models_graphs_between_calls(model_dirs, gen, monkeypatch):
+    """sentence-transformers' ``encode()`` (6.0; later releases skip it when the model is
+    already there) moves the model to its device on every call: a ``.to()`` that replaces no
+    tensor must keep the patched model's graphs and its encoder's stack (dropping them
+    recaptured every graph every call: 0.7x the patched loop on an H200)."""
+    from fusedenc.graphs import auto as auto_graphs
+    from fusedenc.hf import varlen as hf_varlen
+
+    patched, _ = st_helpers.patched_pair(model_dirs["bert"], pooling="mean", normalize=True, max_seq_length=32)
+    hf_model = sentences.sentence_parts(patched).hf_model
+    cleared = []
+    original_clear = auto_graphs.AutoGraphs.clear
+    monkeypatch.setattr(auto_graphs.AutoGraphs, "clear", lambda self: (cleared.append(self), original_clear(self))[1])
+    texts = _texts(gen)
+    patched.encode(texts)
+    stack = hf_varlen.stack_of(hf_model.encoder)
+    assert stack is not None
+    patched.to(patched.device)  # what encode() does first in sentence-transformers 6.0
+    patched.encode(texts, batch_size=4)
+    assert hf_varlen.stack_of(hf_model.encoder) is stack, "encode() rebuilt the encoder's stack"
+    assert not any(c is auto_graphs.cache_of(hf_model) or c is stack.auto_graphs for c in cleared)
+    patched.to(torch.float64)  # a real conversion still drops them
+    assert hf_varlen.stack_of(hf_model.encoder) is None
+    assert any(c is auto_graphs.cache_of(hf_model) for c in cleared)

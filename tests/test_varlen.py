@@ -515,7 +515,9 @@ def test_the_stack_follows_replaced_blocks_moves_and_copies(gen):
     clone_out = _run(clone, ids, mask)
     assert torch.equal(clone_out.last_hidden_state, got.last_hidden_state)
     assert all(b is layer.block for b, layer in zip(hf_varlen.stack_of(clone.encoder).blocks, clone.encoder.layer))
-    model.float()  # through _apply: the cached stack (and any graphs of it) goes
+    model.float().to("cpu")  # already there: no tensor replaced, the stack stays
+    assert hf_varlen.stack_of(model.encoder) is stack
+    model.double().float()  # through _apply: the cached stack (and any graphs of it) goes
     assert hf_varlen.stack_of(model.encoder) is None
     torch.testing.assert_close(_run(model, ids, mask).last_hidden_state, got.last_hidden_state, rtol=0, atol=0)
 

@@ -61,7 +61,7 @@ from .runner import capture, capture_possible, eager_calls, eager_only
 __all__ = [
     "BUCKETS", "ENV", "MAX_GRAPHS", "MAX_ROWS", "AutoGraphs", "GraphedModule", "bucket_for", "cache_of", "call",
     "clear", "cuda_capture", "disabled", "enabled", "encoder_call", "finish", "invalidate", "memory", "observing",
-    "out_view", "set_enabled", "write_out",
+    "out_view", "set_enabled", "storage_key", "write_out",
 ]  # fmt: skip
 
 ENV = "FUSEDENC_AUTO_GRAPHS"
@@ -557,7 +557,8 @@ def out_view(out: Optional[torch.Tensor], x: torch.Tensor, batch: int, seq: int,
 class GraphedModule(torch.nn.Module):
     """Base of the modules whose plain call uses automatic graphs (EncoderBlock, EncoderStack,
     Lc0Network): ``auto_graphs`` is the module's cache, dropped when the module is moved or
-    converted (``.to()``, ``.half()``, ...: the graphs would otherwise keep the old weights alive)."""
+    converted (``.to()``, ``.half()``, ... where they replace a tensor: the graphs would otherwise
+    keep the old weights alive)."""
 
     @property
     def auto_graphs(self) -> AutoGraphs:
@@ -565,7 +566,18 @@ class GraphedModule(torch.nn.Module):
         return cache_of(self)
 
     def _apply(self, fn, *args, **kwargs):
+        before = storage_key(self)
+        result = super()._apply(fn, *args, **kwargs)
         cache = self.__dict__.get("_auto_graphs")
-        if cache is not None:
+        if cache is not None and storage_key(self) != before:
             cache.clear()
-        return super()._apply(fn, *args, **kwargs)
+        return result
+
+
+def storage_key(module: torch.nn.Module) -> tuple:
+    """Where and in what dtype every parameter and buffer of ``module`` is stored.  A module's
+    ``_apply`` (``.to()``, ``.half()``, ...) compares it before and after and drops its graphs
+    (which keep the weights they captured alive) only where a tensor was replaced: ``.to()``
+    to where a module already is replaces nothing, and sentence-transformers' ``encode()``
+    calls it on every call (dropping the graphs there recaptured every one, every call)."""
+    return tuple((t.data_ptr(), t.dtype, t.device) for t in (*module.parameters(), *module.buffers()))

