@@ -122,13 +122,14 @@ def peer(impl: str, name: str, device: torch.device, dtype: torch.dtype, seed: i
             return np.asarray(st.encode(sentences, batch_size=batch, convert_to_numpy=True), dtype=np.float32)
 
         return run_st, note, hf
-    if impl == "corpus":
+    if impl.startswith("corpus"):  # "corpus" or "corpus:<max batch tokens>" (the budget sweep)
         if tokenizer is None:
             raise RuntimeError("needs the real-models extra's fast tokenizer")
+        budget = int(impl.split(":")[1]) if ":" in impl else fusedenc.embed.DEFAULT_MAX_BATCH_TOKENS
         model = fusedenc.patch_hf(eb.load_model(name, device, dtype, "sdpa", seed))
         wrapped = fusedenc.embed.Model(model, tokenizer, MAX_LENGTH, name, device, dtype, True)
-        return (lambda sentences, batch: fusedenc.embed.encode(wrapped, sentences)[0]), \
-            f"fusedenc.embed.encode, {fusedenc.embed.DEFAULT_MAX_BATCH_TOKENS} padded tokens a batch", model
+        return (lambda sentences, batch: fusedenc.embed.encode(wrapped, sentences, max_batch_tokens=budget)[0]), \
+            f"fusedenc.embed.encode, {budget} padded tokens a batch", model
     model = eb.load_model(name, device, dtype, "sdpa", seed)
     note = ""
     if impl == "compile":
@@ -198,7 +199,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="comma list of minilm, bert-base, tiny (default minilm,bert-base)")
     ap.add_argument("--batch-sizes", default="32,128")
-    ap.add_argument("--impl", default=",".join(IMPLS))
+    ap.add_argument("--impl", default=",".join(IMPLS),
+                    help="comma list of peers; corpus:N runs the corpus command's encode at N padded tokens a batch")
     ap.add_argument("--sentences", type=int, default=20000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None)

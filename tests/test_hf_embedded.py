@@ -390,8 +390,8 @@ def test_sentence_embeddings_take_the_short_path(model_type, normalize, gen, hf_
     model, ref = _models(gen, model_type)
     pooled_calls = []
     for name in ("packed", "dense"):
-        method = getattr(hf_embedded._MeanPooled, name)
-        monkeypatch.setattr(hf_embedded._MeanPooled, name,
+        method = getattr(hf_embedded._Pooled, name)
+        monkeypatch.setattr(hf_embedded._Pooled, name,
                             lambda self, *a, _m=method, _n=name: (pooled_calls.append(_n), _m(self, *a))[1])  # fmt: skip
     ids, types, mask = _batch(gen)
     full = torch.ones_like(mask)
@@ -408,10 +408,25 @@ def test_sentence_embeddings_take_the_short_path(model_type, normalize, gen, hf_
     assert pooled_calls == ["packed", "packed", "dense", "dense"], pooled_calls
 
 
-def test_sentence_embeddings_pool_in_the_graph_function_on_poisoned_statics(gen):
-    """The short path's graph function with the pooling tail, on statics padded to a bucket
-    and poisoned past the call: the call's rows are its embeddings, the bucket's spare
-    sequences zeros, nothing of the slack rows leaks in."""
+def _pooled_reference(hidden: torch.Tensor, mask: torch.Tensor, mode: str, normalize: bool) -> torch.Tensor:
+    """sentence-transformers' Pooling modes in fp32 (padding's rows never count)."""
+    hidden, real = hidden.float(), mask.bool()[:, :, None]
+    if mode == "cls":
+        pooled = hidden[:, 0]
+    elif mode == "max":
+        pooled = hidden.masked_fill(~real, -1e9).amax(1)
+    else:
+        sums, counts = (hidden * real).sum(1), real.sum(1).float()
+        pooled = sums / (counts if mode == "mean" else counts.sqrt())
+    return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
+
+
+@pytest.mark.parametrize("mode", hf_embedded.POOLING_MODES)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sentence_embeddings_pool_in_the_graph_function_on_poisoned_statics(gen, mode, normalize):
+    """The short path's graph function with the pooling tail (each mode), on statics padded
+    to a bucket and poisoned past the call: the call's rows are its embeddings (the mean
+    modes give the bucket's spare sequences zeros), nothing of the slack rows leaks in."""
     model, ref = _models(gen)
     ids, types, mask = _batch(gen, b=5, s=11)
     real = mask.numpy() != 0
@@ -423,13 +438,15 @@ def test_sentence_embeddings_pool_in_the_graph_function_on_poisoned_statics(gen)
     statics[0].fill_(SMALL["vocab_size"] - 1)
     statics[1].fill_(1)
     feed.fill(statics, inputs)
-    fn = model._fusedenc_embedded_rows(model.encoder._fusedenc_as_stack(), hf_embedded._MeanPooled(True))
+    fn = model._fusedenc_embedded_rows(model.encoder._fusedenc_as_stack(), hf_embedded._Pooled(mode, normalize))
     with torch.no_grad():
         out = fn(*views)
-        want = _mean_pooled(ref(ids, attention_mask=mask, token_type_ids=types).last_hidden_state, mask)
+        hidden = ref(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        want = _pooled_reference(hidden, mask, mode, normalize)
     assert out.shape == (feed.bucket.sequences, SMALL["hidden_size"]) and out.dtype == torch.float32
     torch.testing.assert_close(feed.take(out), want, **TOL)
-    assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+    if mode in ("mean", "mean_sqrt_len_tokens"):
+        assert torch.equal(out[5:], torch.zeros_like(out[5:]))
 
 
 def test_sentence_embeddings_elsewhere_run_the_model_then_pool(gen, hf_calls):

@@ -112,17 +112,18 @@ def test_sentence_embeddings_refuse_what_a_sentence_transformer_cannot_take(mode
 
 
 def test_encode_pools_in_the_graph_where_the_short_path_runs(model_dirs, gen, monkeypatch):
-    """Where the patched model's graph can pool (mean, text, the short path running: a GPU),
+    """Where the patched model's graph can pool (mean, CLS, max, mean-sqrt-length; text),
     ``encode()`` takes the graph's ``[B, D]`` and runs no Pooling module; token embeddings and
-    other pooling modes never ask for it.  On the CPU the graph does not run, so its pooled
-    call is replaced by the reference (the mean over real tokens, normalized), counted."""
+    other pooling modes never ask for it.  The graph's pooled call is counted (on the CPU it
+    runs its function eagerly)."""
     calls = []
+    real_call = embedded.EmbeddedModel._fusedenc_pooled_call
 
-    def pooled_call(self, ids, mask, types, normalize):
-        calls.append((tuple(ids.shape), normalize))
-        hidden = self(input_ids=ids, attention_mask=mask, token_type_ids=types)[0].float()
-        pooled = fusedenc.varlen.masked_mean_pool(hidden, mask)
-        return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
+    def pooled_call(self, ids, mask, types, normalize, mode="mean"):
+        calls.append((tuple(ids.shape), normalize, mode))
+        out = real_call(self, ids, mask, types, normalize, mode)
+        assert out is not None, "the short path refused a plain batch"
+        return out
 
     monkeypatch.setattr(embedded.EmbeddedModel, "_fusedenc_pooled_call", pooled_call)
     texts = _texts(gen, 11)
@@ -132,14 +133,21 @@ def test_encode_pools_in_the_graph_where_the_short_path_runs(model_dirs, gen, mo
         patched[1].register_forward_hook(lambda *a: pooling_runs.append(1))
         calls.clear()
         got = patched.encode(texts, batch_size=4)
-        assert [n for _, n in calls] == [normalize] * 4 and pooling_runs == []  # 13 texts, 4 a batch
+        assert [c[1:] for c in calls] == [(normalize, "mean")] * 4 and pooling_runs == []  # 13 texts, 4 a batch
         np.testing.assert_allclose(got, ref.encode(texts, batch_size=4), rtol=1e-4, atol=1e-5)
         calls.clear()
         patched.encode(texts[:3], output_value="token_embeddings")
         patched.encode(texts[:3], output_value=None)
         assert calls == [] and len(pooling_runs) == 2
-    cls_model, _ = st_helpers.patched_pair(model_dirs["bert"], pooling="cls")
-    cls_model.encode(texts[:3])
+    for mode in ("cls", "max", "mean_sqrt_len_tokens"):
+        model, ref = st_helpers.patched_pair(model_dirs["bert"], pooling=mode)
+        calls.clear()
+        np.testing.assert_allclose(model.encode(texts, batch_size=4), ref.encode(texts, batch_size=4), rtol=1e-4,
+                                   atol=1e-5)  # fmt: skip
+        assert [c[2] for c in calls] == [mode] * 4
+    model, _ = st_helpers.patched_pair(model_dirs["bert"], pooling="weightedmean")
+    calls.clear()
+    model.encode(texts[:3])
     assert calls == []
 
 

@@ -62,7 +62,7 @@ from ..varlen import packing as varlen
 from . import classes as patched_classes
 from . import varlen as hf_varlen
 
-__all__ = ["EmbeddedModel", "install"]
+__all__ = ["POOLING_MODES", "EmbeddedModel", "install"]
 
 #: The model classes given the short path: (module, model class) -> (embeddings class, whether
 #: positions follow the ids as RoBERTa's, from padding_idx + 1).
@@ -118,14 +118,16 @@ class EmbeddedModel(nn.Module):
         tail = _Scattered(pooler)
         return self._fusedenc_graph_call(ready, ids, types, tail, ("hidden", pooler is None))
 
-    def _fusedenc_pooled_call(self, ids, mask, types, normalize: bool) -> Optional[torch.Tensor]:
-        """``sentence_embeddings``' result through the short path's graph, or None where it
-        does not apply (then HF's forward and torch's pooling).  The ids may still be on the
-        host (the tokenizer's tensors): the graph's feed copies them over itself."""
+    def _fusedenc_pooled_call(self, ids, mask, types, normalize: bool, mode: str = "mean") -> Optional[torch.Tensor]:
+        """``sentence_embeddings``' result (pooled as ``mode``: one of ``POOLING_MODES``)
+        through the short path's graph, or None where it does not apply (then HF's forward
+        and torch's pooling).  The ids may still be on the host (the tokenizer's tensors): the
+        graph's feed copies them over itself."""
+        tail = _Pooled(mode, normalize)
         ready = self._fusedenc_ready(ids, mask, types, from_host=True)
         if ready is None:
             return None
-        return self._fusedenc_graph_call(ready, ids, types, _MeanPooled(normalize), ("mean", normalize))
+        return self._fusedenc_graph_call(ready, ids, types, tail, ("pooled", mode, normalize))
 
     def _fusedenc_ready(self, ids, mask, types, from_host: bool = False):
         """``(stack, native, real, on_host)`` where the short path takes this call (``real``:
@@ -309,21 +311,51 @@ class _Scattered(_Tail):
         return model._fusedenc_finish(result)
 
 
-class _MeanPooled(_Tail):
-    """``sentence_embeddings``: float32 ``[B, D]``, each sequence's mean over its real tokens'
-    rows (L2-normalized when asked), pooled in the graph: no ``[B, S, D]`` is written."""
+#: The pooling modes (sentence-transformers' names) the short path's graph computes.
+POOLING_MODES = ("mean", "cls", "max", "mean_sqrt_len_tokens")
 
-    def __init__(self, normalize: bool):
-        self.normalize = normalize
+
+class _Pooled(_Tail):
+    """``sentence_embeddings``: float32 ``[B, D]`` pooled in the graph (no ``[B, S, D]`` is
+    written), L2-normalized when asked.  Modes as sentence-transformers' ``Pooling``: the mean
+    over each sequence's real tokens, the first token's row (``cls``), the element-wise max over
+    the real tokens, or their sum over the square root of their count (``mean_sqrt_len_tokens``);
+    fp32 sums where sentence-transformers sums in the model's dtype."""
+
+    def __init__(self, mode: str, normalize: bool):
+        if mode not in POOLING_MODES:
+            raise ValueError(f"pooling mode {mode!r}: the graph pools {', '.join(POOLING_MODES)}")
+        self.mode, self.normalize = mode, normalize
 
     def packed(self, rows, target, cu, batch: int, seq: int):
+        if self.mode == "cls":
+            # A bucket's spare sequences start at T, which may be the last static row + 1: clamped
+            # (their rows are dropped by the feed's take).
+            first = cu[:-1].long().clamp_(max=rows.shape[0] - 1)
+            return self._finish(rows.index_select(0, first).float())
+        which = torch.div(target, seq, rounding_mode="floor")  # each packed row's sequence; slack rows: B
+        if self.mode == "max":
+            pooled = rows.new_full((batch + 1, rows.shape[1]), float("-inf"), dtype=torch.float32)
+            index = which[:, None].expand(-1, rows.shape[1])
+            pooled.scatter_reduce_(0, index, rows.float(), "amax")
+            return self._finish(pooled[:-1])
         sums = rows.new_zeros((batch + 1, rows.shape[1]), dtype=torch.float32)
-        sums.index_add_(0, torch.div(target, seq, rounding_mode="floor"), rows.float())  # slack rows: to row B
+        sums.index_add_(0, which, rows.float())
         counts = (cu[1:] - cu[:-1]).clamp(min=1).float()  # empty sequences (a bucket's spare ones): zeros
-        return self._finish(sums[:-1] / counts[:, None])
+        scale = counts if self.mode == "mean" else counts.sqrt()
+        return self._finish(sums[:-1] / scale[:, None])
 
     def dense(self, hidden):
-        return self._finish(hidden.float().mean(1))
+        hidden = hidden.float()
+        if self.mode == "cls":
+            pooled = hidden[:, 0]
+        elif self.mode == "max":
+            pooled = hidden.amax(1)
+        elif self.mode == "mean":
+            pooled = hidden.mean(1)
+        else:
+            pooled = hidden.sum(1) / hidden.shape[1] ** 0.5
+        return self._finish(pooled)
 
     def _finish(self, pooled):
         return torch.nn.functional.normalize(pooled, dim=1) if self.normalize else pooled

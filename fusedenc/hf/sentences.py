@@ -6,11 +6,11 @@ A ``SentenceTransformer`` is a sequence of modules: a ``Transformer`` holding an
 ``Pooling`` and optionally a ``Normalize``.  ``patch_hf`` patches the HF model (so every
 ``encode()`` batch is one CUDA graph from the padded ids, padding-free) and gives the wrapper
 a subclass (``SentenceModel``) whose ``encode()``, when only the sentence embedding is asked
-for, lets the forward pool inside that graph where the pooling allows it (mean pooling over
+for, lets the forward pool inside that graph (mean, CLS, max or mean-sqrt-length pooling over
 the real tokens, then the ``Normalize`` module's L2 normalization if there is one): only
-``[B, D]`` leaves the graph.  Every other call (other pooling modes, token embeddings,
-prompts excluded from pooling, other modalities) runs sentence-transformers' own modules
-on the patched model.  sentence-transformers is never imported here: a model is recognized by
+``[B, D]`` leaves the graph.  Every other call (weighted-mean, last-token or combined pooling
+modes, token embeddings, prompts excluded from pooling, other modalities) runs
+sentence-transformers' own modules on the patched model.  sentence-transformers is never imported here: a model is recognized by
 its classes' names and modules.
 """
 
@@ -28,7 +28,7 @@ from torch import nn
 
 from ..varlen import packing as varlen
 from . import classes as patched_classes
-from .embedded import EmbeddedModel
+from .embedded import POOLING_MODES, EmbeddedModel
 
 __all__ = ["SentenceModel", "SentenceParts", "patch", "sentence_embeddings", "sentence_parts"]
 
@@ -199,9 +199,11 @@ def sentence_parts(model: Any) -> Optional[SentenceParts]:
 
 
 def _graph_pooling(parts: SentenceParts, features: dict) -> bool:
-    """Whether the patched model's graph can pool this call: mean pooling over every real
-    token (prompt included), text, nothing but HF's inputs, a model given the short path."""
-    return (parts.standard and parts.pooling == ("mean",) and isinstance(parts.hf_model, EmbeddedModel)
+    """Whether the patched model's graph can pool this call: one of its pooling modes (mean,
+    CLS, max, mean over the square root of the length) over every real token (prompt
+    included), text, nothing but HF's inputs, a model given the short path."""
+    return (parts.standard and len(parts.pooling) == 1 and parts.pooling[0] in POOLING_MODES
+            and isinstance(parts.hf_model, EmbeddedModel)
             and features.get("modality", "text") == "text"
             and (parts.include_prompt or not features.get("prompt_length"))
             and set(features) <= _ST_KEYS | set(_HF_KEYS))  # fmt: skip
@@ -222,7 +224,7 @@ def _sentence_model_embeddings(model, parts: SentenceParts, input_ids, attention
     with torch.no_grad():
         if _graph_pooling(parts, {**hf_inputs, **features}):
             out = parts.hf_model._fusedenc_pooled_call(input_ids, attention_mask, token_type_ids,
-                                                       parts.normalize or bool(normalize))  # fmt: skip
+                                                       parts.normalize or bool(normalize), parts.pooling[0])  # fmt: skip
             if out is not None:
                 return out
         param = next(model.parameters(), None)
@@ -265,8 +267,8 @@ class SentenceModel:
             parts = sentence_parts(self)
             if _graph_pooling(parts, input):
                 ids = input["input_ids"]
-                pooled = parts.hf_model._fusedenc_pooled_call(ids, input.get("attention_mask"),
-                                                              input.get("token_type_ids"), parts.normalize)  # fmt: skip
+                pooled = parts.hf_model._fusedenc_pooled_call(ids, input.get("attention_mask"), input.get("token_type_ids"),
+                                                              parts.normalize, parts.pooling[0])  # fmt: skip
                 if pooled is not None:  # in the model's dtype, as sentence-transformers' pooling gives
                     dtype = next(parts.hf_model.parameters()).dtype
                     return {**input, "sentence_embedding": pooled.to(dtype)}
