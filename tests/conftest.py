@@ -44,6 +44,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # One draw for every pytest-xdist worker: the controller configures first and its
+    # workers inherit its environment (each worker must collect the same cases).
+    if not os.environ.get("FUSEDENC_SWEEP_SEED"):
+        os.environ["FUSEDENC_SWEEP_SEED"] = str(random.SystemRandom().randrange(1 << 30))
     config.addinivalue_line("markers", "slow: runs only with --exhaustive (seconds each: subprocesses, big inputs)")
     config.addinivalue_line("markers", f"sweep: a parametrized sweep; without --exhaustive, {SWEEP_CASES} random cases")
 
