@@ -101,7 +101,8 @@ def _list_gpu_skips(terminalreporter, skipped) -> None:
     missing there passes quietly otherwise): the GPU run's summary shows what was not checked."""
     reasons: dict[str, int] = {}
     for report in skipped:
-        if "gpu" in report.keywords and isinstance(report.longrepr, tuple):
+        # getattr: a collection report (pytest-xdist passes those on as skips too) has no keywords
+        if "gpu" in getattr(report, "keywords", ()) and isinstance(report.longrepr, tuple):
             reason = str(report.longrepr[2]).removeprefix("Skipped: ")
             where = report.nodeid.split("::")[0].removeprefix("tests/")
             reasons[f"{where}: {reason}"] = reasons.get(f"{where}: {reason}", 0) + 1
