@@ -253,14 +253,21 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001 - a peer that fails is a row saying so
                     record["results"].append({"impl": impl, "error": f"{type(exc).__name__}: {exc}"})
                 print("\n".join(table(record)), flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    base = os.path.join(args.out_dir, f"st_loop_{common.slug('-'.join(names))}_{common.slug(env['device_name'] or 'cpu')}")
-    common.write_json(base + ".json", result)
-    with open(base + ".txt", "w", encoding="utf-8") as fh:
-        fh.write("\n".join([common.describe_environment(env), ""] + [x for r in result["records"] for x in table(r)]) + "\n")
+                write(args.out_dir, names, env, result)  # after every peer: a run cut short keeps what it measured
+    base = write(args.out_dir, names, env, result)
     print(f"wrote {base}.json, {base}.txt")
     bad = [r for rec in result["records"] for r in rec["results"] if "error" in r or not r["cosine_ok"]]
     return 1 if bad else 0
+
+
+def write(out_dir: str, names: list, env: dict, result: dict) -> str:
+    """The result as JSON and as the printed tables; returns the files' path without suffix."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"st_loop_{common.slug('-'.join(names))}_{common.slug(env['device_name'] or 'cpu')}")
+    common.write_json(base + ".json", result)
+    with open(base + ".txt", "w", encoding="utf-8") as fh:
+        fh.write("\n".join([common.describe_environment(env), ""] + [x for r in result["records"] for x in table(r)]) + "\n")
+    return base
 
 
 def table(record: dict) -> list[str]:

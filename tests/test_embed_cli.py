@@ -20,6 +20,7 @@ from fusedenc.embed import (
     cli,  # noqa: E402
     embedding,  # noqa: E402
 )
+from fusedenc.hf import token_batches  # noqa: E402
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -91,12 +92,18 @@ def test_the_python_api_gives_what_the_command_writes(folder, texts, reference):
 
 def test_batches_by_tokens_respect_the_budget():
     lengths = np.array([5, 100, 7, 7, 300, 64, 1, 64])
-    batches = embedding.batches_by_tokens(lengths, 200)
+    batches = token_batches.batches_by_tokens(lengths, 200)
     assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
     for b in batches:
         assert len(b) == 1 or len(b) * lengths[b].max() <= 200, b
         assert (np.diff(lengths[b]) <= 0).all()  # longest first
     assert [len(b) for b in batches][0] == 1  # 300 > budget: a batch of its own
+    ids, mask = token_batches.padded_batch(np.array([4, 2]), lambda r: list(range(10 + r, 10 + r + 9)),
+                                           np.array([0, 0, 3, 0, 5]), pad=-1)  # fmt: skip
+    assert ids.tolist() == [[14, 15, 16, 17, 18], [12, 13, 14, -1, -1]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        token_batches.batches_by_tokens(lengths, 0)
 
 
 @pytest.mark.parametrize(

@@ -133,7 +133,11 @@ def test_encode_pools_in_the_graph_where_the_short_path_runs(model_dirs, gen, mo
         patched[1].register_forward_hook(lambda *a: pooling_runs.append(1))
         calls.clear()
         got = patched.encode(texts, batch_size=4)
-        assert [c[1:] for c in calls] == [(normalize, "mean")] * 4 and pooling_runs == []  # 13 texts, 4 a batch
+        # 13 texts by a budget of 4 x max_seq_length padded tokens: fewer, larger batches than 4 a batch
+        budget = 4 * patched.max_seq_length
+        assert sum(shape[0] for shape, *_ in calls) == len(texts) and 1 <= len(calls) < 4, calls
+        assert all(b * s <= budget for (b, s), *_ in calls), (calls, budget)
+        assert [c[1:] for c in calls] == [(normalize, "mean")] * len(calls) and pooling_runs == []
         np.testing.assert_allclose(got, ref.encode(texts, batch_size=4), rtol=1e-4, atol=1e-5)
         calls.clear()
         patched.encode(texts[:3], output_value="token_embeddings")
@@ -144,7 +148,7 @@ def test_encode_pools_in_the_graph_where_the_short_path_runs(model_dirs, gen, mo
         calls.clear()
         np.testing.assert_allclose(model.encode(texts, batch_size=4), ref.encode(texts, batch_size=4), rtol=1e-4,
                                    atol=1e-5)  # fmt: skip
-        assert [c[2] for c in calls] == [mode] * 4
+        assert calls and [c[2] for c in calls] == [mode] * len(calls)
     model, _ = st_helpers.patched_pair(model_dirs["bert"], pooling="weightedmean")
     calls.clear()
     model.encode(texts[:3])
@@ -175,3 +179,26 @@ def test_encode_keeps_the_patched_models_graphs_between_calls(model_dirs, gen, m
     patched.to(torch.float64)  # a real conversion still drops them
     assert hf_varlen.stack_of(hf_model.encoder) is None
     assert any(c is auto_graphs.cache_of(hf_model) for c in cleared)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_encode_tokenizes_in_chunks_on_threads_and_keeps_input_order(model_dirs, model_type, gen, monkeypatch):
+    """The patched encode()'s own loop: texts tokenized in many chunks on threads, batches by
+    a token budget, results back in input order, equal to sentence-transformers' loop; and a
+    batch the short path declines (a hook on the embeddings) runs sentence-transformers' forward."""
+    monkeypatch.setattr(sentences, "_TOKENIZE_CHUNK", 3)  # 25 texts: 9 chunks on the threads
+    patched, ref = st_helpers.patched_pair(model_dirs[model_type], pooling="mean", normalize=True, max_seq_length=32)
+    texts = _texts(gen)
+    for kw in ({}, {"batch_size": 2}, {"convert_to_tensor": True}, {"convert_to_numpy": False}):
+        got, want = patched.encode(texts, **kw), ref.encode(texts, **kw)
+        if isinstance(want, list):
+            got, want = torch.stack(got), torch.stack(want)
+        torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), **TOL, msg=f"{model_type} {kw}")
+    hf_model = sentences.sentence_parts(patched).hf_model
+    hooked = []
+    # On the embeddings (sentence-transformers >= 6.1 calls the HF model's forward directly,
+    # so a hook on the model itself never runs, patched or not)
+    hf_model.embeddings.register_forward_hook(lambda *a: hooked.append(1))
+    got = patched.encode(texts, batch_size=8)
+    np.testing.assert_allclose(got, ref.encode(texts, batch_size=8), rtol=1e-4, atol=1e-5)
+    assert hooked, "the hooked model never ran its own forward"

@@ -52,5 +52,6 @@ def test_encode_fp16_against_fp32(model_dirs, model_type, pooling, batch_size, g
         assert got.dtype == torch.float16 and got.device.type == "cuda"
         cos = torch.nn.functional.cosine_similarity(got.double().cpu(), want.cpu(), dim=1)
         assert cos.min() >= COSINE, f"{model_type} {pooling} b={batch_size}: worst cosine {cos.min():.6f}"
-    batches = -(-len(texts) // batch_size)
-    assert pooled == [True] * 2 * batches, pooled  # every batch pooled in the graph
+    # every batch pooled in the graph (batches by a token budget where sentence-transformers has
+    # the _inference loop the patch replaces, else its own batches of batch_size)
+    assert pooled and all(pooled), pooled

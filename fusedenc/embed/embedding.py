@@ -21,6 +21,7 @@ from torch import nn
 from ..hf import real_models
 from ..hf.patch import patch_hf
 from ..hf.sentences import sentence_embeddings, sentence_parts
+from ..hf.token_batches import batches_by_tokens, padded_batch
 from .texts import InputError
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_model"]
@@ -28,7 +29,6 @@ __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_m
 #: Padded tokens a batch may hold (batch size x its longest sequence), TEI's default; the
 #: number of sequences a batch may hold is capped by the graphs' largest batch bucket.
 DEFAULT_MAX_BATCH_TOKENS = 16384
-MAX_BATCH_SEQUENCES = 1024
 #: Texts a tokenizer call takes: large enough to amortize its Python, small enough to spread.
 _TOKENIZE_CHUNK = 2048
 #: Batches whose results are copied back to the host together (one sync).
@@ -166,21 +166,6 @@ def _tokenize(model: Model, texts: Sequence[str], truncate: bool, first_row: Cal
     return ids, len(long)
 
 
-def batches_by_tokens(lengths: np.ndarray, max_batch_tokens: int,
-                      max_sequences: int = MAX_BATCH_SEQUENCES) -> list[np.ndarray]:  # fmt: skip
-    """Indices of ``lengths`` sorted longest first, cut into batches whose padded size (count x
-    longest) stays within ``max_batch_tokens`` (a text longer than the budget is a batch of
-    its own)."""
-    order = np.argsort(-lengths, kind="stable")
-    out, start = [], 0
-    while start < len(order):
-        longest = int(lengths[order[start]])
-        count = max(1, min(max_sequences, max_batch_tokens // max(longest, 1)))
-        out.append(order[start:start + count])
-        start += count
-    return out
-
-
 def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
            truncate: bool = True, row_name: Optional[Callable[[int], Any]] = None,
            progress: Optional[Callable[[int], None]] = None, workers: Optional[int] = None) -> tuple[np.ndarray, EncodeStats]:  # fmt: skip
@@ -212,14 +197,8 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
 
     with torch.inference_mode():
         for rows in batches_by_tokens(lengths, max_batch_tokens):
-            longest = int(lengths[rows[0]])
-            batch = np.full((len(rows), longest), pad, dtype=np.int64)
-            mask = np.zeros((len(rows), longest), dtype=np.int64)
-            for j, r in enumerate(rows):
-                n = int(lengths[r])
-                batch[j, :n] = ids[r]
-                mask[j, :n] = 1
-            types = torch.zeros((len(rows), longest), dtype=torch.int64) if model.token_types else None
+            batch, mask = padded_batch(rows, ids.__getitem__, lengths, pad)
+            types = torch.zeros(batch.shape, dtype=torch.int64) if model.token_types else None
             emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask), types)
             pending.append((rows, emb))
             stats.batches += 1

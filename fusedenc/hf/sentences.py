@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextvars
 import copy
 import inspect
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -29,6 +31,7 @@ from torch import nn
 from ..varlen import packing as varlen
 from . import classes as patched_classes
 from .embedded import POOLING_MODES, EmbeddedModel
+from .token_batches import batches_by_tokens, padded_batch
 
 __all__ = ["SentenceModel", "SentenceParts", "patch", "sentence_embeddings", "sentence_parts"]
 
@@ -261,6 +264,29 @@ class SentenceModel:
         finally:
             _POOLED_ONLY.reset(token)
 
+    def _inference(self, inputs: list, *, prompt: Optional[str] = None, batch_size: int = 32,
+                   output_value: Optional[str] = "sentence_embedding", save_to_cpu: bool = True,
+                   normalize_embeddings: bool = False, truncate_dim: Optional[int] = None,
+                   device: Any = None, **kwargs: Any):  # fmt: skip
+        """sentence-transformers' (>= 6.1) per-call inference loop: here, for plain text in,
+        sentence embeddings out, fusedenc's corpus loop (``_encode_texts``) instead of
+        sentence-transformers' batch by batch one; everything else is its own."""
+        parts = sentence_parts(self)
+        if (output_value != "sentence_embedding" or prompt or truncate_dim is not None or device is not None
+                or set(kwargs) - {"show_progress_bar"} or not inputs or not _graph_pooling(parts, {})
+                or not all(isinstance(t, str) for t in inputs) or not hasattr(self, "preprocess")):  # fmt: skip
+            return super()._inference(inputs, prompt=prompt, batch_size=batch_size, output_value=output_value,
+                                      save_to_cpu=save_to_cpu, normalize_embeddings=normalize_embeddings,
+                                      truncate_dim=truncate_dim, device=device, **kwargs)  # fmt: skip
+        resolve = getattr(self, "_resolve_inference_device", None)
+        if resolve is not None:
+            resolve(None)  # sentence-transformers' own placement step
+        self.eval()
+        out = _encode_texts(self, parts, inputs, batch_size)
+        if normalize_embeddings:
+            out = nn.functional.normalize(out, p=2, dim=1)
+        return out.cpu() if save_to_cpu else out
+
     def forward(self, input: Mapping, **kwargs: Any):  # noqa: A002 - sentence-transformers' name
         # The features are a dict or a BatchEncoding (a mapping that is not a dict)
         if _POOLED_ONLY.get() and not kwargs and isinstance(input, Mapping):
@@ -273,6 +299,68 @@ class SentenceModel:
                     dtype = next(parts.hf_model.parameters()).dtype
                     return {**input, "sentence_embedding": pooled.to(dtype)}
         return super().forward(input, **kwargs)
+
+
+#: Texts one tokenizer call takes in ``_encode_texts``: large enough to amortize its Python,
+#: small enough to spread over the threads and to start the GPU early.
+_TOKENIZE_CHUNK = 1024
+
+
+def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_size: int) -> torch.Tensor:
+    """A patched ``SentenceTransformer``'s embeddings of ``texts`` (``[N, D]`` in the model's
+    dtype, on its device, in input order), computed as the corpus command does rather than as
+    ``encode()``'s loop: sentence-transformers' loop tokenizes each batch on the thread that
+    feeds the GPU, which on an H200 host bounds it to ~8k sentences/s whatever the model.  Here:
+
+    * the texts are ordered as sentence-transformers orders them (longest text first) and
+      tokenized in chunks by the model's own ``preprocess`` (its lower-casing, stripping and
+      truncation) on threads (a fast tokenizer runs outside the GIL), while the chunks done
+      so far run on the GPU;
+    * each chunk is sorted by token count and cut by a budget of ``batch_size x
+      max_seq_length`` padded tokens, so no batch holds more than the same
+      ``encode(batch_size=...)`` could (the memory bound the caller chose) and a batch of
+      short sentences holds many;
+    * each batch goes over as host tensors to the patched model's graph, which pools there.
+    """
+    order = np.argsort([-len(t) for t in texts], kind="stable")
+    chunks = [order[i:i + _TOKENIZE_CHUNK] for i in range(0, len(order), _TOKENIZE_CHUNK)]
+
+    def tokenize(rows: np.ndarray) -> dict:
+        return model.preprocess([texts[r] for r in rows])
+
+    hf_model = parts.hf_model
+    param = next(hf_model.parameters())
+    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None) or 0
+    max_length = int(getattr(model, "max_seq_length", None) or 512)
+    budget = max(1, batch_size) * max_length
+    done, placed = [], []
+    first = tokenize(chunks[0])  # on this thread first: the tokenizer sets its truncation state once
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        for rows, features in zip(chunks, _prepend(first, pool.map(tokenize, chunks[1:]))):
+            ids = features["input_ids"].numpy()
+            lengths = features["attention_mask"].sum(1).numpy().astype(np.int64)
+            types = features["token_type_ids"].numpy() if "token_type_ids" in features else None
+            for local in batches_by_tokens(lengths, budget):
+                batch, mask = padded_batch(local, ids.__getitem__, lengths, pad)
+                call = {"input_ids": torch.from_numpy(batch), "attention_mask": torch.from_numpy(mask)}
+                if types is not None:
+                    call["token_type_ids"] = torch.from_numpy(padded_batch(local, types.__getitem__, lengths, 0)[0])
+                pooled = hf_model._fusedenc_pooled_call(call["input_ids"], call["attention_mask"],
+                                                        call.get("token_type_ids"), parts.normalize, parts.pooling[0])  # fmt: skip
+                if pooled is None:  # the short path declined (a hook added, ...): sentence-transformers' forward
+                    pooled = nn.Module.__call__(model, {k: v.to(param.device) for k, v in call.items()})
+                    pooled = pooled["sentence_embedding"]
+                done.append(pooled.to(param.dtype))
+                placed.append(rows[local])
+    inverse = np.empty(len(texts), dtype=np.int64)
+    inverse[np.concatenate(placed)] = np.arange(len(texts))
+    out = torch.cat(done)
+    return out[torch.from_numpy(inverse).to(out.device)]
+
+
+def _prepend(first: Any, rest):
+    yield first
+    yield from rest
 
 
 def patch(model: nn.Module, patch_hf: Any, *, inplace: bool, padding_free: bool) -> nn.Module:

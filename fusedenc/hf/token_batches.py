@@ -1,0 +1,50 @@
+"""Tokenized texts cut into batches by a budget of padded tokens, longest first.
+
+A batch of the same number of texts costs very different work at 8 and at 256 tokens a
+text; a budget of padded tokens (batch size x its longest sequence, what text-embeddings-
+inference calls ``max_batch_tokens``) keeps each batch's work and memory bounded whatever the
+lengths, and sorting longest first keeps the padding inside each batch small.  Shared by
+``fusedenc.embed.encode`` (a corpus) and a patched ``SentenceTransformer.encode()``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["MAX_BATCH_SEQUENCES", "batches_by_tokens", "padded_batch"]
+
+#: Texts a batch may hold: the graphs' largest batch bucket (``graphs.feeds.BUCKETS``).
+MAX_BATCH_SEQUENCES = 1024
+
+
+def batches_by_tokens(lengths: np.ndarray, max_batch_tokens: int,
+                      max_sequences: int = MAX_BATCH_SEQUENCES) -> list[np.ndarray]:  # fmt: skip
+    """Indices of ``lengths`` sorted longest first (stable), cut into batches whose padded
+    size (count x longest) stays within ``max_batch_tokens`` (a text longer than the budget is
+    a batch of its own) and that hold at most ``max_sequences``."""
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    out, start = [], 0
+    while start < len(order):
+        longest = int(lengths[order[start]])
+        count = max(1, min(max_sequences, max_batch_tokens // max(longest, 1)))
+        out.append(order[start:start + count])
+        start += count
+    return out
+
+
+def padded_batch(rows: np.ndarray, ids_of: Callable[[int], Sequence[int]], lengths: np.ndarray,
+                 pad: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """int64 ``(ids, mask)`` ``[len(rows), longest]`` of the texts ``rows`` (``ids_of(r)``: text
+    ``r``'s token ids, ``lengths[r]`` of them), padded on the right with ``pad``."""
+    longest = int(lengths[rows].max()) if len(rows) else 0
+    ids = np.full((len(rows), longest), pad, dtype=np.int64)
+    mask = np.zeros((len(rows), longest), dtype=np.int64)
+    for j, r in enumerate(rows):
+        n = int(lengths[r])
+        ids[j, :n] = ids_of(r)[:n]
+        mask[j, :n] = 1
+    return ids, mask
