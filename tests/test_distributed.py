@@ -109,6 +109,26 @@ def test_the_frame_evaluator_relabels_frames_with_the_net(net_path, tmp_path):
     assert out["frame_result_wdl"].shape == (len(TRAINING_POSITIONS), 3)
 
 
+def test_the_frame_evaluator_takes_a_block_of_v6_and_v7_frames(net_path, tmp_path):
+    """A dataset of V6 and V7 files gives blocks holding both: each frame gets the values it
+    gets in a block of its own version, in the block's order; a frame of no known size is refused."""
+    from fusedenc.lc0 import trainingdata
+
+    net = load_network(net_path, device="cpu", dtype=torch.float32)
+    v6 = trainingdata.write_frames(tmp_path / "a.gz", TRAINING_POSITIONS, net.input_format, version=6)
+    v7 = trainingdata.write_frames(tmp_path / "b.gz", TRAINING_POSITIONS[::-1], net.input_format, version=7)
+    evaluator = FrameEvaluator(net_path, device="cpu")
+    mixed = [v6[0], v7[0], v7[1], v6[1], v6[2]]
+    out = evaluator({"frame": np.array([f.tobytes() for f in mixed], dtype=object)})
+    alone6 = evaluator({"frame": np.array([f.tobytes() for f in v6[:3]], dtype=object)})
+    alone7 = evaluator({"frame": np.array([f.tobytes() for f in v7[:2]], dtype=object)})
+    for name in ("net_policy", "net_wdl", "frame_policy", "frame_result_wdl", "frame_played_idx"):
+        want = np.stack([alone6[name][0], alone7[name][0], alone7[name][1], alone6[name][1], alone6[name][2]])
+        np.testing.assert_allclose(out[name], want, rtol=1e-5, atol=1e-7, err_msg=name)
+    with pytest.raises(ValueError, match="bytes"):
+        evaluator({"frame": np.array([v6[0].tobytes()[:-4]], dtype=object)})
+
+
 # ---------------------------------------------------------------- on Ray ----
 
 
@@ -116,7 +136,7 @@ def test_the_frame_evaluator_relabels_frames_with_the_net(net_path, tmp_path):
 def ray_local():
     ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "fusedenc[ray]")')
     tests = os.path.dirname(os.path.abspath(__file__))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": tests}})  # fmt: skip
     yield ray
     ray.shutdown()

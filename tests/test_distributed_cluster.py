@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch
 import pytest
 
 import fusedenc.embed
@@ -110,3 +111,76 @@ def test_lc0_eval_with_ray_writes_what_it_writes_without(tmp_path):
                                                                                b["best_move"], b["moves"])  # fmt: skip
         np.testing.assert_allclose(b["probs"], a["probs"], atol=2e-6)
         np.testing.assert_allclose(b["wdl"], a["wdl"], atol=2e-6)
+
+
+def _lc0_eval(net, *args: str):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "fusedenc.lc0", "eval", str(net), "--device", "cpu", "--top", "0", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_lc0_eval_reads_parquet_positions_and_training_frames_on_ray(tmp_path):
+    """``--parquet DIR`` (FENs and moves, an illegal FEN among them) and ``--frames FILE`` on
+    ``--ray local``, each written by the cluster as a Parquet directory: every input row once,
+    the net's moves as the single-machine evaluation gives them, the bad row an error."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from lc0_writer import write_preset
+
+    from fusedenc import lc0
+    from fusedenc.lc0 import trainingdata
+
+    net = tmp_path / "tiny.pb.gz"
+    write_preset(str(net), "tiny", seed=9)
+    fens = ["startpos", "r1bqkbnr/pppp1ppp/2n5/4p3/4P3/5N2/PPPP1PPP/RNBQKB1R w KQkq - 2 3", "not a fen", "startpos"]
+    moves = ["", "", "", "e2e4 e7e5"]
+    src = tmp_path / "positions"
+    src.mkdir()
+    pq.write_table(pa.table({"key": [10, 11, 12, 13], "fen": fens, "played": moves}), src / "part-0.parquet")
+    out = tmp_path / "evaluated"
+    done = _lc0_eval(net, "--parquet", str(src), "--moves-column", "played", "--out", str(out), "--ray", "local",
+                     "--block-rows", "2")  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]  # one row failed
+    assert "1 rows failed" in done.stderr
+    rows = {r["key"]: r for r in pq.read_table(out).to_pylist()}
+    assert sorted(rows) == [10, 11, 12, 13]
+    assert rows[12]["error"] and rows[12]["best_move"] is None
+    net_cpu = lc0.load_network(str(net), device="cpu", dtype=torch.float32)
+    want = net_cpu.evaluate([fens[0], fens[1], ("startpos", ["e2e4", "e7e5"])])
+    for key, ev in zip((10, 11, 13), want):
+        assert rows[key]["error"] is None and rows[key]["best_move"] == ev.best_move
+
+    frames = tmp_path / "games.gz"
+    trainingdata.write_frames(frames, ["startpos", fens[1], ("startpos", ["d2d4"])], net_cpu.input_format)
+    relabelled = tmp_path / "relabelled"
+    done = _lc0_eval(net, "--frames", str(frames), "--out", str(relabelled), "--ray", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = pq.read_table(relabelled).to_pylist()
+    assert sorted(r["index"] for r in table) == [0, 1, 2]
+    for r in table:
+        policy = np.asarray(r["net_policy"])
+        assert abs(policy.sum() - 1) < 1e-5 and (policy >= 0).all()
+
+
+def test_lc0_eval_refuses_cluster_inputs_it_cannot_take(tmp_path):
+    """Before any cluster starts: --parquet or --frames without --ray, or without a directory
+    to write; a missing frames file or net; each one line, exit 2."""
+    from lc0_writer import write_preset
+
+    net = tmp_path / "tiny.pb.gz"
+    write_preset(str(net), "tiny", seed=9)
+    (tmp_path / "dir").mkdir()
+    cases = {
+        ("--parquet", str(tmp_path / "dir"), "--out", str(tmp_path / "o")): "add --ray",
+        ("--parquet", str(tmp_path / "dir"), "--out", str(tmp_path / "o.jsonl"), "--ray", "local"): "--out DIR",
+        ("--frames", str(tmp_path / "missing.gz"), "--out", str(tmp_path / "o"), "--ray", "local"): "no such file",
+        ("--parquet", str(tmp_path / "nodir"), "--out", str(tmp_path / "o"), "--ray", "local"): "not a directory",
+    }
+    for args, message in cases.items():
+        done = _lc0_eval(net, *args)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr[-2000:])
+    done = _lc0_eval(tmp_path / "nonet.pb.gz", "--frames", str(net), "--out", str(tmp_path / "o"), "--ray", "local")
+    assert done.returncode == 2 and "no such net file" in done.stderr, done.stderr[-2000:]

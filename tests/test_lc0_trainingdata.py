@@ -5,6 +5,7 @@ against ``encode_planes`` of the positions the frames were written from, for eve
 format, and against a few raw bytes worked out by hand from lc0's writer (the bit order of
 the planes, the castling, side-to-move and en-passant bytes); the other fields bit for bit;
 a tiny net gives the same heads on both; and each kind of damaged file is refused by name.
+Two files lc0 itself wrote (tests/data/lc0_selfplay) replay as the games lc0 printed.
 """
 
 from __future__ import annotations
@@ -408,3 +409,58 @@ def test_a_net_gives_the_same_heads_on_frame_planes(tmp_path, fmt):
         assert torch.equal(got[name], want[name]), name
     # Not vacuous: the net tells the positions apart.
     assert not torch.equal(got["policy"][0], got["policy"][1])
+
+
+# ------------------------------------------------------------ files lc0 wrote ----
+
+#: Two self-play games written by lc0 itself (tests/data/lc0_selfplay/README.md): the file,
+#: the result, and the moves as lc0 printed them (castling as the king taking its rook).
+LC0_GAMES = {
+    "game_whitewon.gz": (1, (
+    "d2d4 d7d5 c2c4 d5c4 e2e3 b7b5 d1f3 c7c6 a2a4 e7e5 a4b5 f8b4 c1d2 b4d2 b1d2 e5d4 f1c4 g8f6 g1e2 c8g4 f3f4 "
+    "e8h8 e1h1 b8d7 e2d4 f6e4 d2e4 g4h5 f4g5 h5g6 g5d8 c6c5 d8d7 c5d4 e4f6 g8h8 f6d5 a8c8 e3d4 f8d8 d7a7 g6e4 "
+    "d5b6 c8c4 b6c4 e4d3 a7c7 d8g8 d4d5 g8f8 c7c5 f8d8 a1e1 d8g8 e1e2 g8b8 e2e3 d3c4 e3e8 b8e8 c5c4 h7h6 d5d6 "
+    "e8f8 b2b4 g7g5 d6d7 f7f5 c4c8 h8g7 c8f8 g7g6 f8f5 g6g7 d7d8q h6h5 d8f8"
+    ).split()),
+    "game_blackwon.gz": (-1, (
+    "d2d4 d7d5 c2c4 d5c4 e2e3 a7a6 d1c2 e7e5 f1c4 e5d4 g1f3 b8c6 e3d4 c6d4 c4f7 e8f7 c2e4 c8f5 f3g5 f7g6 e4d4 "
+    "d8d4 b1d2 f8c5 e1h1 h7h6 g5f3 d4d5 f3e5 g6h7 d2f3 a8e8 f1e1 g8f6 c1f4 f6h5 a1d1 d5a2 f4e3 c5b4 e1f1 a2b2 "
+    "d1d5 b2b3 f1d1 f5c2 d1f1 b3d5 f1a1 h5f4 e3f4 b4c3 a1c1 c2d1 h2h3 h8f8 f4g3 e8e5 c1d1 d5d1 g1h2 f8f3 g3e5 "
+    "c3e5 g2g3 f3f2"
+    ).split()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LC0_GAMES))
+def test_files_lc0_wrote_replay_as_the_games_it_printed(name):
+    """lc0's own V6 self-play file, frame by frame against the game lc0 printed: the planes are
+    fusedenc's encoding of the position with its history, the moves the frame marks legal are
+    fusedenc's legal moves, the played move is lc0's next move, and the result is the game's
+    from the side to move."""
+    from pathlib import Path
+
+    from fusedenc.lc0 import Position
+    from fusedenc.lc0.board import move_uci
+
+    white_result, moves = LC0_GAMES[name]
+    chunk = read_frames(Path(__file__).parent / "data" / "lc0_selfplay" / name)
+    assert chunk.version == 6 and len(chunk) == len(moves)
+    planes = frames_to_planes(chunk.frames)
+    targets = frame_targets(chunk.frames)
+    assert (chunk.frames["input_format"] == InputFormat.CLASSICAL_112_PLANE).all()
+    position = Position.startpos()
+    for k, move in enumerate(moves):
+        history = ("startpos", moves[:k])
+        want = encode_planes([history], InputFormat.CLASSICAL_112_PLANE)[0].numpy()
+        np.testing.assert_array_equal(planes[k].reshape(want.shape), want, err_msg=f"{name} frame {k}")
+        legal_moves, indices, _, _ = policy_indices([history], InputFormat.CLASSICAL_112_PLANE)
+        marked = np.nonzero(targets["probabilities"][k] >= 0)[0]
+        assert sorted(indices.tolist()) == marked.tolist(), f"{name} frame {k}: legal moves"
+        played = np.nonzero(indices == int(targets["played_idx"][k]))[0]
+        assert len(played) == 1, f"{name} frame {k}: played_idx is not one legal move"
+        after = position.push(move)
+        assert position.push(move_uci(int(legal_moves[played[0]]))).fen() == after.fen(), f"{name} frame {k}"
+        # result_wdl is the game's result from the side to move's view
+        us = white_result if k % 2 == 0 else -white_result
+        np.testing.assert_array_equal(targets["result_wdl"][k], [us == 1, 0, us == -1])
+        position = after

@@ -135,7 +135,10 @@ class PositionEvaluator:
         for i, ev in zip(good, evaluations):
             best[i] = ev.best_move
             move_lists[i] = list(ev.moves[:k])
-            prob_lists[i] = np.asarray(ev.probs[:k], dtype=np.float32)
+            # Python lists, not arrays: every block then gives Arrow the same list<float> column
+            # (arrays make a tensor column in some blocks and a list in others, which Ray cannot
+            # join into one Parquet file).
+            prob_lists[i] = [float(p) for p in ev.probs[:k]]
             q[i] = ev.q
             if ev.wdl is not None:
                 wdl[i] = ev.wdl
@@ -160,11 +163,27 @@ class FrameEvaluator:
         from ..lc0 import trainingdata
 
         raw = [bytes(f) for f in _column(batch, "frame")]
-        lengths = {len(f) for f in raw}
         sizes = {d.itemsize: v for v, d in trainingdata.FRAME_DTYPES.items()}
-        if len(lengths) != 1 or next(iter(lengths)) not in sizes:
-            raise ValueError(f"frames of sizes {sorted(lengths)} in one block: expected one of {sorted(sizes)}")
-        frames = np.frombuffer(b"".join(raw), dtype=trainingdata.FRAME_DTYPES[sizes[lengths.pop()]])
+        groups: dict[int, list[int]] = {}
+        for i, f in enumerate(raw):  # a block may hold V6 and V7 files' frames: one group a size
+            groups.setdefault(len(f), []).append(i)
+        unknown = sorted(set(groups) - set(sizes))
+        if unknown:
+            raise ValueError(f"frames of {unknown} bytes: an lc0 training frame is one of {sorted(sizes)}")
+        out: dict[str, np.ndarray] = {}
+        for size, rows in groups.items():
+            frames = np.frombuffer(b"".join(raw[i] for i in rows), dtype=trainingdata.FRAME_DTYPES[sizes[size]])
+            for name, values in self._evaluate(frames).items():
+                if name not in out:
+                    out[name] = np.zeros((len(raw), *values.shape[1:]), dtype=values.dtype)
+                out[name][rows] = values
+        batch.update(out)
+        return batch
+
+    def _evaluate(self, frames: np.ndarray) -> dict:
+        """The new columns for frames of one version."""
+        from ..lc0 import trainingdata
+
         targets = trainingdata.frame_targets(frames)
         planes = torch.from_numpy(trainingdata.frames_to_planes(frames)).to(self.device, self.dtype)
         with torch.inference_mode():
@@ -175,13 +194,11 @@ class FrameEvaluator:
         logits -= logits.max(axis=1, keepdims=True)
         policy = np.exp(logits)
         policy /= policy.sum(axis=1, keepdims=True)
-        batch["net_policy"] = policy.astype(np.float32)
+        out = {"net_policy": policy.astype(np.float32)}
         if "wdl" in heads:  # already probabilities
-            batch["net_wdl"] = heads["wdl"].float().cpu().numpy()
+            out["net_wdl"] = heads["wdl"].float().cpu().numpy()
         if "moves_left" in heads:
-            batch["net_moves_left"] = heads["moves_left"].float().reshape(-1).cpu().numpy()
-        batch["frame_policy"] = targets["probabilities"]
-        batch["frame_result_wdl"] = targets["result_wdl"]
-        batch["frame_best_q"] = targets["best_q"]
-        batch["frame_played_idx"] = targets["played_idx"]
-        return batch
+            out["net_moves_left"] = heads["moves_left"].float().reshape(-1).cpu().numpy()
+        out.update(frame_policy=targets["probabilities"], frame_result_wdl=targets["result_wdl"],
+                   frame_best_q=targets["best_q"], frame_played_idx=targets["played_idx"])  # fmt: skip
+        return out

@@ -354,6 +354,9 @@ def eval_main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.moves and not args.fen:
         ap.error("--moves goes with --fen")
+    if args.parquet or args.frames:
+        ap.error(f"{'--parquet' if args.parquet else '--frames'} is read by a Ray cluster: add --ray "
+                 f"(pip install \"fusedenc[ray]\"; --ray local runs one on this machine)")
     if args.temperature <= 0 or not math.isfinite(args.temperature):
         ap.error(f"--temperature must be > 0, got {args.temperature}")
     if args.max_batch is not None and args.max_batch <= 0:

@@ -28,6 +28,10 @@ def eval_parser() -> argparse.ArgumentParser:
     src.add_argument("--fen", help="one position as a FEN ('startpos': the initial position)")
     src.add_argument("--epd", metavar="FILE", help="every position of an EPD file (JSON lines out)")
     src.add_argument("--pgn", metavar="FILE", help="every position of every game of a PGN file (JSON lines out)")
+    src.add_argument("--parquet", metavar="DIR", help="with --ray: a Parquet directory of positions "
+                     "(--fen-column, --moves-column), evaluated into the Parquet directory --out")
+    src.add_argument("--frames", nargs="+", metavar="FILE", help="with --ray: lc0 training data (.gz, plain or "
+                     ".tar files of V6/V7 frames) relabelled by the net into the Parquet directory --out")
     ap.add_argument("--moves", nargs="*", default=[], metavar="UCI",
                     help="with --fen: moves played since it, in UCI (e2e4 e7e5 ...): the history the net sees")
     ap.add_argument("--top", type=int, default=5, help="how many moves to show / write (0: all legal moves; default 5)")
@@ -37,7 +41,12 @@ def eval_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default fp16 on a GPU, fp32 on the CPU")
     ap.add_argument("--temperature", type=float, default=1.0, help="policy softmax temperature (default 1)")
     ap.add_argument("--out", metavar="FILE", default=None,
-                    help="--epd/--pgn: write the JSON lines here (default stdout)")
+                    help="--epd/--pgn: write the JSON lines here (default stdout); with --ray also a directory "
+                         "(no suffix): Parquet written by the cluster")
+    ap.add_argument("--fen-column", default="fen", help="--parquet: the column of FENs (default fen)")
+    ap.add_argument("--moves-column", default=None,
+                    help="--parquet: a column of the UCI moves played since each FEN (a list or a space-separated "
+                         "string; default none)")
     ap.add_argument("--json", action="store_true", help="--fen: print one JSON object instead of text")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="--epd/--pgn: positions per batch (default 1024 on a GPU, 256 on the CPU)")
