@@ -2,12 +2,17 @@
 Ray Data job on a local cluster (``fusedenc.distributed.embed``, one actor), per block size.
 
     python3 bench/distributed.py [--model minilm|FOLDER] [--texts 4000] [--blocks 64,256,1024,4096]
+    python3 bench/distributed.py --actor-only --random bert-base --device cuda --texts 20000   # a GPU, no Ray
 
 The Ray job's extra time over the single process, divided by its blocks, is Ray's cost per
 block (scheduling, the object store's copies of texts in and embeddings out, the block's
 own smaller sorted batches); the block size from which it is a few percent of the job is the
 smallest worth using.  On a GPU the per-actor work is ``encode`` itself: the cluster's rate is
-about (one GPU's rate) x (GPUs), less this cost.  Writes a table and a JSON file.
+about (one GPU's rate) x (GPUs), less this cost.  ``--actor-only`` measures that per-actor work
+without Ray (the GPU machine has no Ray): the actor class (``distributed.actors.Embedder``)
+called on blocks as Ray Data hands them over, against the corpus command's ``encode`` on the
+whole input.  ``--random minilm|bert-base``: that shape with random weights and the real
+tokenizer (where the real model is not installed).  Writes a table and a JSON file.
 """
 
 from __future__ import annotations
@@ -32,7 +37,14 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out-dir", default=os.environ.get("FUSEDENC_RESULTS_DIR", "fusedenc-results"))
+    ap.add_argument("--actor-only", action="store_true", help="the actor's work per block, no Ray")
+    ap.add_argument("--random", choices=("minilm", "bert-base"), default=None,
+                    help="a random-weight model of this shape with the real tokenizer (instead of --model)")
     args = ap.parse_args()
+    if args.random:
+        args.model = random_model_folder(args.random)
+    if args.actor_only:
+        return actor_only(args)
     import numpy as np
     import ray
     import torch
@@ -103,6 +115,89 @@ def main() -> int:
                                                   "per_block_seconds": per_block, "environment": env},
                                                  indent=1), encoding="utf-8")  # fmt: skip
     return 0 if all(r["max_abs_diff"] < 1e-4 for r in rows) else 1
+
+
+def random_model_folder(shape: str) -> str:
+    """A Hugging Face folder of ``shape`` with random weights and all-MiniLM-L6-v2's tokenizer."""
+    import tempfile
+
+    sys.path.insert(0, str(HERE))
+    import embeddings as eb
+
+    folder = os.path.join(tempfile.mkdtemp(prefix="distributed_"), shape)
+    eb.load_model(shape, "cpu", __import__("torch").float32, "sdpa", 0).save_pretrained(folder)
+    eb.tokenizer_for(shape)[0].save_pretrained(folder)
+    return folder
+
+
+def _texts(n: int) -> list:
+    with gzip.open(HERE.parent / "tests" / "data" / "real_sentences" / "sentences.txt.gz", "rt", encoding="utf-8") as f:
+        pool = f.read().splitlines()
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def actor_only(args) -> int:
+    """The actor's work (``Embedder`` on blocks of each size) against ``encode`` on the whole input."""
+    import numpy as np
+    import torch
+
+    import fusedenc
+    from fusedenc.distributed.actors import Embedder
+    from fusedenc.embed import encode, load_model
+
+    texts = _texts(args.texts)
+    model = load_model(args.model, device=args.device)
+    encode(model, texts[:256])
+    encode(model, texts)  # warm-up pass: the graphs of every shape this input makes
+
+    def timed(run) -> float:
+        best = float("inf")
+        for _ in range(args.repeats):
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            t0 = time.perf_counter()
+            run()
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    want = encode(model, texts)[0]
+    t_single = timed(lambda: encode(model, texts))
+    actor = Embedder(args.model, device=args.device)
+    rows = []
+    for block in [int(b) for b in args.blocks.split(",")]:
+        blocks = [{"row": np.arange(i, min(i + block, len(texts))), "text": np.array(texts[i:i + block], dtype=object)}
+                  for i in range(0, len(texts), block)]  # fmt: skip
+        for b in blocks:  # warm-up: this block size's shapes
+            actor(dict(b))
+        got = np.concatenate([np.stack(actor(dict(b))["embedding"]) for b in blocks])
+        t = timed(lambda: [actor(dict(b)) for b in blocks])
+        rows.append({"block_rows": block, "blocks": len(blocks), "seconds": round(t, 4),
+                     "rows_per_s": round(len(texts) / t, 1), "x_corpus": round(t_single / t, 3),
+                     "max_abs_diff": float(np.abs(got - want).max())})  # fmt: skip
+    env = {"torch": torch.__version__, "fusedenc": fusedenc.__version__, "python": platform.python_version(),
+           "device": str(model.device), "device_name": torch.cuda.get_device_name(model.device)
+           if model.device.type == "cuda" else platform.processor() or platform.machine(),
+           "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}  # fmt: skip
+    lines = [f"the Ray actor's work without Ray: {Path(args.model).name}, {len(texts)} real sentences, "
+             f"{env['device_name']}, {model.dtype}; the corpus command's encode on all of them "
+             f"{t_single:.3f} s ({len(texts) / t_single:,.0f} rows/s); best of {args.repeats}",
+             f"{'block rows':>10} {'blocks':>7} {'seconds':>8} {'rows/s':>9} {'x corpus':>9} {'max |diff|':>11}"]
+    for r in rows:
+        lines.append(f"{r['block_rows']:>10} {r['blocks']:>7} {r['seconds']:>8.3f} {r['rows_per_s']:>9,.0f} "
+                     f"{r['x_corpus']:>9.2f} {r['max_abs_diff']:>11.2e}")  # fmt: skip
+    lines.append(f"environment: {json.dumps(env)}")
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"distributed_actor_{Path(args.model).name}_{env['device_name'].replace(' ', '-').lower()}"
+    (out / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps({"rows": rows, "corpus_seconds": t_single, "environment": env},
+                                                 indent=1), encoding="utf-8")  # fmt: skip
+    tol = 2e-2 if model.dtype != torch.float32 else 1e-4  # fp16: batches of other shapes round differently
+    return 0 if all(r["max_abs_diff"] < tol for r in rows) else 1
 
 
 if __name__ == "__main__":

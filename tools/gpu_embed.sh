@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for the embedding work: build the CUDA core (if not built), the
+# sentence-transformers and one-graph GPU tests, then sentence-transformers' encode() loop
+# against fusedenc (bench/st_loop.py) and the Ray actor's work without Ray
+# (bench/distributed.py --actor-only).  Logs and results go to $OUT (or ./gpu-out); a summary
+# is printed last.  The real all-MiniLM-L6-v2 weights do not fit in a device call: carry its
+# tokenizer's files (tokenizer.json, vocab.txt, tokenizer_config.json, special_tokens_map.json)
+# in .cache/minilm-tokenizer and the models run with random weights of their shapes.
+#   bash tools/gpu_embed.sh [tests,loop,actor] [st_loop args...]
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FUSEDENC_REQUIRE_NATIVE=cuda
+[ -d .cache/minilm-tokenizer ] && export FUSEDENC_MINILM_DIR=${FUSEDENC_MINILM_DIR:-$PWD/.cache/minilm-tokenizer}
+stages=${1:-tests,loop,actor}
+shift || true
+if ! python3 -c "import fusedenc._C" 2>/dev/null; then
+  bash "$(dirname "$0")/build_core.sh" "$OUT/build.log" || exit 1
+fi
+summary=()
+if [[ $stages == *tests* ]]; then
+  FUSEDENC_REQUIRE_GPU=1 timeout -s INT 240 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/test_sentence_transformers_gpu.py tests/test_hf_gpu.py > "$OUT/gpu-tests.log" 2>&1
+  summary+=("GPU tests (rc=$?): $(grep -E 'passed|failed' "$OUT/gpu-tests.log" | tail -1)")
+fi
+if [[ $stages == *loop* ]]; then
+  timeout -s INT 420 python3 bench/st_loop.py --batch-sizes 32,128 --reps 2 \
+    --impl compile,st-plain,st-compile,st-patched,corpus --out-dir "$OUT" "$@" > "$OUT/st_loop.log" 2>&1
+  summary+=("st_loop (rc=$?)")
+fi
+if [[ $stages == *actor* ]]; then
+  for shape in minilm bert-base; do
+    timeout -s INT 150 python3 bench/distributed.py --actor-only --random "$shape" --device cuda --texts 20000 \
+      --blocks 1024,4096,16384 --out-dir "$OUT" > "$OUT/actor-$shape.log" 2>&1
+    summary+=("actor $shape (rc=$?)")
+  done
+fi
+echo "==== summary"; printf '%s\n' "${summary[@]}"
+cat "$OUT"/st_loop_*.txt 2>/dev/null
+cat "$OUT"/distributed_actor_*.txt 2>/dev/null
