@@ -86,7 +86,8 @@ def test_st_loop_tiny_and_the_loop_is_sentence_transformers(tmp_path):
     except real_models.RealModelMissing:
         check = False
     args = ["--device", "cpu", "--model", "tiny", "--batch-sizes", "8", "--sentences", "48", "--reps", "1",
-            "--impl", "plain,patched,patched-pooled" + (",corpus" if check else ""), "--out-dir", str(tmp_path)]
+            "--impl", "plain,patched,patched-pooled" + (",corpus,corpus:2048,st-plain,st-patched" if check else ""),
+            "--out-dir", str(tmp_path)]  # fmt: skip
     run_bench("st_loop.py", args + (["--check-st"] if check else []), timeout=600)
     [path] = list(tmp_path.glob("st_loop_tiny_*.json"))
     result = json.loads(path.read_text(encoding="utf-8"))
@@ -95,3 +96,18 @@ def test_st_loop_tiny_and_the_loop_is_sentence_transformers(tmp_path):
         assert "error" not in r and r["cosine_ok"] and r["sentences_per_s"] > 0, r
     if check:
         assert result["st_check"]["max_abs_diff"] < 1e-5, result["st_check"]
+        assert {r["impl"] for r in record["results"]} >= {"corpus:2048", "st-plain", "st-patched"}
+
+
+def test_distributed_actor_only_tiny(tmp_path):
+    """bench/distributed.py --actor-only (the Ray actor's work without Ray) on a tiny random
+    BERT on the CPU: every block size's embeddings equal the corpus command's."""
+    import st_helpers
+
+    folder = st_helpers.hf_model_dir(tmp_path, "bert", seed=4)
+    run_bench("distributed.py", ["--actor-only", "--model", str(folder), "--device", "cpu", "--texts", "60",
+                                 "--blocks", "16,64", "--repeats", "1", "--out-dir", str(tmp_path)], timeout=600)  # fmt: skip
+    [path] = list(tmp_path.glob("distributed_actor_*.json"))
+    rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
+    assert [r["block_rows"] for r in rows] == [16, 64]
+    assert all(r["max_abs_diff"] < 1e-4 and r["rows_per_s"] > 0 for r in rows), rows
