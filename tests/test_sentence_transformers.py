@@ -194,6 +194,11 @@ def test_encode_tokenizes_in_chunks_on_threads_and_keeps_input_order(model_dirs,
         if isinstance(want, list):
             got, want = torch.stack(got), torch.stack(want)
         torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), **TOL, msg=f"{model_type} {kw}")
+    # left padding: sentence-transformers' own loop (HF's BERT numbers positions from the padding)
+    patched.tokenizer.padding_side = ref.tokenizer.padding_side = "left"
+    got, want = patched.encode(texts, batch_size=4), ref.encode(texts, batch_size=4)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    patched.tokenizer.padding_side = ref.tokenizer.padding_side = "right"
     hf_model = sentences.sentence_parts(patched).hf_model
     hooked = []
     # On the embeddings (sentence-transformers >= 6.1 calls the HF model's forward directly,

@@ -274,7 +274,9 @@ class SentenceModel:
         parts = sentence_parts(self)
         if (output_value != "sentence_embedding" or prompt or truncate_dim is not None or device is not None
                 or set(kwargs) - {"show_progress_bar"} or not inputs or not _graph_pooling(parts, {})
-                or not all(isinstance(t, str) for t in inputs) or not hasattr(self, "preprocess")):  # fmt: skip
+                or not all(isinstance(t, str) for t in inputs) or not hasattr(self, "preprocess")
+                # left padding: HF's BERT numbers positions from the padding, and encode() gives that
+                or getattr(getattr(self, "tokenizer", None), "padding_side", "right") != "right"):  # fmt: skip
             return super()._inference(inputs, prompt=prompt, batch_size=batch_size, output_value=output_value,
                                       save_to_cpu=save_to_cpu, normalize_embeddings=normalize_embeddings,
                                       truncate_dim=truncate_dim, device=device, **kwargs)  # fmt: skip
@@ -337,9 +339,12 @@ def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_siz
     first = tokenize(chunks[0])  # on this thread first: the tokenizer sets its truncation state once
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         for rows, features in zip(chunks, _prepend(first, pool.map(tokenize, chunks[1:]))):
-            ids = features["input_ids"].numpy()
-            lengths = features["attention_mask"].sum(1).numpy().astype(np.int64)
-            types = features["token_type_ids"].numpy() if "token_type_ids" in features else None
+            real = features["attention_mask"].numpy() != 0
+            lengths = real.sum(1).astype(np.int64)
+            # Each text's real tokens, read off the mask
+            ids = [row[keep] for row, keep in zip(features["input_ids"].numpy(), real)]
+            types = features.get("token_type_ids")
+            types = None if types is None else [row[keep] for row, keep in zip(types.numpy(), real)]
             for local in batches_by_tokens(lengths, budget):
                 batch, mask = padded_batch(local, ids.__getitem__, lengths, pad)
                 call = {"input_ids": torch.from_numpy(batch), "attention_mask": torch.from_numpy(mask)}
