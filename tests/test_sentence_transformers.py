@@ -194,6 +194,7 @@ def test_encode_tokenizes_in_chunks_on_threads_and_keeps_input_order(model_dirs,
         if isinstance(want, list):
             got, want = torch.stack(got), torch.stack(want)
         torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), **TOL, msg=f"{model_type} {kw}")
+    assert not patched.encode(texts, convert_to_tensor=True).requires_grad  # no autograd history
     # left padding: sentence-transformers' own loop (HF's BERT numbers positions from the padding)
     patched.tokenizer.padding_side = ref.tokenizer.padding_side = "left"
     got, want = patched.encode(texts, batch_size=4), ref.encode(texts, batch_size=4)

@@ -284,10 +284,11 @@ class SentenceModel:
         if resolve is not None:
             resolve(None)  # sentence-transformers' own placement step
         self.eval()
-        out = _encode_texts(self, parts, inputs, batch_size)
-        if normalize_embeddings:
-            out = nn.functional.normalize(out, p=2, dim=1)
-        return out.cpu() if save_to_cpu else out
+        with torch.inference_mode():  # as sentence-transformers' own _inference
+            out = _encode_texts(self, parts, inputs, batch_size)
+            if normalize_embeddings:
+                out = nn.functional.normalize(out, p=2, dim=1)
+            return out.cpu() if save_to_cpu else out
 
     def forward(self, input: Mapping, **kwargs: Any):  # noqa: A002 - sentence-transformers' name
         # The features are a dict or a BatchEncoding (a mapping that is not a dict)
