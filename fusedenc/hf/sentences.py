@@ -4,14 +4,17 @@ its own ``encode()`` runs on fusedenc.
 
 A ``SentenceTransformer`` is a sequence of modules: a ``Transformer`` holding an HF model, a
 ``Pooling`` and optionally a ``Normalize``.  ``patch_hf`` patches the HF model (so every
-``encode()`` batch is one CUDA graph from the padded ids, padding-free) and gives the wrapper
-a subclass (``SentenceModel``) whose ``encode()``, when only the sentence embedding is asked
-for, lets the forward pool inside that graph (mean, CLS, max or mean-sqrt-length pooling over
-the real tokens, then the ``Normalize`` module's L2 normalization if there is one): only
-``[B, D]`` leaves the graph.  Every other call (weighted-mean, last-token or combined pooling
-modes, token embeddings, prompts excluded from pooling, other modalities) runs
-sentence-transformers' own modules on the patched model.  sentence-transformers is never imported here: a model is recognized by
-its classes' names and modules.
+batch is one CUDA graph from the padded ids, padding-free) and gives the wrapper a subclass
+(``SentenceModel``).  For plain text in and sentence embeddings out, with a pooling the graph
+computes (mean, CLS, max or mean-sqrt-length, then the ``Normalize`` module's L2
+normalization if there is one), its ``encode()`` runs the corpus loop (``_encode_texts``:
+tokenized on threads, token-budget batches, only ``[B, D]`` leaving the graph); where
+sentence-transformers lacks the ``_inference`` step that replaces, or the call has prompts or
+other options, its own loop runs and the forward still pools in the graph.  Every other call
+(weighted-mean, last-token or combined pooling modes, token embeddings, prompts excluded from
+pooling, other modalities) runs sentence-transformers' own modules on the patched model.
+sentence-transformers is never imported here: a model is recognized by its classes' names and
+modules.
 """
 
 from __future__ import annotations
