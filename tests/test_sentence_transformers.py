@@ -208,3 +208,32 @@ def test_encode_tokenizes_in_chunks_on_threads_and_keeps_input_order(model_dirs,
     got = patched.encode(texts, batch_size=8)
     np.testing.assert_allclose(got, ref.encode(texts, batch_size=8), rtol=1e-4, atol=1e-5)
     assert hooked, "the hooked model never ran its own forward"
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_encode_without_an_inference_step_runs_the_same_loop(model_dirs, model_type, gen, monkeypatch):
+    """sentence-transformers before 6.1 loops inside encode() itself: the patched encode() then
+    runs the corpus loop for plain calls and returns what 6.0's encode() returns (a tensor, an
+    array, a list of rows, a single text's row); other calls are sentence-transformers' own."""
+    monkeypatch.setattr(sentences, "_has_inference_step", lambda model: False)
+    runs = []
+    real_loop = sentences._encode_texts
+    monkeypatch.setattr(sentences, "_encode_texts", lambda *a: (runs.append(len(a[2])), real_loop(*a))[1])
+    patched, ref = st_helpers.patched_pair(model_dirs[model_type], pooling="cls", normalize=False, max_seq_length=32)
+    texts = _texts(gen)
+    for args, kw in (((texts,), {}), ((texts, None, None, 5), {}), ((texts,), {"normalize_embeddings": True}),
+                     ((texts,), {"convert_to_tensor": True}), ((texts,), {"convert_to_numpy": False}),
+                     ((texts[3],), {}), ((texts,), {"prompt": "query: "}),
+                     ((texts[:4],), {"output_value": "token_embeddings"})):  # fmt: skip
+        runs.clear()
+        got, want = patched.encode(*args, **kw), ref.encode(*args, **kw)
+        plain = "prompt" not in kw and "output_value" not in kw
+        assert runs == ([len(texts) if isinstance(args[0], list) else 1] if plain else []), (kw, runs)
+        assert type(got) is type(want), kw
+        if isinstance(want, list):
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, **TOL)
+        else:
+            assert got.shape == want.shape and got.dtype == want.dtype, kw
+            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), **TOL, msg=str(kw))

@@ -257,6 +257,10 @@ class SentenceModel:
     name_prefix = "Fusedenc"  # patched_classes: "Fusedenc" + "SentenceTransformer"
 
     def encode(self, *args: Any, **kwargs: Any):
+        if not _has_inference_step(self):  # sentence-transformers < 6.1: no step to replace
+            done = self._fusedenc_plain_encode(args, kwargs)
+            if done is not _NOT_PLAIN:
+                return done
         output_value = kwargs.get("output_value", "sentence_embedding")
         if args and len(args) > 1:  # output_value given by position: read it off the signature
             bound = inspect.signature(super().encode).bind_partial(*args, **kwargs)
@@ -266,6 +270,52 @@ class SentenceModel:
             return super().encode(*args, **kwargs)
         finally:
             _POOLED_ONLY.reset(token)
+
+    def _fusedenc_plain_encode(self, args: tuple, kwargs: dict) -> Any:
+        """``encode()`` of plain text to sentence embeddings through ``_encode_texts``, for
+        sentence-transformers releases whose ``encode()`` has no ``_inference`` step; its
+        return conventions (6.0's: a tensor, a float array, bfloat16 as float32, or a list of
+        rows; a single text's row alone).  ``_NOT_PLAIN`` for any other call."""
+        signature = inspect.signature(super().encode)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return _NOT_PLAIN  # sentence-transformers' own encode() raises the right error
+        first = next(iter(signature.parameters))
+        texts = bound.arguments.get(first)
+        options = {"batch_size": 32, "show_progress_bar": None, "output_value": "sentence_embedding",
+                   "convert_to_numpy": True, "convert_to_tensor": False, "normalize_embeddings": False,
+                   "precision": "float32"}  # fmt: skip
+        for name, value in bound.arguments.items():
+            kind = signature.parameters[name].kind
+            if name == first or (kind is inspect.Parameter.VAR_KEYWORD and not value):
+                continue
+            if name in options:
+                options[name] = value
+            elif value is not None:  # prompts, a device, truncate_dim, a pool, model kwargs, ...
+                return _NOT_PLAIN
+        single = isinstance(texts, str)
+        texts = [texts] if single else texts
+        parts = sentence_parts(self)
+        if (options["output_value"] != "sentence_embedding" or options["precision"] not in (None, "float32")
+                or not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts)
+                or not isinstance(options["batch_size"], int) or options["batch_size"] <= 0
+                or getattr(self, "default_prompt_name", None) or getattr(self, "truncate_dim", None) is not None
+                or not _graph_pooling(parts, {}) or not _pads_right(self)):  # fmt: skip
+            return _NOT_PLAIN
+        self.eval()
+        with torch.inference_mode():
+            out = _encode_texts(self, parts, list(texts), options["batch_size"])
+            if options["normalize_embeddings"]:
+                out = nn.functional.normalize(out, p=2, dim=1)
+            if options["convert_to_tensor"]:
+                result = out
+            elif options["convert_to_numpy"]:
+                out = out.cpu()
+                result = (out.float() if out.dtype == torch.bfloat16 else out).numpy()
+            else:
+                result = list(out)
+        return result[0] if single else result
 
     def _inference(self, inputs: list, *, prompt: Optional[str] = None, batch_size: int = 32,
                    output_value: Optional[str] = "sentence_embedding", save_to_cpu: bool = True,
@@ -277,9 +327,7 @@ class SentenceModel:
         parts = sentence_parts(self)
         if (output_value != "sentence_embedding" or prompt or truncate_dim is not None or device is not None
                 or set(kwargs) - {"show_progress_bar"} or not inputs or not _graph_pooling(parts, {})
-                or not all(isinstance(t, str) for t in inputs) or not hasattr(self, "preprocess")
-                # left padding: HF's BERT numbers positions from the padding, and encode() gives that
-                or getattr(getattr(self, "tokenizer", None), "padding_side", "right") != "right"):  # fmt: skip
+                or not all(isinstance(t, str) for t in inputs) or not _pads_right(self)):  # fmt: skip
             return super()._inference(inputs, prompt=prompt, batch_size=batch_size, output_value=output_value,
                                       save_to_cpu=save_to_cpu, normalize_embeddings=normalize_embeddings,
                                       truncate_dim=truncate_dim, device=device, **kwargs)  # fmt: skip
@@ -307,6 +355,21 @@ class SentenceModel:
         return super().forward(input, **kwargs)
 
 
+_NOT_PLAIN = object()  # SentenceModel._fusedenc_plain_encode: not a call it takes
+
+
+def _has_inference_step(model: Any) -> bool:
+    """Whether sentence-transformers' ``encode()`` hands its loop to ``_inference`` (6.1 and
+    later), which ``SentenceModel`` replaces; earlier releases loop inside ``encode()``."""
+    return any("_inference" in vars(c) for c in type(model).__mro__ if c is not SentenceModel)
+
+
+def _pads_right(model: Any) -> bool:
+    """A tokenizer that pads on the right: with left padding HF's BERT numbers positions from the
+    padding, and sentence-transformers' own loop gives that (the short path refuses it)."""
+    return getattr(getattr(model, "tokenizer", None), "padding_side", "right") == "right"
+
+
 #: Texts one tokenizer call takes in ``_encode_texts``: large enough to amortize its Python,
 #: small enough to spread over the threads and to start the GPU early.
 _TOKENIZE_CHUNK = 1024
@@ -331,8 +394,10 @@ def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_siz
     order = np.argsort([-len(t) for t in texts], kind="stable")
     chunks = [order[i:i + _TOKENIZE_CHUNK] for i in range(0, len(order), _TOKENIZE_CHUNK)]
 
+    preprocess = getattr(model, "preprocess", None) or model.tokenize  # tokenize() before 6.0
+
     def tokenize(rows: np.ndarray) -> dict:
-        return model.preprocess([texts[r] for r in rows])
+        return preprocess([texts[r] for r in rows])
 
     hf_model = parts.hf_model
     param = next(hf_model.parameters())
