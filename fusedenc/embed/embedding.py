@@ -1,5 +1,5 @@
-"""Embedding a list of texts the fast way: tokenized in worker threads, sorted by length,
-cut into batches by a token budget (so a batch of short sentences holds many and a batch of
+"""Embedding a list of texts the fast way: tokenized in chunks on worker threads while the
+chunks before run, sorted by length, cut into batches by a token budget (so a batch of short sentences holds many and a batch of
 passages few), each batch handed over as host tensors to ``sentence_embeddings`` (one copy
 from pinned memory, the pooling inside the patched model's graph), the results copied back
 once per group of batches so that copies overlap the GPU's work.  ``encode`` is the Python
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -21,7 +20,7 @@ from torch import nn
 from ..hf import real_models
 from ..hf.patch import patch_hf
 from ..hf.sentences import sentence_embeddings, sentence_parts
-from ..hf.token_batches import batches_by_tokens, padded_batch
+from ..hf.token_batches import batches_by_tokens, padded_batch, tokenized_chunks
 from .texts import InputError
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_model"]
@@ -29,7 +28,8 @@ __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_m
 #: Padded tokens a batch may hold (batch size x its longest sequence), TEI's default; the
 #: number of sequences a batch may hold is capped by the graphs' largest batch bucket.
 DEFAULT_MAX_BATCH_TOKENS = 16384
-#: Texts a tokenizer call takes: large enough to amortize its Python, small enough to spread.
+#: Texts a tokenizer call takes: large enough to amortize its Python, small enough to spread
+#: over the threads and to start the GPU early.
 _TOKENIZE_CHUNK = 2048
 #: Batches whose results are copied back to the host together (one sync).
 _COPY_EVERY = 32
@@ -143,43 +143,37 @@ class EncodeStats:
         return self.texts / self.seconds if self.seconds > 0 else float("inf")
 
 
-def _tokenize(model: Model, texts: Sequence[str], truncate: bool, first_row: Callable[[int], Any],
-              workers: int) -> tuple[list[list[int]], int]:  # fmt: skip
-    """Token ids of every text (special tokens included), truncated to ``model.max_length``
-    (counted) or refused (``truncate=False``), tokenized in ``workers`` threads (a fast
-    tokenizer's batch call runs outside the GIL)."""
-    tok = model.tokenizer
-
-    def run(chunk: Sequence[str]) -> list[list[int]]:
-        return tok(list(chunk), add_special_tokens=True, truncation=False, return_attention_mask=False,
-                   return_token_type_ids=False, verbose=False)["input_ids"]  # fmt: skip
-
-    chunks = [texts[i:i + _TOKENIZE_CHUNK] for i in range(0, len(texts), _TOKENIZE_CHUNK)]
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        ids = [row for part in pool.map(run, chunks) for row in part]
-    long = [i for i, row in enumerate(ids) if len(row) > model.max_length]
-    if long and not truncate:
-        raise InputError(f"{first_row(long[0])}: {len(ids[long[0]])} tokens, more than the model's "
-                         f"{model.max_length} ({len(long)} such texts; without --no-truncate they are truncated)")  # fmt: skip
-    for i in long:  # keep the closing special token: the model was trained on [CLS] ... [SEP]
-        ids[i] = ids[i][:model.max_length - 1] + ids[i][-1:]
-    return ids, len(long)
-
-
 def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
            truncate: bool = True, row_name: Optional[Callable[[int], Any]] = None,
            progress: Optional[Callable[[int], None]] = None, workers: Optional[int] = None) -> tuple[np.ndarray, EncodeStats]:  # fmt: skip
     """Float32 ``[len(texts), D]`` embeddings of ``texts`` in their order, and what it took.
-    ``row_name(i)`` names text ``i`` in errors; ``progress(n)`` is told of every ``n`` texts done."""
+    ``row_name(i)`` names text ``i`` in errors; ``progress(n)`` is told of every ``n`` texts done.
+
+    The texts are tokenized in chunks on ``workers`` threads while the chunks before run
+    (``hf.token_batches.tokenized_chunks``); a text longer than the model takes is truncated
+    (its closing special token kept) and counted, or, with ``truncate=False``, refused before
+    anything runs (every chunk is then tokenized first)."""
     if max_batch_tokens < 1:
         raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
     t0 = time.perf_counter()
     stats = EncodeStats(texts=len(texts))
-    workers = workers or min(4, os.cpu_count() or 1)
-    ids, stats.truncated = _tokenize(model, texts, truncate, row_name or (lambda i: f"text {i}"), workers)
-    lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
-    stats.tokens = int(lengths.sum())
-    pad = model.tokenizer.pad_token_id or 0
+    first_row = row_name or (lambda i: f"text {i}")
+    tok = model.tokenizer
+
+    def tokenize(chunk: list) -> list:
+        return tok(chunk, add_special_tokens=True, truncation=False, return_attention_mask=False,
+                   return_token_type_ids=False, verbose=False)["input_ids"]  # fmt: skip
+
+    chunks = tokenized_chunks(texts, tokenize, _TOKENIZE_CHUNK, workers or min(4, os.cpu_count() or 1))
+    if not truncate:  # every text checked before anything runs
+        chunks = list(chunks)
+        long = [int(rows[i]) for rows, ids in chunks for i, row in enumerate(ids) if len(row) > model.max_length]
+        if long:
+            where = min(long)
+            n = next(len(ids[i]) for rows, ids in chunks for i in range(len(rows)) if rows[i] == where)
+            raise InputError(f"{first_row(where)}: {n} tokens, more than the model's {model.max_length} "
+                             f"({len(long)} such texts; without --no-truncate they are truncated)")  # fmt: skip
+    pad = tok.pad_token_id or 0
     out: Optional[np.ndarray] = None
     pending: list[tuple[np.ndarray, torch.Tensor]] = []
 
@@ -196,14 +190,21 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
         pending.clear()
 
     with torch.inference_mode():
-        for rows in batches_by_tokens(lengths, max_batch_tokens):
-            batch, mask = padded_batch(rows, ids.__getitem__, lengths, pad)
-            types = torch.zeros(batch.shape, dtype=torch.int64) if model.token_types else None
-            emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask), types)
-            pending.append((rows, emb))
-            stats.batches += 1
-            if len(pending) >= _COPY_EVERY:
-                flush()
+        for rows, ids in chunks:
+            for i, row in enumerate(ids):  # keep the closing special token: the model saw [CLS] ... [SEP]
+                if len(row) > model.max_length:
+                    ids[i] = row[:model.max_length - 1] + row[-1:]
+                    stats.truncated += 1
+            lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
+            stats.tokens += int(lengths.sum())
+            for local in batches_by_tokens(lengths, max_batch_tokens):
+                batch, mask = padded_batch(local, ids.__getitem__, lengths, pad)
+                types = torch.zeros(batch.shape, dtype=torch.int64) if model.token_types else None
+                emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask), types)
+                pending.append((rows[local], emb))
+                stats.batches += 1
+                if len(pending) >= _COPY_EVERY:
+                    flush()
         flush()
     stats.seconds = time.perf_counter() - t0
     return out, stats

@@ -24,7 +24,6 @@ import copy
 import inspect
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -34,7 +33,7 @@ from torch import nn
 from ..varlen import packing as varlen
 from . import classes as patched_classes
 from .embedded import POOLING_MODES, EmbeddedModel
-from .token_batches import batches_by_tokens, padded_batch
+from .token_batches import batches_by_tokens, padded_batch, tokenized_chunks
 
 __all__ = ["SentenceModel", "SentenceParts", "patch", "sentence_embeddings", "sentence_parts"]
 
@@ -391,50 +390,37 @@ def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_siz
       short sentences holds many;
     * each batch goes over as host tensors to the patched model's graph, which pools there.
     """
-    order = np.argsort([-len(t) for t in texts], kind="stable")
-    chunks = [order[i:i + _TOKENIZE_CHUNK] for i in range(0, len(order), _TOKENIZE_CHUNK)]
-
     preprocess = getattr(model, "preprocess", None) or model.tokenize  # tokenize() before 6.0
-
-    def tokenize(rows: np.ndarray) -> dict:
-        return preprocess([texts[r] for r in rows])
-
     hf_model = parts.hf_model
     param = next(hf_model.parameters())
     pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None) or 0
     max_length = int(getattr(model, "max_seq_length", None) or 512)
     budget = max(1, batch_size) * max_length
     done, placed = [], []
-    first = tokenize(chunks[0])  # on this thread first: the tokenizer sets its truncation state once
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        for rows, features in zip(chunks, _prepend(first, pool.map(tokenize, chunks[1:]))):
-            real = features["attention_mask"].numpy() != 0
-            lengths = real.sum(1).astype(np.int64)
-            # Each text's real tokens, read off the mask
-            ids = [row[keep] for row, keep in zip(features["input_ids"].numpy(), real)]
-            types = features.get("token_type_ids")
-            types = None if types is None else [row[keep] for row, keep in zip(types.numpy(), real)]
-            for local in batches_by_tokens(lengths, budget):
-                batch, mask = padded_batch(local, ids.__getitem__, lengths, pad)
-                call = {"input_ids": torch.from_numpy(batch), "attention_mask": torch.from_numpy(mask)}
-                if types is not None:
-                    call["token_type_ids"] = torch.from_numpy(padded_batch(local, types.__getitem__, lengths, 0)[0])
-                pooled = hf_model._fusedenc_pooled_call(call["input_ids"], call["attention_mask"],
-                                                        call.get("token_type_ids"), parts.normalize, parts.pooling[0])  # fmt: skip
-                if pooled is None:  # the short path declined (a hook added, ...): sentence-transformers' forward
-                    pooled = nn.Module.__call__(model, {k: v.to(param.device) for k, v in call.items()})
-                    pooled = pooled["sentence_embedding"]
-                done.append(pooled.to(param.dtype))
-                placed.append(rows[local])
+    threads = min(4, os.cpu_count() or 1)
+    for rows, features in tokenized_chunks(texts, preprocess, _TOKENIZE_CHUNK, threads):
+        real = features["attention_mask"].numpy() != 0
+        lengths = real.sum(1).astype(np.int64)
+        # Each text's real tokens, read off the mask
+        ids = [row[keep] for row, keep in zip(features["input_ids"].numpy(), real)]
+        types = features.get("token_type_ids")
+        types = None if types is None else [row[keep] for row, keep in zip(types.numpy(), real)]
+        for local in batches_by_tokens(lengths, budget):
+            batch, mask = padded_batch(local, ids.__getitem__, lengths, pad)
+            call = {"input_ids": torch.from_numpy(batch), "attention_mask": torch.from_numpy(mask)}
+            if types is not None:
+                call["token_type_ids"] = torch.from_numpy(padded_batch(local, types.__getitem__, lengths, 0)[0])
+            pooled = hf_model._fusedenc_pooled_call(call["input_ids"], call["attention_mask"],
+                                                    call.get("token_type_ids"), parts.normalize, parts.pooling[0])  # fmt: skip
+            if pooled is None:  # the short path declined (a hook added, ...): sentence-transformers' forward
+                pooled = nn.Module.__call__(model, {k: v.to(param.device) for k, v in call.items()})
+                pooled = pooled["sentence_embedding"]
+            done.append(pooled.to(param.dtype))
+            placed.append(rows[local])
     inverse = np.empty(len(texts), dtype=np.int64)
     inverse[np.concatenate(placed)] = np.arange(len(texts))
     out = torch.cat(done)
     return out[torch.from_numpy(inverse).to(out.device)]
-
-
-def _prepend(first: Any, rest):
-    yield first
-    yield from rest
 
 
 def patch(model: nn.Module, patch_hf: Any, *, inplace: bool, padding_free: bool) -> nn.Module:

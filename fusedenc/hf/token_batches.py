@@ -4,16 +4,18 @@ A batch of the same number of texts costs very different work at 8 and at 256 to
 text; a budget of padded tokens (batch size x its longest sequence, what text-embeddings-
 inference calls ``max_batch_tokens``) keeps each batch's work and memory bounded whatever the
 lengths, and sorting longest first keeps the padding inside each batch small.  Shared by
-``fusedenc.embed.encode`` (a corpus) and a patched ``SentenceTransformer.encode()``.
+``fusedenc.embed.encode`` (a corpus) and a patched ``SentenceTransformer.encode()``, which
+also share ``tokenized_chunks``: tokenizing on threads while the GPU runs what is ready.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["MAX_BATCH_SEQUENCES", "batches_by_tokens", "padded_batch"]
+__all__ = ["MAX_BATCH_SEQUENCES", "batches_by_tokens", "padded_batch", "tokenized_chunks"]
 
 #: Texts a batch may hold: the graphs' largest batch bucket (``graphs.feeds.BUCKETS``).
 MAX_BATCH_SEQUENCES = 1024
@@ -48,3 +50,27 @@ def padded_batch(rows: np.ndarray, ids_of: Callable[[int], Sequence[int]], lengt
         ids[j, :n] = ids_of(r)[:n]
         mask[j, :n] = 1
     return ids, mask
+
+
+def tokenized_chunks(texts: Sequence[str], tokenize: Callable[[list], Any], chunk: int,
+                     workers: int) -> Iterator[tuple[np.ndarray, Any]]:  # fmt: skip
+    """``(rows, tokenize(their texts))`` for chunks of ``chunk`` texts, in the order
+    sentence-transformers sorts texts (longest by characters first, so each chunk's token
+    counts are close), as each is ready: the first on the calling thread (a fast tokenizer
+    sets its truncation and padding state on its first call, which threads must not race),
+    every other one submitted to ``workers`` threads before the first is handed out, so the
+    tokenizer works while the caller runs the chunks before (a fast tokenizer's batch call
+    runs outside the GIL)."""
+    order = np.argsort([-len(t) for t in texts], kind="stable")
+    chunks = [order[i:i + chunk] for i in range(0, len(order), max(1, chunk))]
+    if not chunks:
+        return
+
+    def run(rows: np.ndarray) -> Any:
+        return tokenize([texts[r] for r in rows])
+
+    first = run(chunks[0])
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        rest = pool.map(run, chunks[1:])
+        yield chunks[0], first
+        yield from zip(chunks[1:], rest)
