@@ -125,8 +125,15 @@ def test_the_frame_evaluator_takes_a_block_of_v6_and_v7_frames(net_path, tmp_pat
     for name in ("net_policy", "net_wdl", "frame_policy", "frame_result_wdl", "frame_played_idx"):
         want = np.stack([alone6[name][0], alone7[name][0], alone7[name][1], alone6[name][1], alone6[name][2]])
         np.testing.assert_allclose(out[name], want, rtol=1e-5, atol=1e-7, err_msg=name)
-    with pytest.raises(ValueError, match="bytes"):
-        evaluator({"frame": np.array([v6[0].tobytes()[:-4]], dtype=object)})
+    # a frame of no known size, and a row training_frames could not read: errors, NaN, the rest kept
+    block = {"frame": np.array([v6[0].tobytes()[:-4], b"", v6[1].tobytes()], dtype=object),
+             "error": np.array([None, "cannot read x.gz", None], dtype=object)}  # fmt: skip
+    out = evaluator(block)
+    assert "bytes" in out["error"][0] and out["error"][1] == "cannot read x.gz" and out["error"][2] is None
+    assert np.isnan(out["net_policy"][:2]).all()
+    np.testing.assert_allclose(out["net_policy"][2], alone6["net_policy"][1], rtol=1e-5, atol=1e-7)
+    failed = evaluator({"frame": np.array([b""], dtype=object), "error": np.array(["x"], dtype=object)})
+    assert set(failed) >= set(out) and failed["net_policy"].shape == (1, out["net_policy"].shape[1])
 
 
 # ---------------------------------------------------------------- on Ray ----
@@ -265,7 +272,13 @@ def test_relabel_training_frames_on_a_cluster(ray_local, net_path, tmp_path):
     with tarfile.open(tar, "w") as t:
         t.add(one, arcname="a.gz")
         t.add(two, arcname="b.gz")
-    rows = distributed.relabel(distributed.training_frames([one, tar]), net_path, device="cpu", block_rows=3).take_all()
+    broken = tmp_path / "broken.gz"
+    broken.write_bytes(one.read_bytes()[:-100])  # truncated: its one row says so, the job goes on
+    rows = distributed.relabel(distributed.training_frames([one, tar, broken]), net_path, device="cpu",
+                               block_rows=3).take_all()  # fmt: skip
+    failed = [r for r in rows if r["error"] is not None]
+    assert len(failed) == 1 and failed[0]["source"] == str(broken) and failed[0]["index"] == -1, [r["error"] for r in failed][:3]
+    rows = [r for r in rows if r["error"] is None]
     assert len(rows) == 3 * len(TRAINING_POSITIONS)
     keys = sorted((r["source"], r["index"]) for r in rows)
     assert len(set(keys)) == len(keys)

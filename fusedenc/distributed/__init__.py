@@ -86,8 +86,9 @@ def evaluate_positions(dataset: Any, net: str, *, fen_column: str = "fen", moves
 
 def training_frames(paths: Any, *, max_bytes: Optional[int] = None) -> Any:
     """A dataset of lc0 training frames, one row a position: ``source`` (the file, and the tar
-    member), ``index`` (the frame's place in it), ``version`` and ``frame`` (its bytes, as lc0
-    wrote them).  ``paths``: a file or a list of ``.gz``, plain or ``.tar`` files of frames
+    member), ``index`` (the frame's place in it), ``version``, ``frame`` (its bytes, as lc0
+    wrote them) and ``error`` (None; a file that cannot be read, truncated or not lc0's, is one
+    row with ``index`` -1, no frame and the reason, and the job goes on).  ``paths``: a file or a list of ``.gz``, plain or ``.tar`` files of frames
     (``fusedenc.lc0.trainingdata.read_frames``), each read by the cluster."""
     ray = ray_or_exit()
     files = [paths] if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__") else list(paths)
@@ -95,9 +96,12 @@ def training_frames(paths: Any, *, max_bytes: Optional[int] = None) -> Any:
     def rows_of(item: dict) -> list[dict]:
         from ..lc0 import trainingdata
 
-        read = trainingdata.read_frames(item["path"], max_bytes=max_bytes)
-        chunks = [read] if isinstance(read, trainingdata.FrameChunk) else read
-        return [{"source": c.source, "index": i, "version": c.version, "frame": c.frames[i].tobytes()}
+        try:
+            read = trainingdata.read_frames(item["path"], max_bytes=max_bytes)
+            chunks = [read] if isinstance(read, trainingdata.FrameChunk) else list(read)
+        except (trainingdata.Lc0FileError, OSError) as exc:  # the file's one row says why; the job goes on
+            return [{"source": item["path"], "index": -1, "version": 0, "frame": b"", "error": str(exc)}]
+        return [{"source": c.source, "index": i, "version": c.version, "frame": c.frames[i].tobytes(), "error": None}
                 for c in chunks for i in range(len(c))]  # fmt: skip
 
     return ray.data.from_items([{"path": str(p)} for p in files]).flat_map(rows_of)

@@ -152,32 +152,47 @@ class PositionEvaluator:
 class FrameEvaluator:
     """An Lc0 net's evaluation of lc0 training frames (``fusedenc.distributed.relabel``): the
     planes taken as the frame stores them, the net's policy (softmax over the moves the frame
-    marks legal: probabilities >= 0) beside the frame's own policy and result."""
+    marks legal: probabilities >= 0) beside the frame's own policy and result.  A row of no
+    frame (a file ``training_frames`` could not read) or of a frame of no known size keeps its
+    ``error`` and gets NaN (zeros for integers) in the new columns."""
 
     def __init__(self, net: str, device: Optional[str] = None, dtype: Optional[str] = None) -> None:
+        from ..lc0 import trainingdata
+
         self.net = _load_net(net, device, dtype)
         param = next(self.net.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # The new columns' names, shapes and dtypes, from an empty frame of the net's format: a
+        # block whose rows all failed still gets every column (Ray joins blocks by schema).
+        blank = np.zeros(1, dtype=trainingdata.FRAME_DTYPES[6])
+        blank["version"], blank["input_format"] = 6, int(self.net.input_format)
+        self.columns = {name: (v.shape[1:], v.dtype) for name, v in self._evaluate(blank).items()}
 
     def __call__(self, batch: dict) -> dict:
         from ..lc0 import trainingdata
 
         raw = [bytes(f) for f in _column(batch, "frame")]
+        n = len(raw)
+        # A column of errors that are all None reaches a block as NaNs (Ray's numpy batches)
+        given = _column(batch, "error") if "error" in batch else [None] * n
+        errors: list[Optional[str]] = [e if isinstance(e, str) and e else None for e in given]
         sizes = {d.itemsize: v for v, d in trainingdata.FRAME_DTYPES.items()}
         groups: dict[int, list[int]] = {}
         for i, f in enumerate(raw):  # a block may hold V6 and V7 files' frames: one group a size
+            if errors[i] is not None:
+                continue  # a file that could not be read (training_frames): its row says why
+            if len(f) not in sizes:
+                errors[i] = f"a frame of {len(f)} bytes: lc0's training frames are {sorted(sizes)} bytes"
+                continue
             groups.setdefault(len(f), []).append(i)
-        unknown = sorted(set(groups) - set(sizes))
-        if unknown:
-            raise ValueError(f"frames of {unknown} bytes: an lc0 training frame is one of {sorted(sizes)}")
-        out: dict[str, np.ndarray] = {}
+        out = {name: np.full((n, *shape), np.nan if np.issubdtype(dtype, np.floating) else 0, dtype=dtype)
+               for name, (shape, dtype) in self.columns.items()}  # fmt: skip
         for size, rows in groups.items():
             frames = np.frombuffer(b"".join(raw[i] for i in rows), dtype=trainingdata.FRAME_DTYPES[sizes[size]])
             for name, values in self._evaluate(frames).items():
-                if name not in out:
-                    out[name] = np.zeros((len(raw), *values.shape[1:]), dtype=values.dtype)
                 out[name][rows] = values
         batch.update(out)
+        batch["error"] = np.array(errors, dtype=object)
         return batch
 
     def _evaluate(self, frames: np.ndarray) -> dict:
