@@ -53,9 +53,7 @@ def main() -> int:
     from fusedenc import distributed
     from fusedenc.embed import encode, load_model
 
-    with gzip.open(HERE.parent / "tests" / "data" / "real_sentences" / "sentences.txt.gz", "rt", encoding="utf-8") as f:
-        pool = f.read().splitlines()
-    texts = [pool[i % len(pool)] for i in range(args.texts)]
+    texts = _texts(args.texts)
     model = load_model(args.model, device=args.device)
     encode(model, texts[:64])  # first calls out of the timing
     single = []
@@ -107,13 +105,9 @@ def main() -> int:
     lines.append(f"environment: {json.dumps(env)}")
     text = "\n".join(lines)
     print(text)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"distributed_{Path(args.model).name}_{args.device}"
-    (out / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
-    (out / f"{name}.json").write_text(json.dumps({"rows": rows, "single_seconds": t_single, "fixed_seconds": fixed,
-                                                  "per_block_seconds": per_block, "environment": env},
-                                                 indent=1), encoding="utf-8")  # fmt: skip
+    _write(args.out_dir, f"distributed_{Path(args.model).name}_{args.device}", text,
+           {"rows": rows, "single_seconds": t_single, "fixed_seconds": fixed, "per_block_seconds": per_block,
+            "environment": env})  # fmt: skip
     return 0 if all(r["max_abs_diff"] < 1e-4 for r in rows) else 1
 
 
@@ -124,10 +118,15 @@ def random_model_folder(shape: str) -> str:
     sys.path.insert(0, str(HERE))
     import embeddings as eb
 
-    folder = os.path.join(tempfile.mkdtemp(prefix="distributed_"), shape)
-    eb.load_model(shape, "cpu", __import__("torch").float32, "sdpa", 0).save_pretrained(folder)
-    eb.tokenizer_for(shape)[0].save_pretrained(folder)
-    return folder
+    return eb.saved_model_folder(shape, os.path.join(tempfile.mkdtemp(prefix="distributed_"), shape))
+
+
+def _write(out_dir: str, name: str, text: str, payload: dict) -> None:
+    """The table and the JSON of a run, as ``out_dir/name.txt`` and ``.json``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1), encoding="utf-8")
 
 
 def _texts(n: int) -> list:
@@ -190,12 +189,8 @@ def actor_only(args) -> int:
     lines.append(f"environment: {json.dumps(env)}")
     text = "\n".join(lines)
     print(text)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"distributed_actor_{Path(args.model).name}_{env['device_name'].replace(' ', '-').lower()}"
-    (out / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
-    (out / f"{name}.json").write_text(json.dumps({"rows": rows, "corpus_seconds": t_single, "environment": env},
-                                                 indent=1), encoding="utf-8")  # fmt: skip
+    _write(args.out_dir, f"distributed_actor_{Path(args.model).name}_{env['device_name'].replace(' ', '-').lower()}",
+           text, {"rows": rows, "corpus_seconds": t_single, "environment": env})
     tol = 2e-2 if model.dtype != torch.float32 else 1e-4  # fp16: batches of other shapes round differently
     return 0 if all(r["max_abs_diff"] < tol for r in rows) else 1
 

@@ -256,6 +256,15 @@ def load_model(name: str, device, dtype, impl: str, seed: int):
     return copy.deepcopy(_CPU_MODELS[key]).to(device=device, dtype=dtype).eval()
 
 
+def saved_model_folder(name: str, folder: str, seed: int = 0) -> str:
+    """``folder`` holding ``load_model(name)``'s fp32 weights and ``tokenizer_for(name)``'s
+    tokenizer (written once): a model folder for the scripts that load one from disk."""
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        load_model(name, "cpu", torch.float32, "sdpa", seed).save_pretrained(folder)
+        tokenizer_for(name)[0].save_pretrained(folder)
+    return folder
+
+
 def pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sentence-transformers' mean pooling (fp32) and L2 normalization."""
     return F.normalize(varlen.masked_mean_pool(hidden, mask), dim=1)

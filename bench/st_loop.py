@@ -85,14 +85,12 @@ def st_loop(step: Callable[[dict], torch.Tensor], tokenizer, sentences: list[str
     return emb[np.argsort(order)]
 
 
-def st_model(name: str, device: torch.device, dtype: torch.dtype, seed: int, tokenizer, folder: str):
+def st_model(name: str, device: torch.device, dtype: torch.dtype, seed: int, folder: str):
     """A ``SentenceTransformer`` (Transformer, mean Pooling, Normalize) around ``load_model``'s
     weights, saved with the tokenizer under ``folder``."""
     from sentence_transformers import SentenceTransformer, models
 
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        eb.load_model(name, "cpu", torch.float32, "sdpa", seed).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+    eb.saved_model_folder(name, folder, seed)
     word = models.Transformer(folder, max_seq_length=MAX_LENGTH, model_args={"attn_implementation": "sdpa"})
     pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode="mean")
     return SentenceTransformer(modules=[word, pooling, models.Normalize()], device=str(device)).to(dtype).eval()
@@ -101,7 +99,7 @@ def st_model(name: str, device: torch.device, dtype: torch.dtype, seed: int, tok
 def peer(impl: str, name: str, device: torch.device, dtype: torch.dtype, seed: int, tokenizer, folder: str):
     """``(run(sentences, batch) -> [N, D] numpy, note, the patched HF model or None)`` of one peer."""
     if impl in ST_IMPLS:
-        st = st_model(name, device, dtype, seed, tokenizer, folder)
+        st = st_model(name, device, dtype, seed, folder)
         hf = sentences.sentence_parts(st).hf_model
         note = "sentence-transformers' encode()"
         if impl == "st-compile":
