@@ -302,18 +302,14 @@ class SentenceModel:
                 or getattr(self, "default_prompt_name", None) or getattr(self, "truncate_dim", None) is not None
                 or not _graph_pooling(parts, {}) or not _pads_right(self)):  # fmt: skip
             return _NOT_PLAIN
-        self.eval()
-        with torch.inference_mode():
-            out = _encode_texts(self, parts, list(texts), options["batch_size"])
-            if options["normalize_embeddings"]:
-                out = nn.functional.normalize(out, p=2, dim=1)
-            if options["convert_to_tensor"]:
-                result = out
-            elif options["convert_to_numpy"]:
-                out = out.cpu()
-                result = (out.float() if out.dtype == torch.bfloat16 else out).numpy()
-            else:
-                result = list(out)
+        out = _encode_texts(self, parts, list(texts), options["batch_size"], options["normalize_embeddings"])
+        if options["convert_to_tensor"]:
+            result = out
+        elif options["convert_to_numpy"]:
+            out = out.cpu()
+            result = (out.float() if out.dtype == torch.bfloat16 else out).numpy()
+        else:
+            result = list(out)
         return result[0] if single else result
 
     def _inference(self, inputs: list, *, prompt: Optional[str] = None, batch_size: int = 32,
@@ -333,12 +329,8 @@ class SentenceModel:
         resolve = getattr(self, "_resolve_inference_device", None)
         if resolve is not None:
             resolve(None)  # sentence-transformers' own placement step
-        self.eval()
-        with torch.inference_mode():  # as sentence-transformers' own _inference
-            out = _encode_texts(self, parts, inputs, batch_size)
-            if normalize_embeddings:
-                out = nn.functional.normalize(out, p=2, dim=1)
-            return out.cpu() if save_to_cpu else out
+        out = _encode_texts(self, parts, inputs, batch_size, normalize_embeddings)
+        return out.cpu() if save_to_cpu else out
 
     def forward(self, input: Mapping, **kwargs: Any):  # noqa: A002 - sentence-transformers' name
         # The features are a dict or a BatchEncoding (a mapping that is not a dict)
@@ -374,9 +366,13 @@ def _pads_right(model: Any) -> bool:
 _TOKENIZE_CHUNK = 1024
 
 
-def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_size: int) -> torch.Tensor:
+@torch.inference_mode()  # as sentence-transformers' own loop
+def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_size: int,
+                  normalize: bool) -> torch.Tensor:  # fmt: skip
     """A patched ``SentenceTransformer``'s embeddings of ``texts`` (``[N, D]`` in the model's
-    dtype, on its device, in input order), computed as the corpus command does rather than as
+    dtype, on its device, in input order; L2-normalized at the end when ``normalize``, as
+    ``encode(normalize_embeddings=True)``; the model in eval mode, as ``encode()`` puts it),
+    computed as the corpus command does rather than as
     ``encode()``'s loop: sentence-transformers' loop tokenizes each batch on the thread that
     feeds the GPU, which on an H200 host bounds it to ~8k sentences/s whatever the model.  Here:
 
@@ -390,6 +386,7 @@ def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_siz
       short sentences holds many;
     * each batch goes over as host tensors to the patched model's graph, which pools there.
     """
+    model.eval()
     preprocess = getattr(model, "preprocess", None) or model.tokenize  # tokenize() before 6.0
     hf_model = parts.hf_model
     param = next(hf_model.parameters())
@@ -420,7 +417,8 @@ def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_siz
     inverse = np.empty(len(texts), dtype=np.int64)
     inverse[np.concatenate(placed)] = np.arange(len(texts))
     out = torch.cat(done)
-    return out[torch.from_numpy(inverse).to(out.device)]
+    out = out[torch.from_numpy(inverse).to(out.device)]
+    return nn.functional.normalize(out, p=2, dim=1) if normalize else out
 
 
 def patch(model: nn.Module, patch_hf: Any, *, inplace: bool, padding_free: bool) -> nn.Module:
