@@ -43,7 +43,10 @@ def reference(folder, texts):
 
 
 def _run(args, capsys) -> tuple[int, str]:
-    rc = cli.main([str(a) for a in args])
+    args = [str(a) for a in args]
+    if "--device" not in args:  # on the CPU also where a GPU is (the command would take it, in fp16)
+        args += ["--device", "cpu"]
+    rc = cli.main(args)
     return rc, capsys.readouterr().err
 
 
@@ -104,6 +107,35 @@ def test_batches_by_tokens_respect_the_budget():
     assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
     with pytest.raises(ValueError, match="max_batch_tokens"):
         token_batches.batches_by_tokens(lengths, 0)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 50, 1000])
+def test_stream_batches_cut_full_batches_across_chunks(chunk, gen):
+    """Chunks of a corpus in the tokenizer's order (longest by characters first, so token
+    counts only roughly descend): every text once, with its own ids and types, each batch
+    within the budget and the sequence cap, and only the very last batch short of full, so
+    the chunking makes no batch shapes of its own."""
+    n, budget, cap = 300, 256, 20
+    lengths = (torch.randint(1, 60, (n,), generator=gen) ** 1.3).long().numpy().clip(1, 300)
+    noisy = lengths + torch.randint(-3, 4, (n,), generator=gen).numpy()  # characters order tokens roughly
+    order = np.argsort(-noisy, kind="stable")
+    ids = {int(r): [int(r)] * int(lengths[r]) for r in order}
+    chunks = [(order[i:i + chunk], [ids[int(r)] for r in order[i:i + chunk]], [[7] * len(ids[int(r)]) for r in order[i:i + chunk]])
+              for i in range(0, n, chunk)]  # fmt: skip
+    seen, shapes = [], []
+    for rows, got_ids, got_types, got_lengths in token_batches.stream_batches(iter(chunks), budget, cap):
+        assert len(rows) == len(got_ids) == len(got_types) == len(got_lengths) > 0
+        assert all(i == [int(r)] * int(lengths[r]) for r, i in zip(rows, got_ids))
+        assert all(len(t) == len(i) for t, i in zip(got_types, got_ids)) and got_lengths.tolist() == lengths[rows].tolist()
+        assert len(rows) <= cap and (len(rows) == 1 or len(rows) * got_lengths.max() <= budget)
+        seen += rows.tolist()
+        shapes.append(len(rows) == max(1, min(cap, budget // int(got_lengths.max()))))
+    assert sorted(seen) == list(range(n))
+    assert all(shapes[:-1]), f"short batches before the last: {shapes.count(False)}"
+    one = list(token_batches.stream_batches(iter([(order, [ids[int(r)] for r in order], None)]), budget, cap))
+    want = token_batches.batches_by_tokens(lengths[order], budget, cap)
+    assert [b[0].tolist() for b in one] == [order[w].tolist() for w in want] and one[0][2] is None
+    assert list(token_batches.stream_batches(iter([]), budget, cap)) == []
 
 
 @pytest.mark.parametrize(

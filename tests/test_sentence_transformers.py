@@ -237,3 +237,43 @@ def test_encode_without_an_inference_step_runs_the_same_loop(model_dirs, model_t
         else:
             assert got.shape == want.shape and got.dtype == want.dtype, kw
             torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), **TOL, msg=str(kw))
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_encode_tokenizes_fast_only_where_a_sample_shows_the_models_own_ids(model_dirs, model_type, gen, monkeypatch):
+    """The patched encode() tokenizes with the fast tokenizer (ids only) where a sample of the
+    call, truncation included, gives the ids of the model's own preprocess: then preprocess
+    runs once, on the sample.  A preprocess that gives other ids (here: one that prepends a
+    word) is used for every chunk instead, and encode() equals the unpatched model's with it."""
+    from fusedenc.hf import st_tokens
+
+    monkeypatch.setattr(sentences, "_TOKENIZE_CHUNK", 8)
+    patched, ref = st_helpers.patched_pair(model_dirs[model_type], pooling="mean", normalize=True, max_seq_length=32)
+    texts = _texts(gen, 60)
+    own = type(patched).preprocess if hasattr(type(patched), "preprocess") else type(patched).tokenize
+    name = own.__name__
+    calls = []
+
+    def counted(self, chunk, *a, **kw):
+        calls.append(len(chunk))
+        return own(self, chunk, *a, **kw)
+
+    monkeypatch.setattr(type(patched), name, counted)
+    torch.testing.assert_close(torch.as_tensor(patched.encode(texts)), torch.as_tensor(ref.encode(texts)), **TOL)
+    assert len(calls) == 1 and calls[0] == 3 * st_tokens._SAMPLE_EACH + 2, calls  # the sample and its two probes
+    # The fast ids equal preprocess's real tokens on every text, not just the sample
+    fast = st_tokens.chunk_tokenizer(patched, texts)
+    slow = st_tokens.chunk_tokenizer(patched, texts[:5])  # a short call: preprocess itself
+    (fast_ids, fast_types), (slow_ids, _) = fast(texts), slow(texts)
+    assert fast_types is None and [list(map(int, s)) for s in slow_ids] == [list(map(int, f)) for f in fast_ids]
+    assert max(map(len, fast_ids)) == 32  # some texts truncated
+
+    def prefixed(self, chunk, *a, **kw):
+        calls.append(len(chunk))
+        return own(self, ["note: " + t for t in chunk], *a, **kw)
+
+    monkeypatch.setattr(type(patched), name, prefixed)
+    monkeypatch.setattr(type(ref), name, lambda self, chunk, *a, **kw: own(self, ["note: " + t for t in chunk], *a, **kw))
+    calls.clear()
+    torch.testing.assert_close(torch.as_tensor(patched.encode(texts)), torch.as_tensor(ref.encode(texts)), **TOL)
+    assert sum(calls) == 3 * st_tokens._SAMPLE_EACH + 2 + len(texts), calls  # the sample, then every chunk

@@ -20,7 +20,7 @@ from torch import nn
 from ..hf import real_models
 from ..hf.patch import patch_hf
 from ..hf.sentences import sentence_embeddings, sentence_parts
-from ..hf.token_batches import batches_by_tokens, padded_batch, tokenized_chunks
+from ..hf.token_batches import padded_batch, stream_batches, tokenized_chunks
 from .texts import InputError
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_model"]
@@ -150,7 +150,8 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
     ``row_name(i)`` names text ``i`` in errors; ``progress(n)`` is told of every ``n`` texts done.
 
     The texts are tokenized in chunks on ``workers`` threads while the chunks before run
-    (``hf.token_batches.tokenized_chunks``); a text longer than the model takes is truncated
+    (``hf.token_batches.tokenized_chunks``), and cut into batches across chunks
+    (``stream_batches``); a text longer than the model takes is truncated
     (its closing special token kept) and counted, or, with ``truncate=False``, refused before
     anything runs (every chunk is then tokenized first)."""
     if max_batch_tokens < 1:
@@ -189,22 +190,24 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
             progress(done.shape[0])
         pending.clear()
 
-    with torch.inference_mode():
-        for rows, ids in chunks:
+    def truncated(tokenized):
+        for rows, ids in tokenized:
             for i, row in enumerate(ids):  # keep the closing special token: the model saw [CLS] ... [SEP]
                 if len(row) > model.max_length:
                     ids[i] = row[:model.max_length - 1] + row[-1:]
                     stats.truncated += 1
-            lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
-            stats.tokens += int(lengths.sum())
-            for local in batches_by_tokens(lengths, max_batch_tokens):
-                batch, mask = padded_batch(local, ids.__getitem__, lengths, pad)
-                types = torch.zeros(batch.shape, dtype=torch.int64) if model.token_types else None
-                emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask), types)
-                pending.append((rows[local], emb))
-                stats.batches += 1
-                if len(pending) >= _COPY_EVERY:
-                    flush()
+            stats.tokens += sum(map(len, ids))
+            yield rows, ids, None
+
+    with torch.inference_mode():
+        for rows, ids, _, lengths in stream_batches(truncated(chunks), max_batch_tokens):
+            batch, mask = padded_batch(np.arange(len(ids)), ids.__getitem__, lengths, pad)
+            types = torch.zeros(batch.shape, dtype=torch.int64) if model.token_types else None
+            emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask), types)
+            pending.append((rows, emb))
+            stats.batches += 1
+            if len(pending) >= _COPY_EVERY:
+                flush()
         flush()
     stats.seconds = time.perf_counter() - t0
     return out, stats

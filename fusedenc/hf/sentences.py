@@ -33,7 +33,8 @@ from torch import nn
 from ..varlen import packing as varlen
 from . import classes as patched_classes
 from .embedded import POOLING_MODES, EmbeddedModel
-from .token_batches import batches_by_tokens, padded_batch, tokenized_chunks
+from .st_tokens import chunk_tokenizer
+from .token_batches import padded_batch, stream_batches, tokenized_chunks
 
 __all__ = ["SentenceModel", "SentenceParts", "patch", "sentence_embeddings", "sentence_parts"]
 
@@ -377,17 +378,17 @@ def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_siz
     feeds the GPU, which on an H200 host bounds it to ~8k sentences/s whatever the model.  Here:
 
     * the texts are ordered as sentence-transformers orders them (longest text first) and
-      tokenized in chunks by the model's own ``preprocess`` (its lower-casing, stripping and
-      truncation) on threads (a fast tokenizer runs outside the GIL), while the chunks done
-      so far run on the GPU;
-    * each chunk is sorted by token count and cut by a budget of ``batch_size x
-      max_seq_length`` padded tokens, so no batch holds more than the same
-      ``encode(batch_size=...)`` could (the memory bound the caller chose) and a batch of
-      short sentences holds many;
+      tokenized in chunks on threads, while the chunks done so far run on the GPU: by the
+      fast tokenizer where a sample of the call shows it gives the ids the model's own
+      ``preprocess`` gives (its lower-casing, stripping and truncation), else by
+      ``preprocess`` (``st_tokens``);
+    * the texts are sorted by token count and cut by a budget of ``batch_size x
+      max_seq_length`` padded tokens across chunks (``stream_batches``), so no batch holds
+      more than the same ``encode(batch_size=...)`` could (the memory bound the caller chose)
+      and a batch of short sentences holds many;
     * each batch goes over as host tensors to the patched model's graph, which pools there.
     """
     model.eval()
-    preprocess = getattr(model, "preprocess", None) or model.tokenize  # tokenize() before 6.0
     hf_model = parts.hf_model
     param = next(hf_model.parameters())
     pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None) or 0
@@ -395,25 +396,20 @@ def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_siz
     budget = max(1, batch_size) * max_length
     done, placed = [], []
     threads = min(4, os.cpu_count() or 1)
-    for rows, features in tokenized_chunks(texts, preprocess, _TOKENIZE_CHUNK, threads):
-        real = features["attention_mask"].numpy() != 0
-        lengths = real.sum(1).astype(np.int64)
-        # Each text's real tokens, read off the mask
-        ids = [row[keep] for row, keep in zip(features["input_ids"].numpy(), real)]
-        types = features.get("token_type_ids")
-        types = None if types is None else [row[keep] for row, keep in zip(types.numpy(), real)]
-        for local in batches_by_tokens(lengths, budget):
-            batch, mask = padded_batch(local, ids.__getitem__, lengths, pad)
-            call = {"input_ids": torch.from_numpy(batch), "attention_mask": torch.from_numpy(mask)}
-            if types is not None:
-                call["token_type_ids"] = torch.from_numpy(padded_batch(local, types.__getitem__, lengths, 0)[0])
-            pooled = hf_model._fusedenc_pooled_call(call["input_ids"], call["attention_mask"],
-                                                    call.get("token_type_ids"), parts.normalize, parts.pooling[0])  # fmt: skip
-            if pooled is None:  # the short path declined (a hook added, ...): sentence-transformers' forward
-                pooled = nn.Module.__call__(model, {k: v.to(param.device) for k, v in call.items()})
-                pooled = pooled["sentence_embedding"]
-            done.append(pooled.to(param.dtype))
-            placed.append(rows[local])
+    tokenized = tokenized_chunks(texts, chunk_tokenizer(model, texts), _TOKENIZE_CHUNK, threads)
+    for rows, ids, types, lengths in stream_batches(((r, *t) for r, t in tokenized), budget):
+        local = np.arange(len(ids))
+        batch, mask = padded_batch(local, ids.__getitem__, lengths, pad)
+        call = {"input_ids": torch.from_numpy(batch), "attention_mask": torch.from_numpy(mask)}
+        if types is not None:
+            call["token_type_ids"] = torch.from_numpy(padded_batch(local, types.__getitem__, lengths, 0)[0])
+        pooled = hf_model._fusedenc_pooled_call(call["input_ids"], call["attention_mask"],
+                                                call.get("token_type_ids"), parts.normalize, parts.pooling[0])  # fmt: skip
+        if pooled is None:  # the short path declined (a hook added, ...): sentence-transformers' forward
+            pooled = nn.Module.__call__(model, {k: v.to(param.device) for k, v in call.items()})
+            pooled = pooled["sentence_embedding"]
+        done.append(pooled.to(param.dtype))
+        placed.append(rows)
     inverse = np.empty(len(texts), dtype=np.int64)
     inverse[np.concatenate(placed)] = np.arange(len(texts))
     out = torch.cat(done)

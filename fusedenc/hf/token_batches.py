@@ -5,17 +5,18 @@ text; a budget of padded tokens (batch size x its longest sequence, what text-em
 inference calls ``max_batch_tokens``) keeps each batch's work and memory bounded whatever the
 lengths, and sorting longest first keeps the padding inside each batch small.  Shared by
 ``fusedenc.embed.encode`` (a corpus) and a patched ``SentenceTransformer.encode()``, which
-also share ``tokenized_chunks``: tokenizing on threads while the GPU runs what is ready.
+also share ``tokenized_chunks`` (tokenizing on threads while the GPU runs what is ready) and
+``stream_batches`` (the budget's batches across those chunks).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["MAX_BATCH_SEQUENCES", "batches_by_tokens", "padded_batch", "tokenized_chunks"]
+__all__ = ["MAX_BATCH_SEQUENCES", "batches_by_tokens", "padded_batch", "stream_batches", "tokenized_chunks"]
 
 #: Texts a batch may hold: the graphs' largest batch bucket (``graphs.feeds.BUCKETS``).
 MAX_BATCH_SEQUENCES = 1024
@@ -36,6 +37,45 @@ def batches_by_tokens(lengths: np.ndarray, max_batch_tokens: int,
         out.append(order[start:start + count])
         start += count
     return out
+
+
+def _full(lengths: np.ndarray, batch: np.ndarray, max_batch_tokens: int, max_sequences: int) -> bool:
+    """Whether ``batch`` (indices into ``lengths``, longest first) holds as many texts as its
+    longest allows: no later text could join it."""
+    longest = int(lengths[batch[0]])
+    return len(batch) >= max(1, min(max_sequences, max_batch_tokens // max(longest, 1)))
+
+
+def stream_batches(chunks: Iterable[tuple[np.ndarray, list, Optional[list]]], max_batch_tokens: int,
+                   max_sequences: int = MAX_BATCH_SEQUENCES) -> Iterator[tuple[np.ndarray, list, Optional[list], np.ndarray]]:  # fmt: skip
+    """``batches_by_tokens`` over a stream of tokenized chunks ``(rows, ids, types)`` (the
+    texts' indices, each one's token ids, its token types or None in every chunk), as
+    ``(rows, ids, types, lengths)`` of each batch.
+
+    A chunk's texts join those the chunks before left over; every full batch goes out at
+    once, and a short last one waits for the next chunk's texts.  The chunks come longest
+    first (``tokenized_chunks``), so the texts held back are about as long as the next
+    chunk's longest: the batches stay full whatever the chunk size, and a pass over a corpus
+    makes a few distinct batch shapes (graph keys), not one short tail per chunk."""
+    rows_left, ids_left, types_left = np.empty(0, dtype=np.int64), [], None
+    for rows, ids, types in chunks:
+        rows_all = np.concatenate([rows_left, np.asarray(rows, dtype=np.int64)])
+        ids_all = ids_left + list(ids)
+        types_all = None if types is None else (types_left or []) + list(types)
+        lengths = np.fromiter(map(len, ids_all), dtype=np.int64, count=len(ids_all))
+        cut = batches_by_tokens(lengths, max_batch_tokens, max_sequences)
+        if cut and not _full(lengths, cut[-1], max_batch_tokens, max_sequences):
+            left = cut.pop()
+        else:
+            left = np.empty(0, dtype=np.int64)
+        for batch in cut:
+            yield (rows_all[batch], [ids_all[i] for i in batch],
+                   None if types_all is None else [types_all[i] for i in batch], lengths[batch])  # fmt: skip
+        rows_left, ids_left = rows_all[left], [ids_all[i] for i in left]
+        types_left = None if types_all is None else [types_all[i] for i in left]
+    if len(rows_left):
+        lengths = np.fromiter(map(len, ids_left), dtype=np.int64, count=len(ids_left))
+        yield rows_left, ids_left, types_left, lengths
 
 
 def padded_batch(rows: np.ndarray, ids_of: Callable[[int], Sequence[int]], lengths: np.ndarray,
