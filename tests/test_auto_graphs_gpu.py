@@ -102,7 +102,11 @@ def test_weights_changed_in_place_are_seen(gen):
     other = _stack(gen)
     stack.load_state_dict(other.state_dict())  # in place
     torch.testing.assert_close(stack(x), _eager(other, x), rtol=0, atol=0)
-    stack.half()  # through _apply: graphs dropped
+    held = stack.auto_graphs.stats()["graphs"]
+    assert held >= 1
+    stack.half()  # already half: _apply replaces no tensor, the graphs stay valid and kept
+    assert stack.auto_graphs.stats()["graphs"] == held
+    stack.float()  # through _apply, replacing every weight: graphs dropped
     assert stack.auto_graphs.stats()["graphs"] == 0
 
 

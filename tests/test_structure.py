@@ -22,7 +22,9 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-SOURCES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+# The build's generated modules (a build installed into the tree puts _build_info.py there) are
+# the native core's, not sources of a layer.
+SOURCES = {name: p for p in sorted(ROOT.rglob("*.py")) if (name := _module_name(p)) not in NATIVE}
 TREES = {name: ast.parse(path.read_text(encoding="utf-8"), str(path)) for name, path in SOURCES.items()}
 
 
