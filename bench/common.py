@@ -262,8 +262,16 @@ def _host_cpu() -> Optional[str]:
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    """Device, driver and library versions, for the JSON (and the table's header)."""
+    """Device, driver and library versions, for the JSON (and the table's header).  On a GPU
+    without the native core it says so on stderr, and stops the run where
+    ``FUSEDENC_REQUIRE_NATIVE`` is set (the GPU scripts set it): numbers of the fallback would
+    otherwise pass for fusedenc's (a device run once measured a build its sync had removed)."""
     b = fusedenc.backend()
+    if is_cuda(device) and not core.active_on(device):
+        why = f"fusedenc's native core is not active on {device} ({b}): fusedenc rows run its PyTorch fallback"
+        if os.environ.get("FUSEDENC_REQUIRE_NATIVE"):
+            raise SystemExit(f"FUSEDENC_REQUIRE_NATIVE is set and {why}")
+        print(f"warning: {why}", file=sys.stderr)
     env: dict[str, Any] = {
         "device": str(device),
         "device_name": platform.processor() or platform.machine(),
