@@ -18,6 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from fusedenc.hf import masks  # noqa: E402
 from fusedenc.hf import patch as hf  # noqa: E402
 from fusedenc.hf.patch import HF_ACTIVATIONS, HFEncoderLayer, convert_mask, patch_hf  # noqa: E402
 
@@ -263,7 +264,7 @@ def test_convert_mask_forms():
 
 
 def test_mask_read_agrees_with_convert_mask():
-    """The padding-free encoder's one read of a mask (``_MaskCache.read``): the key padding on
+    """The padding-free encoder's one read of a mask (``MaskCache.read``): the key padding on
     the host where ``convert_mask`` finds one, None where it makes a bias; the layers of a
     padded forward then get ``convert_mask``'s result from the cache; the mask is not kept."""
     import gc
@@ -292,7 +293,7 @@ def test_mask_read_agrees_with_convert_mask():
     for what, make in forms.items():
         mask = make()
         want_bias, want_kpm = convert_mask(mask, b, s, h, torch.float32)
-        cache = hf._MaskCache()
+        cache = masks.MaskCache()
         host = cache.read(mask, x, h)
         if want_kpm is None:
             assert host is None, what
