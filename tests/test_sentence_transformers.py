@@ -243,8 +243,9 @@ def test_encode_without_an_inference_step_runs_the_same_loop(model_dirs, model_t
 def test_encode_tokenizes_fast_only_where_a_sample_shows_the_models_own_ids(model_dirs, model_type, gen, monkeypatch):
     """The patched encode() tokenizes with the fast tokenizer (ids only) where a sample of the
     call, truncation included, gives the ids of the model's own preprocess: then preprocess
-    runs once, on the sample.  A preprocess that gives other ids (here: one that prepends a
-    word) is used for every chunk instead, and encode() equals the unpatched model's with it."""
+    runs once, on the sample.  A preprocess that refuses the check's long probe, or gives other
+    ids (here: one that prepends a word), is used for every chunk instead, and encode() equals
+    the unpatched model's with it."""
     from fusedenc.hf import st_tokens
 
     monkeypatch.setattr(sentences, "_TOKENIZE_CHUNK", 8)
@@ -267,6 +268,19 @@ def test_encode_tokenizes_fast_only_where_a_sample_shows_the_models_own_ids(mode
     (fast_ids, fast_types), (slow_ids, _) = fast(texts), slow(texts)
     assert fast_types is None and [list(map(int, s)) for s in slow_ids] == [list(map(int, f)) for f in fast_ids]
     assert max(map(len, fast_ids)) == 32  # some texts truncated
+
+    longest = max(map(len, texts))
+
+    def refuses_long(self, chunk, *a, **kw):  # refuses the sample's long probe, and only that
+        calls.append(len(chunk))
+        if any(len(t) > longest + 2 for t in chunk):
+            raise ValueError("too long")
+        return own(self, chunk, *a, **kw)
+
+    monkeypatch.setattr(type(patched), name, refuses_long)
+    calls.clear()
+    torch.testing.assert_close(torch.as_tensor(patched.encode(texts)), torch.as_tensor(ref.encode(texts)), **TOL)
+    assert sum(calls) == 3 * st_tokens._SAMPLE_EACH + 2 + len(texts), calls  # a failed check: preprocess throughout
 
     def prefixed(self, chunk, *a, **kw):
         calls.append(len(chunk))
