@@ -101,8 +101,7 @@ def test_batches_by_tokens_respect_the_budget():
         assert len(b) == 1 or len(b) * lengths[b].max() <= 200, b
         assert (np.diff(lengths[b]) <= 0).all()  # longest first
     assert [len(b) for b in batches][0] == 1  # 300 > budget: a batch of its own
-    ids, mask = token_batches.padded_batch(np.array([4, 2]), lambda r: list(range(10 + r, 10 + r + 9)),
-                                           np.array([0, 0, 3, 0, 5]), pad=-1)  # fmt: skip
+    ids, mask = token_batches.padded_batch([list(range(14, 23)), list(range(12, 21))], np.array([5, 3]), pad=-1)
     assert ids.tolist() == [[14, 15, 16, 17, 18], [12, 13, 14, -1, -1]]
     assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
     with pytest.raises(ValueError, match="max_batch_tokens"):

@@ -7,7 +7,6 @@ API; ``python -m fusedenc embed`` (``cli.py``) runs it over a file."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,14 +164,13 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
         return tok(chunk, add_special_tokens=True, truncation=False, return_attention_mask=False,
                    return_token_type_ids=False, verbose=False)["input_ids"]  # fmt: skip
 
-    chunks = tokenized_chunks(texts, tokenize, _TOKENIZE_CHUNK, workers or min(4, os.cpu_count() or 1))
+    chunks = tokenized_chunks(texts, tokenize, _TOKENIZE_CHUNK, workers)
     if not truncate:  # every text checked before anything runs
         chunks = list(chunks)
-        long = [int(rows[i]) for rows, ids in chunks for i, row in enumerate(ids) if len(row) > model.max_length]
+        long = {int(rows[i]): len(row) for rows, ids in chunks for i, row in enumerate(ids) if len(row) > model.max_length}
         if long:
             where = min(long)
-            n = next(len(ids[i]) for rows, ids in chunks for i in range(len(rows)) if rows[i] == where)
-            raise InputError(f"{first_row(where)}: {n} tokens, more than the model's {model.max_length} "
+            raise InputError(f"{first_row(where)}: {long[where]} tokens, more than the model's {model.max_length} "
                              f"({len(long)} such texts; without --no-truncate they are truncated)")  # fmt: skip
     pad = tok.pad_token_id or 0
     out: Optional[np.ndarray] = None
@@ -201,7 +199,7 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
 
     with torch.inference_mode():
         for rows, ids, _, lengths in stream_batches(truncated(chunks), max_batch_tokens):
-            batch, mask = padded_batch(np.arange(len(ids)), ids.__getitem__, lengths, pad)
+            batch, mask = padded_batch(ids, lengths, pad)
             types = torch.zeros(batch.shape, dtype=torch.int64) if model.token_types else None
             emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask), types)
             pending.append((rows, emb))

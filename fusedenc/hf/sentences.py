@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextvars
 import copy
 import inspect
-import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
@@ -395,14 +394,12 @@ def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_siz
     max_length = int(getattr(model, "max_seq_length", None) or 512)
     budget = max(1, batch_size) * max_length
     done, placed = [], []
-    threads = min(4, os.cpu_count() or 1)
-    tokenized = tokenized_chunks(texts, chunk_tokenizer(model, texts), _TOKENIZE_CHUNK, threads)
+    tokenized = tokenized_chunks(texts, chunk_tokenizer(model, texts), _TOKENIZE_CHUNK)
     for rows, ids, types, lengths in stream_batches(((r, *t) for r, t in tokenized), budget):
-        local = np.arange(len(ids))
-        batch, mask = padded_batch(local, ids.__getitem__, lengths, pad)
+        batch, mask = padded_batch(ids, lengths, pad)
         call = {"input_ids": torch.from_numpy(batch), "attention_mask": torch.from_numpy(mask)}
         if types is not None:
-            call["token_type_ids"] = torch.from_numpy(padded_batch(local, types.__getitem__, lengths, 0)[0])
+            call["token_type_ids"] = torch.from_numpy(padded_batch(types, lengths, 0)[0])
         pooled = hf_model._fusedenc_pooled_call(call["input_ids"], call["attention_mask"],
                                                 call.get("token_type_ids"), parts.normalize, parts.pooling[0])  # fmt: skip
         if pooled is None:  # the short path declined (a hook added, ...): sentence-transformers' forward

@@ -11,6 +11,7 @@ also share ``tokenized_chunks`` (tokenizing on threads while the GPU runs what i
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -78,29 +79,29 @@ def stream_batches(chunks: Iterable[tuple[np.ndarray, list, Optional[list]]], ma
         yield rows_left, ids_left, types_left, lengths
 
 
-def padded_batch(rows: np.ndarray, ids_of: Callable[[int], Sequence[int]], lengths: np.ndarray,
-                 pad: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """int64 ``(ids, mask)`` ``[len(rows), longest]`` of the texts ``rows`` (``ids_of(r)``: text
-    ``r``'s token ids, ``lengths[r]`` of them), padded on the right with ``pad``."""
-    longest = int(lengths[rows].max()) if len(rows) else 0
-    ids = np.full((len(rows), longest), pad, dtype=np.int64)
-    mask = np.zeros((len(rows), longest), dtype=np.int64)
-    for j, r in enumerate(rows):
-        n = int(lengths[r])
-        ids[j, :n] = ids_of(r)[:n]
+def padded_batch(seqs: Sequence[Sequence[int]], lengths: np.ndarray, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``(ids, mask)`` ``[len(seqs), longest]`` of a batch's token ids (the first
+    ``lengths[j]`` of ``seqs[j]``, as ``stream_batches`` gives them), padded on the right with
+    ``pad``."""
+    longest = int(lengths.max()) if len(seqs) else 0
+    ids = np.full((len(seqs), longest), pad, dtype=np.int64)
+    mask = np.zeros((len(seqs), longest), dtype=np.int64)
+    for j, seq in enumerate(seqs):
+        n = int(lengths[j])
+        ids[j, :n] = seq[:n]
         mask[j, :n] = 1
     return ids, mask
 
 
 def tokenized_chunks(texts: Sequence[str], tokenize: Callable[[list], Any], chunk: int,
-                     workers: int) -> Iterator[tuple[np.ndarray, Any]]:  # fmt: skip
+                     workers: Optional[int] = None) -> Iterator[tuple[np.ndarray, Any]]:  # fmt: skip
     """``(rows, tokenize(their texts))`` for chunks of ``chunk`` texts, in the order
     sentence-transformers sorts texts (longest by characters first, so each chunk's token
     counts are close), as each is ready: the first on the calling thread (a fast tokenizer
     sets its truncation and padding state on its first call, which threads must not race),
-    every other one submitted to ``workers`` threads before the first is handed out, so the
-    tokenizer works while the caller runs the chunks before (a fast tokenizer's batch call
-    runs outside the GIL)."""
+    every other one submitted to ``workers`` threads (default up to 4, one a core) before the
+    first is handed out, so the tokenizer works while the caller runs the chunks before (a
+    fast tokenizer's batch call runs outside the GIL)."""
     order = np.argsort([-len(t) for t in texts], kind="stable")
     chunks = [order[i:i + chunk] for i in range(0, len(order), max(1, chunk))]
     if not chunks:
@@ -110,7 +111,7 @@ def tokenized_chunks(texts: Sequence[str], tokenize: Callable[[list], Any], chun
         return tokenize([texts[r] for r in rows])
 
     first = run(chunks[0])
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, workers or min(4, os.cpu_count() or 1))) as pool:
         rest = pool.map(run, chunks[1:])
         yield chunks[0], first
         yield from zip(chunks[1:], rest)
