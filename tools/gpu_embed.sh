@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One call on the GPU machine for the embedding work: build the CUDA core (if not built), the
-# sentence-transformers and one-graph GPU tests, then sentence-transformers' encode() loop
-# against fusedenc (bench/st_loop.py) and the Ray actor's work without Ray
+# The embedding work on a GPU machine: build the CUDA core (always: an importable module may be
+# a stale build), the sentence-transformers and one-graph GPU tests, then sentence-transformers'
+# encode() loop against fusedenc (bench/st_loop.py) and the Ray actor's work without Ray
 # (bench/distributed.py --actor-only).  Logs and results go to $OUT (or ./gpu-out); a summary
-# is printed last.  The real all-MiniLM-L6-v2 weights do not fit in a device call: carry its
-# tokenizer's files (tokenizer.json, vocab.txt, tokenizer_config.json, special_tokens_map.json)
-# in .cache/minilm-tokenizer and the models run with random weights of their shapes.
+# is printed last.  Without the real all-MiniLM-L6-v2 installed, a folder of its tokenizer's
+# files (tokenizer.json, vocab.txt, tokenizer_config.json, special_tokens_map.json) in
+# .cache/minilm-tokenizer lets the models run with random weights of their shapes.
 #   bash tools/gpu_embed.sh [tests,loop,actor] [st_loop args...]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -14,9 +14,7 @@ export PYTHONUNBUFFERED=1 FUSEDENC_REQUIRE_NATIVE=cuda
 [ -d .cache/minilm-tokenizer ] && export FUSEDENC_MINILM_DIR=${FUSEDENC_MINILM_DIR:-$PWD/.cache/minilm-tokenizer}
 stages=${1:-tests,loop,actor}
 shift || true
-if ! python3 -c "import fusedenc._C" 2>/dev/null; then
-  bash "$(dirname "$0")/build_core.sh" "$OUT/build.log" || exit 1
-fi
+bash "$(dirname "$0")/build_core.sh" "$OUT/build.log" || exit 1
 summary=()
 if [[ $stages == *tests* ]]; then
   FUSEDENC_REQUIRE_GPU=1 timeout -s INT 240 python3 -m pytest -q -p no:cacheprovider -rfE \
