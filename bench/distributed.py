@@ -140,7 +140,6 @@ def actor_only(args) -> int:
     import numpy as np
     import torch
 
-    import fusedenc
     from fusedenc.distributed.actors import Embedder
     from fusedenc.embed import encode, load_model
 
@@ -175,10 +174,9 @@ def actor_only(args) -> int:
         rows.append({"block_rows": block, "blocks": len(blocks), "seconds": round(t, 4),
                      "rows_per_s": round(len(texts) / t, 1), "x_corpus": round(t_single / t, 3),
                      "max_abs_diff": float(np.abs(got - want).max())})  # fmt: skip
-    env = {"torch": torch.__version__, "fusedenc": fusedenc.__version__, "python": platform.python_version(),
-           "device": str(model.device), "device_name": torch.cuda.get_device_name(model.device)
-           if model.device.type == "cuda" else platform.processor() or platform.machine(),
-           "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}  # fmt: skip
+    import common  # bench/common.py: the device, driver, library versions and commit
+
+    env = common.environment(model.device)
     lines = [f"the Ray actor's work without Ray: {Path(args.model).name}, {len(texts)} real sentences, "
              f"{env['device_name']}, {model.dtype}; the corpus command's encode on all of them "
              f"{t_single:.3f} s ({len(texts) / t_single:,.0f} rows/s); best of {args.repeats}",
@@ -186,7 +184,8 @@ def actor_only(args) -> int:
     for r in rows:
         lines.append(f"{r['block_rows']:>10} {r['blocks']:>7} {r['seconds']:>8.3f} {r['rows_per_s']:>9,.0f} "
                      f"{r['x_corpus']:>9.2f} {r['max_abs_diff']:>11.2e}")  # fmt: skip
-    lines.append(f"environment: {json.dumps(env)}")
+    lines.append(f"{common.describe_environment(env)}; fusedenc {env['fusedenc']} at {env.get('git_commit') or '?'}, "
+                 f"{env['date_utc']}")
     text = "\n".join(lines)
     print(text)
     _write(args.out_dir, f"distributed_actor_{Path(args.model).name}_{env['device_name'].replace(' ', '-').lower()}",
