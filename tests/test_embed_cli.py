@@ -93,6 +93,24 @@ def test_the_python_api_gives_what_the_command_writes(folder, texts, reference):
     assert stats.texts == len(texts) and stats.truncated == 1 and stats.batches >= 3 and stats.tokens > 0
 
 
+def test_encode_tokenizes_through_the_backend_where_a_sample_agrees(folder, texts, reference, monkeypatch):
+    """41 texts (more than the sample): the Rust backend's ids, the same embeddings as the
+    tokenizer's own call gives."""
+    from fusedenc.hf import fast_ids
+
+    model = fusedenc.embed.load_model(str(folder), device="cpu")
+    taken, real = [], fast_ids.checked
+    monkeypatch.setattr(fast_ids, "checked", lambda *a: taken.append(real(*a)) or taken[-1])
+    emb, _ = fusedenc.embed.encode(model, texts, max_batch_tokens=500)
+    assert taken == [fast_ids.backend_ids(model.tokenizer)] and taken[0] is not None
+    np.testing.assert_allclose(emb, reference, **TOL)
+    monkeypatch.setattr(fast_ids, "backend_ids", lambda tokenizer, max_length=None: None)
+    taken.clear()
+    called, _ = fusedenc.embed.encode(model, texts, max_batch_tokens=500)
+    assert taken[0].__name__ == "tokenize"  # the call's own path
+    np.testing.assert_array_equal(called, emb)
+
+
 def test_batches_by_tokens_respect_the_budget():
     lengths = np.array([5, 100, 7, 7, 300, 64, 1, 64])
     batches = token_batches.batches_by_tokens(lengths, 200)
@@ -104,6 +122,11 @@ def test_batches_by_tokens_respect_the_budget():
     ids, mask = token_batches.padded_batch([list(range(14, 23)), list(range(12, 21))], np.array([5, 3]), pad=-1)
     assert ids.tolist() == [[14, 15, 16, 17, 18], [12, 13, 14, -1, -1]]
     assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    rows = [np.arange(3, 9), np.arange(1, 3)]  # numpy rows (sentence-transformers' preprocess path)
+    ids, mask = token_batches.padded_batch(rows, np.array([6, 2]), pad=0)
+    assert ids.tolist() == [[3, 4, 5, 6, 7, 8], [1, 2, 0, 0, 0, 0]] and mask.sum() == 8
+    ids, mask = token_batches.padded_batch([], np.zeros(0, dtype=np.int64), pad=0)
+    assert ids.shape == mask.shape == (0, 0)
     with pytest.raises(ValueError, match="max_batch_tokens"):
         token_batches.batches_by_tokens(lengths, 0)
 

@@ -171,8 +171,8 @@ def test_sentence_transformers_encode_patched_equals_unpatched_cpu():
 
 @needs_minilm
 def test_encode_takes_the_fast_tokenizers_ids_equal_to_its_own():
-    """A patched encode() of the real model tokenizes with the fast tokenizer's ids (its sample
-    check passes) and those equal sentence-transformers' own tokenizing on every one of 3,000
+    """A patched encode() of the real model tokenizes with the fast tokenizer's backend (its
+    sample check passes) and those equal sentence-transformers' own tokenizing on every one of 3,000
     real sentences, with one made longer than the model's 256 tokens (truncated alike)."""
     st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
     from fusedenc.hf import st_tokens
@@ -181,7 +181,7 @@ def test_encode_takes_the_fast_tokenizers_ids_equal_to_its_own():
     texts = read_sentences()[:3000]
     texts.append(" ".join(texts[:40]))
     fast = st_tokens.chunk_tokenizer(model, texts)
-    assert fast.__name__ == "fast", "the sample check refused the fast tokenizer on the real model"
+    assert fast.__name__ == "fast_backend", "the sample check refused the fast tokenizer's backend on the real model"
     own = st_tokens.chunk_tokenizer(model, texts[:3])  # a call this short: the model's own preprocess
     (got, types), (want, _) = fast(texts), own(texts)
     assert types is None and max(map(len, got)) == model.max_seq_length

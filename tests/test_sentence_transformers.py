@@ -246,7 +246,7 @@ def test_encode_tokenizes_fast_only_where_a_sample_shows_the_models_own_ids(mode
     runs once, on the sample.  A preprocess that refuses the check's long probe, or gives other
     ids (here: one that prepends a word), is used for every chunk instead, and encode() equals
     the unpatched model's with it."""
-    from fusedenc.hf import st_tokens
+    from fusedenc.hf import fast_ids, st_tokens
 
     monkeypatch.setattr(sentences, "_TOKENIZE_CHUNK", 8)
     patched, ref = st_helpers.patched_pair(model_dirs[model_type], pooling="mean", normalize=True, max_seq_length=32)
@@ -261,13 +261,13 @@ def test_encode_tokenizes_fast_only_where_a_sample_shows_the_models_own_ids(mode
 
     monkeypatch.setattr(type(patched), name, counted)
     torch.testing.assert_close(torch.as_tensor(patched.encode(texts)), torch.as_tensor(ref.encode(texts)), **TOL)
-    assert len(calls) == 1 and calls[0] == 3 * st_tokens._SAMPLE_EACH + 2, calls  # the sample and its two probes
+    assert len(calls) == 1 and calls[0] == 3 * fast_ids.SAMPLE_EACH + 2, calls  # the sample and its two probes
     # The fast ids equal preprocess's real tokens on every text, not just the sample
     fast = st_tokens.chunk_tokenizer(patched, texts)
     slow = st_tokens.chunk_tokenizer(patched, texts[:5])  # a short call: preprocess itself
-    (fast_ids, fast_types), (slow_ids, _) = fast(texts), slow(texts)
-    assert fast_types is None and [list(map(int, s)) for s in slow_ids] == [list(map(int, f)) for f in fast_ids]
-    assert max(map(len, fast_ids)) == 32  # some texts truncated
+    (quick_ids, fast_types), (slow_ids, _) = fast(texts), slow(texts)
+    assert fast_types is None and [list(map(int, s)) for s in slow_ids] == [list(map(int, f)) for f in quick_ids]
+    assert max(map(len, quick_ids)) == 32  # some texts truncated
 
     longest = max(map(len, texts))
 
@@ -280,7 +280,7 @@ def test_encode_tokenizes_fast_only_where_a_sample_shows_the_models_own_ids(mode
     monkeypatch.setattr(type(patched), name, refuses_long)
     calls.clear()
     torch.testing.assert_close(torch.as_tensor(patched.encode(texts)), torch.as_tensor(ref.encode(texts)), **TOL)
-    assert sum(calls) == 3 * st_tokens._SAMPLE_EACH + 2 + len(texts), calls  # a failed check: preprocess throughout
+    assert sum(calls) == 3 * fast_ids.SAMPLE_EACH + 2 + len(texts), calls  # a failed check: preprocess throughout
 
     def prefixed(self, chunk, *a, **kw):
         calls.append(len(chunk))
@@ -290,4 +290,4 @@ def test_encode_tokenizes_fast_only_where_a_sample_shows_the_models_own_ids(mode
     monkeypatch.setattr(type(ref), name, lambda self, chunk, *a, **kw: own(self, ["note: " + t for t in chunk], *a, **kw))
     calls.clear()
     torch.testing.assert_close(torch.as_tensor(patched.encode(texts)), torch.as_tensor(ref.encode(texts)), **TOL)
-    assert sum(calls) == 3 * st_tokens._SAMPLE_EACH + 2 + len(texts), calls  # the sample, then every chunk
+    assert sum(calls) == 3 * fast_ids.SAMPLE_EACH + 2 + len(texts), calls  # the sample, then every chunk

@@ -11,6 +11,7 @@ also share ``tokenized_chunks`` (tokenizing on threads while the GPU runs what i
 
 from __future__ import annotations
 
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -83,14 +84,15 @@ def padded_batch(seqs: Sequence[Sequence[int]], lengths: np.ndarray, pad: int) -
     """int64 ``(ids, mask)`` ``[len(seqs), longest]`` of a batch's token ids (the first
     ``lengths[j]`` of ``seqs[j]``, as ``stream_batches`` gives them), padded on the right with
     ``pad``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
     longest = int(lengths.max()) if len(seqs) else 0
+    real = np.arange(longest) < lengths[:, None]
     ids = np.full((len(seqs), longest), pad, dtype=np.int64)
-    mask = np.zeros((len(seqs), longest), dtype=np.int64)
-    for j, seq in enumerate(seqs):
-        n = int(lengths[j])
-        ids[j, :n] = seq[:n]
-        mask[j, :n] = 1
-    return ids, mask
+    # One flat pass over the ids, scattered row-major into the real positions: a row at a
+    # time costs ~4 us of numpy calls a sequence, a corpus pass's largest host cost after tokenizing.
+    ids[real] = np.fromiter(itertools.chain.from_iterable(s[:n] for s, n in zip(seqs, lengths.tolist())),
+                            dtype=np.int64, count=int(lengths.sum()))  # fmt: skip
+    return ids, real.astype(np.int64)
 
 
 def tokenized_chunks(texts: Sequence[str], tokenize: Callable[[list], Any], chunk: int,
