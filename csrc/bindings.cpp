@@ -264,6 +264,17 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   }, "(dtype, activation) pairs the Hopper epilogue GEMM was compiled for (empty: none).");
+  m.def("sm90_gelu_epilogue_kernels", [] {
+    py::list out;
+    for (DType d : {DType::f16, DType::bf16}) {
+      for (Activation a : {Activation::gelu, Activation::gelu_tanh}) {
+        if (sm90_gelu_epilogue_compiled(d, a)) out.append(py::make_tuple(dtype_name(d), activation_name(a)));
+      }
+    }
+    return out;
+  }, "(dtype, activation) pairs of the Hopper GELU units this build holds (exact and tanh GELU fixed at compile time).");
+  m.def("set_sm90_gelu_epilogue", &set_sm90_gelu_epilogue, py::arg("on"));
+  m.def("sm90_gelu_epilogue", &sm90_gelu_epilogue);
   m.def("set_sm90_gemm_enabled", &set_sm90_gemm_enabled, py::arg("on"));
   m.def("sm90_gemm_enabled", &sm90_gemm_enabled);
   m.def("set_sm90_sm_limit", &set_sm90_sm_limit, py::arg("n"));

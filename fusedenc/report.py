@@ -119,6 +119,11 @@ def capabilities() -> dict[str, Any]:
     report["hopper"] = hopper()
     sm90 = set(core.sm90_gemm_kernels())
     report["sm90_epilogue_gemm"] = [f"{d}:{a}" for d, a in sorted(sm90)]
+    # The GELU units (exact and tanh GELU fixed at compile time): built, and switched on or not.
+    report["sm90_gelu_epilogue"] = {
+        "kernels": [f"{d}:{a}" for d, a in sorted(core.sm90_gelu_epilogue_kernels())],
+        "on": core.sm90_gelu_epilogue_on(),
+    }
     # Post-LN LayerNorms folded into the GEMMs around them (norm_fold): dtypes whose Hopper
     # norm and residual kernels this build holds (they run on compute capability 9.0).
     report["layer_norm_folding"] = {

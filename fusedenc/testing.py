@@ -21,6 +21,7 @@ __all__ = [
     "force_epilogue_fallback",
     "fp8_producers_disabled",
     "layer_norm_folding",
+    "sm90_gelu_epilogue",
     "sm90_gemm_disabled",
 ]
 
@@ -41,6 +42,7 @@ def _dropping_graphs(switch: Callable[..., contextlib.AbstractContextManager]) -
 
 force_epilogue_fallback = _dropping_graphs(core.force_epilogue_fallback)
 sm90_gemm_disabled = _dropping_graphs(core.sm90_gemm_disabled)
+sm90_gelu_epilogue = _dropping_graphs(core.sm90_gelu_epilogue)
 fp8_producers_disabled = _dropping_graphs(fp8.producers_disabled)
 #: Plain calls inside run eagerly (no automatic CUDA graphs), process-wide.
 auto_graphs_disabled = auto_graphs.disabled

@@ -34,6 +34,31 @@ def poisoned(shape, dtype, device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def whole_range_inputs(dtype, gen, device, rows=16384, k=256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [rows, k]`` holding every value of ``dtype`` in [-40, 40] on a 2^-6 grid (each exact
+    in fp16 and bf16) and N(0, 8^2) draws, shuffled, and the identity ``w [k, k]``: through
+    ``x @ w^T`` an epilogue's accumulator is exactly each input."""
+    grid = torch.arange(-40.0, 40.0, 2.0**-6, dtype=torch.float64)
+    values = torch.cat([grid, randn((rows * k - grid.numel(),), torch.float32, gen=gen, scale=8.0).double()])
+    x = values[torch.randperm(values.numel(), generator=gen)].view(rows, k).to(device, dtype)
+    return x, torch.eye(k, k, dtype=dtype, device=device)
+
+
+def assert_within_output_rounding(out, x, ref, dtype, what) -> None:
+    """Each output within half an ulp of the output (``dtype``) plus 1e-5 relative of the fp64
+    ``ref``, and within the smallest subnormal near zero; finite where ``x`` is."""
+    half_ulp = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+    tiny = {torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}[dtype]
+    bound = ref.abs() * (half_ulp + 1e-5) + tiny
+    err = (out.double() - ref).abs()
+    worst = (err - bound).argmax()
+    assert bool(torch.isfinite(out).all()), f"{what}: non-finite output for finite input"
+    assert bool((err <= bound).all()), (
+        f"{what} {dtype}: at x={x.flatten()[worst].item()!r} got {out.flatten()[worst].item()!r}, "
+        f"want {ref.flatten()[worst].item()!r} (error {err.flatten()[worst].item():.3g} > {bound.flatten()[worst].item():.3g})"
+    )
+
+
 def linear_formula(x, w, b=None, activation="none", residual=None, beta=1.0, alpha=1.0, dtype=None):
     """linear's math written out, in ``dtype`` (default: the inputs' own dtype)."""
     dtype = dtype or x.dtype

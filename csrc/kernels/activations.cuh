@@ -70,8 +70,8 @@ namespace fusedenc {
 // early return in mish made the whole epilogue twice as slow (bt4 FFN1, 16384 x 1024
 // x 1536 on an H100: 169 us against 100 branch-free and 79 with no activation), so
 // mish computes both sides on a clamped exponent and selects.  Exact GELU (erff) cost
-// 139 us there, more than cuBLASLt + the pass, and a one-exp polynomial erfc was no
-// faster: GELU is not applied in the epilogue (sm90_gemm.cpp's in_epilogue).
+// 139 us there in the run-time switch, more than cuBLASLt + the pass: the GELUs below run
+// only in units that fix them at compile time (sm90_gemm.cpp: gelu_in_epilogue).
 template <Activation A>
 __device__ __forceinline__ float activate_fast(float x) {
   return activate<A>(x);
@@ -119,6 +119,45 @@ template <> __device__ __forceinline__ float activate_fast<Activation::mish>(flo
 }
 template <> __device__ __forceinline__ float activate_fast<Activation::sigmoid>(float x) {
   return __fdividef(1.f, 1.f + exp_ftz(-x));
+}
+
+// The two GELUs for the epilogue units that fix them at compile time (sm90_gemm.cpp:
+// gelu_in_epilogue).  Both are written so that the dependent chain is short (the epilogue's
+// cost follows its chain's latency, not its instruction count: bench/NOTES.md) and so that
+// the negative tail keeps its relative accuracy down to the subnormals bf16 can hold:
+// __expf (not exp_ftz) keeps subnormal results, and no form subtracts two numbers near 1.
+// Checked in a float32 emulation over every fp16/bf16 value in [-40, 40] against fp64 erfc
+// and sigmoid: within the output's half ulp + 1e-5 relative everywhere, 4e-6 / 1e-5 relative
+// in fp32 (tests/test_sm90_gelu_gpu.py checks the kernels the same way).
+//
+// Exact GELU as x - h (x >= 0) or -h (x < 0), h = 0.5 |x| erfc(|x| / sqrt 2), with erfc from
+// Numerical Recipes' erfcc fit: erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), P of degree
+// 9 (relative error < 1.2e-7 for every z >= 0); P by Estrin's scheme (depth 4 instead of
+// Horner's 9).  |x| is clamped at 15 (erfc(15 / sqrt 2) < 1e-50: 0 in fp32), so +inf gives
+// +inf and NaN comes back through x; -inf gives -0 (torch: NaN; no finite accumulator is -inf).
+template <> __device__ __forceinline__ float activate_fast<Activation::gelu>(float x) {
+  const float a = fminf(fabsf(x), 15.f);
+  const float t = __fdividef(1.f, fmaf(0.35355339059327373f, a, 1.f));  // 1 / (1 + z / 2), z = a / sqrt 2
+  const float t2 = t * t;
+  const float t4 = t2 * t2;
+  const float q0 = fmaf(1.00002368f, t, -1.26551223f);
+  const float q1 = fmaf(0.09678418f, t, 0.37409196f);
+  const float q2 = fmaf(0.27886807f, t, -0.18628806f);
+  const float q3 = fmaf(1.48851587f, t, -1.13520398f);
+  const float q4 = fmaf(0.17087277f, t, -0.82215223f);
+  const float p = fmaf(q4, t4 * t4, fmaf(fmaf(q3, t2, q2), t4, fmaf(q1, t2, q0)));
+  const float e = __expf(fmaf(-0.5f * a, a, p));  // e^(-z^2 + P(t)), subnormals kept
+  const float h = (0.5f * a) * t * e;
+  return x < 0.f ? -h : x - h;
+}
+// tanh-GELU: 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3), as
+// x / (1 + w) (u >= 0) or x w / (1 + w) (u < 0) with w = e^(-2|u|) <= 1: no overflow, and the
+// negative tail (torch's 0.5 x (1 + tanh(u)) is 0 there) stays accurate.  NaN -> NaN, +inf ->
+// +inf, -inf -> NaN (as torch).
+template <> __device__ __forceinline__ float activate_fast<Activation::gelu_tanh>(float x) {
+  const float inner = fmaf(0.044715f, x * x, 1.f);
+  const float w = __expf((-1.5957691216057308f * fabsf(x)) * inner);  // e^(-2|u|), 2 sqrt(2 / pi)
+  return (x >= 0.f ? x : x * w) * __fdividef(1.f, 1.f + w);
 }
 
 }  // namespace fusedenc

@@ -18,7 +18,7 @@ namespace fusedenc {
 // Keep in step with FUSEDENC_SM90_GEMM_INSTANCES in CMakeLists.txt (a missing
 // unit is a link error, not a silent gap): per dtype, the norm kernel in three tile
 // configurations (pick_norm: no activation, every activation chosen at run time, and the
-// wide tile with no activation), the residual kernel and the FP8 kernel.
+// wide tile with no activation), the two GELU units, the residual kernel and the FP8 kernel.
 #define FUSEDENC_SM90_DTYPES(X) X(f16) X(bf16)
 namespace sm90 {
 #define FUSEDENC_DECLARE(D)                                                     \
@@ -38,6 +38,13 @@ bool fp8residual_f16(const GemmArgs& g, const float* w_scale, const ResidualNorm
 // nets' FFN activations; bf16 runs them in the run-time switch of norm_act).
 bool norm_swish_f16(const GemmArgs& g, const NormFold& f, int sm_count);
 bool norm_mish_f16(const GemmArgs& g, const NormFold& f, int sm_count);
+// Both dtypes: the activation tile with exact GELU and with tanh-GELU fixed at compile time
+// (BERT-family FFN1s; never in the run-time switch, whose other cases they would slow down).
+#define FUSEDENC_DECLARE_GELU(D)                                                \
+  bool norm_gelu_##D(const GemmArgs& g, const NormFold& f, int sm_count);      \
+  bool norm_gelutanh_##D(const GemmArgs& g, const NormFold& f, int sm_count);
+FUSEDENC_SM90_DTYPES(FUSEDENC_DECLARE_GELU)
+#undef FUSEDENC_DECLARE_GELU
 }  // namespace sm90
 #endif
 
@@ -57,6 +64,8 @@ struct Kernels {
   NormFn norm_wide = nullptr;  // no activation, long main loop (see pick_norm)
   NormFn norm_swish = nullptr; // norm_act's tile with swish fixed at compile time (null: norm_act)
   NormFn norm_mish = nullptr;  // and with mish
+  NormFn norm_gelu = nullptr;       // and with exact GELU (null: GEMM, then the pass)
+  NormFn norm_gelu_tanh = nullptr;  // and with tanh-GELU
   ResidualFn residual = nullptr;
   Fp8Fn fp8 = nullptr;
   Fp8Fn fp8out = nullptr;  // the FP8 kernel writing e4m3 (its dtype: the bias's)
@@ -64,21 +73,30 @@ struct Kernels {
 };
 
 Kernels kernels_for(DType dtype) {
+  Kernels k;
 #ifdef FUSEDENC_HAVE_SM90_GEMM
-  if (dtype == DType::f16)
-    return {&sm90::norm_f16,      &sm90::norm_act_f16, &sm90::norm_wide_f16, &sm90::norm_swish_f16,
-            &sm90::norm_mish_f16, &sm90::residual_f16, &sm90::fp8_f16,       &sm90::fp8out_f16,
-            &sm90::fp8residual_f16};
-#define FUSEDENC_CASE(D)                                                                                 \
-  if (dtype == DType::D)                                                                                 \
-    return {&sm90::norm_##D, &sm90::norm_act_##D, &sm90::norm_wide_##D, nullptr, nullptr, &sm90::residual_##D, \
-            &sm90::fp8_##D,   nullptr,             nullptr};
+#define FUSEDENC_CASE(D)                           \
+  if (dtype == DType::D) {                         \
+    k.norm = &sm90::norm_##D;                      \
+    k.norm_act = &sm90::norm_act_##D;              \
+    k.norm_wide = &sm90::norm_wide_##D;            \
+    k.norm_gelu = &sm90::norm_gelu_##D;            \
+    k.norm_gelu_tanh = &sm90::norm_gelutanh_##D;   \
+    k.residual = &sm90::residual_##D;              \
+    k.fp8 = &sm90::fp8_##D;                        \
+  }
   FUSEDENC_SM90_DTYPES(FUSEDENC_CASE)
 #undef FUSEDENC_CASE
+  if (dtype == DType::f16) {
+    k.norm_swish = &sm90::norm_swish_f16;
+    k.norm_mish = &sm90::norm_mish_f16;
+    k.fp8out = &sm90::fp8out_f16;
+    k.fp8residual = &sm90::fp8residual_f16;
+  }
 #else
   (void)dtype;
 #endif
-  return {};
+  return k;
 }
 
 bool env_enabled() {
@@ -87,6 +105,16 @@ bool env_enabled() {
 }
 
 std::atomic<bool> g_enabled{env_enabled()};
+
+// The GELU units are off until measured against cuBLASLt + the pass on a GPU (a default that
+// a measurement has not chosen would be a guess): FUSEDENC_SM90_GELU=1 or
+// set_sm90_gelu_epilogue(true) turns them on.
+bool env_gelu_enabled() {
+  const char* v = std::getenv("FUSEDENC_SM90_GELU");
+  return v && (std::strcmp(v, "1") == 0 || std::strcmp(v, "on") == 0);
+}
+
+std::atomic<bool> g_gelu_enabled{env_gelu_enabled()};
 
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -112,7 +140,23 @@ static bool in_epilogue(Activation act) {
   }
 }
 
+// The GELU unit of `k` for `act` where it is built and switched on (null: none).  Not part of
+// in_epilogue: sm90_gemm_compiled, which the FP8 fold reads as its kernels' activations, must
+// not list activations the FP8 kernels' run-time switch lacks.
+static NormFn gelu_unit(const Kernels& k, Activation act) {
+  if (!g_gelu_enabled.load(std::memory_order_relaxed)) return nullptr;
+  if (act == Activation::gelu) return k.norm_gelu;
+  if (act == Activation::gelu_tanh) return k.norm_gelu_tanh;
+  return nullptr;
+}
+
 bool sm90_gemm_compiled(DType dtype, Activation act) { return kernels_for(dtype).norm != nullptr && in_epilogue(act); }
+bool sm90_gelu_epilogue_compiled(DType dtype, Activation act) {
+  const Kernels k = kernels_for(dtype);
+  return (act == Activation::gelu && k.norm_gelu) || (act == Activation::gelu_tanh && k.norm_gelu_tanh);
+}
+void set_sm90_gelu_epilogue(bool on) { g_gelu_enabled.store(on); }
+bool sm90_gelu_epilogue() { return g_gelu_enabled.load(); }
 bool sm90_residual_gemm_compiled(DType dtype) { return kernels_for(dtype).residual != nullptr; }
 
 void set_sm90_gemm_enabled(bool on) { g_enabled.store(on); }
@@ -136,6 +180,7 @@ int launch_sms(int device) {
 // problem spans many waves of those tiles (its epilogue is not overlapped, and a wave's
 // tail is twice as long), else the pingpong 128 x 128 one.
 NormFn pick_norm(const Kernels& k, const GemmArgs& g, int sms) {
+  if (NormFn gelu = gelu_unit(k, g.act)) return gelu;
   if (g.act == Activation::swish && k.norm_swish) return k.norm_swish;
   if (g.act == Activation::mish && k.norm_mish) return k.norm_mish;
   if (g.act != Activation::none) return k.norm_act;
@@ -186,9 +231,11 @@ bool shape_fits(const GemmArgs& g, const char** why, bool check_occupancy) {
 namespace {
 
 // Why an activation is better served by cuBLASLt (nullptr: the epilogue should apply it).
-const char* activation_stays_on_cublaslt(Activation act, bool has_bias) {
+// `k`: the kernels of the call's dtype (a GELU unit switched on takes exact GELU; tanh-GELU
+// stays with cuBLASLt's own GELU epilogue).
+const char* activation_stays_on_cublaslt(Activation act, bool has_bias, const Kernels& k) {
   if (act == Activation::none || native_epilogue_name(act, has_bias)) return "cuBLASLt fuses this activation itself";
-  if (!in_epilogue(act)) return "this activation is faster as cuBLASLt's GEMM and a separate pass";
+  if (!in_epilogue(act) && !gelu_unit(k, act)) return "this activation is faster as cuBLASLt's GEMM and a separate pass";
   return nullptr;
 }
 
@@ -199,8 +246,9 @@ bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
     if (why) *why = reason;
     return false;
   };
-  if (!kernels_for(g.dtype).norm) return no("no kernel for this dtype and activation in this build");
-  if (const char* reason = activation_stays_on_cublaslt(g.act, g.bias != nullptr)) return no(reason);
+  const Kernels k = kernels_for(g.dtype);
+  if (!k.norm) return no("no kernel for this dtype and activation in this build");
+  if (const char* reason = activation_stays_on_cublaslt(g.act, g.bias != nullptr, k)) return no(reason);
   if (g.c) return no("a residual input");
   // Measured on an H100 (the Lc0 value and moves-left heads, 16384 x 768 -> 32 and 8, mish):
   // 128-wide tiles read A at a third of the bandwidth cuBLASLt's narrow tiles reach, and the
@@ -252,7 +300,7 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
     if (!kernels_for(f.out_dtype).fp8) return no("no FP8 kernel for this output dtype in this build");
     if (folded) {  // only this kernel folds: every activation its epilogue has
       if (!in_epilogue(f.act)) return no("an activation the kernel's epilogue does not have");
-    } else if (const char* reason = activation_stays_on_cublaslt(f.act, f.bias != nullptr)) {
+    } else if (const char* reason = activation_stays_on_cublaslt(f.act, f.bias != nullptr, Kernels{})) {
       return no(reason);
     }
   }
@@ -342,7 +390,7 @@ bool sm90_norm_gemm(const GemmArgs& g, const NormFold& fold) {
   if (!shape_fits(g, &why, false)) throw std::invalid_argument(std::string("fusedenc sm90 norm gemm: ") + why);
   DeviceGuard guard(g.device);
   const int sms = launch_sms(g.device);
-  if (in_epilogue(g.act)) return pick_norm(k, g, sms)(g, fold, sms);
+  if (in_epilogue(g.act) || gelu_unit(k, g.act)) return pick_norm(k, g, sms)(g, fold, sms);
   // The bias goes in the epilogue, the activation in the pass after it (see in_epilogue).
   GemmArgs plain = g;
   plain.act = Activation::none;

@@ -74,8 +74,18 @@ struct Fp8Codes {
 };
 
 // Whether this build holds the kernel for (dtype, act) with `act` in its epilogue (exact
-// and tanh GELU, tanh and selu are not: a separate pass is faster; sm90_gemm.cpp).
+// and tanh GELU, tanh and selu are not: a separate pass is faster in the run-time switch;
+// sm90_gemm.cpp).
 bool sm90_gemm_compiled(DType dtype, Activation act);
+
+// The GELU units: the epilogue kernel with exact GELU or tanh-GELU fixed at compile time
+// (both dtypes).  Off unless switched on (FUSEDENC_SM90_GELU=1 or set_sm90_gelu_epilogue):
+// on, a folded GEMM with either GELU applies it in its epilogue instead of running the pass
+// after it, and a plain GEMM with exact GELU runs here instead of cuBLASLt + the pass
+// (tanh-GELU keeps cuBLASLt's own GELU epilogue).
+bool sm90_gelu_epilogue_compiled(DType dtype, Activation act);
+void set_sm90_gelu_epilogue(bool on);
+bool sm90_gelu_epilogue();
 
 // Whether `args` can run on it: compiled, a compute-capability 9.0 device, no
 // residual, 16-byte aligned rows and pointers, and enough output tiles to fill

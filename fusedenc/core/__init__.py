@@ -50,8 +50,8 @@ __all__ = [
     "gemm", "gemm_candidates", "gemm_choices", "gemm_tuning_report", "gemm_with_candidate", "layer_norm",
     "library_info", "load_gemm_tuning", "load_gemm_tuning_at_start", "max_gemm_candidates", "native_epilogues",
     "native_module", "norm_stats", "plan_cache_info", "pointer", "set_plan_cache_limit", "set_sm90_sm_limit",
-    "sm90_fold_applies", "sm90_fold_fits", "sm90_fp8_gemm_applies", "sm90_fp8_gemm_kernels", "sm90_gemm_applies",
-    "sm90_gemm_disabled", "sm90_gemm_kernels", "sm90_norm_gemm", "sm90_residual_gemm", "sm90_residual_gemm_compiled",
+    "sm90_fold_applies", "sm90_fold_fits", "sm90_fp8_gemm_applies", "sm90_fp8_gemm_kernels", "sm90_gelu_epilogue",
+    "sm90_gelu_epilogue_kernels", "sm90_gelu_epilogue_on", "sm90_gemm_applies", "sm90_gemm_disabled", "sm90_gemm_kernels", "sm90_norm_gemm", "sm90_residual_gemm", "sm90_residual_gemm_compiled",
     "stats_tile", "workspace",
 ]  # fmt: skip
 
@@ -563,6 +563,9 @@ from .hopper import (  # noqa: E402
     sm90_fold_applies,
     sm90_fold_fits,
     sm90_gemm_applies,
+    sm90_gelu_epilogue,
+    sm90_gelu_epilogue_kernels,
+    sm90_gelu_epilogue_on,
     sm90_gemm_disabled,
     sm90_gemm_kernels,
     sm90_norm_gemm,

@@ -142,6 +142,39 @@ def set_sm90_sm_limit(n: int) -> int:
     return previous
 
 
+def sm90_gelu_epilogue_kernels() -> list[tuple[str, str]]:
+    """(dtype, activation) pairs of the Hopper GELU units this build holds: the epilogue GEMM
+    with exact GELU or tanh-GELU fixed at compile time; empty without them."""
+    module = native_module()
+    return [tuple(p) for p in module.sm90_gelu_epilogue_kernels()] if module and hasattr(module, "sm90_gelu_epilogue_kernels") else []
+
+
+def sm90_gelu_epilogue_on() -> bool:
+    """Whether the GELU units are switched on (``FUSEDENC_SM90_GELU=1`` at start, or inside
+    ``sm90_gelu_epilogue(True)``); off by default until measured on a GPU."""
+    module = native_module()
+    return bool(module and hasattr(module, "sm90_gelu_epilogue") and module.sm90_gelu_epilogue())
+
+
+@contextlib.contextmanager
+def sm90_gelu_epilogue(on: bool = True) -> Iterator[None]:
+    """Inside, the GELU units are on (or off): a folded GEMM with exact or tanh GELU applies it
+    in its epilogue instead of running the pass after it, and a plain GEMM with exact GELU runs
+    on the Hopper kernel instead of cuBLASLt + the pass.  The A/B switch of those units
+    (``FUSEDENC_SM90_GELU=1`` turns them on for a whole process).  Public as
+    ``fusedenc.testing.sm90_gelu_epilogue``."""
+    module = native_module()
+    if module is None or not hasattr(module, "set_sm90_gelu_epilogue"):
+        yield
+        return
+    was = module.sm90_gelu_epilogue()
+    module.set_sm90_gelu_epilogue(bool(on))
+    try:
+        yield
+    finally:
+        module.set_sm90_gelu_epilogue(was)
+
+
 @contextlib.contextmanager
 def sm90_gemm_disabled() -> Iterator[None]:
     """Send every GEMM to cuBLASLt (+ the activation pass) inside: the A/B switch for the
