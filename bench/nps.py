@@ -36,6 +36,8 @@ Implementations (all built from one idiomatic PyTorch model's weights):
   fusedenc-compile torch.compile(EncoderStack, fullgraph=True), default mode (meant to be >= 0.95x
                    eager fusedenc at every batch).
   fusedenc-graph   EncoderStack.graph_runner (one CUDA graph per batch size).
+  fusedenc-gelu-unit  the plain call with the Hopper GELU units on (GELU presets on an H100/H200;
+                   off by default in the library until measured: only when named in --impl).
 
 Reference lines: ``gemm-floor``, the four GEMMs of every layer alone (each
 layer's own weights, the faster of torch.mm and fusedenc.linear, i.e. the
@@ -116,10 +118,12 @@ import lc0 as lc0_bench  # noqa: E402  (bench/lc0.py: whole lc0 networks)
 from nps_report import plot, report_lines, write_outputs  # noqa: E402
 from peers import (  # noqa: E402
     IMPLS,
+    ON_REQUEST,
     Impl,
     block_state_dicts,
     build_torch_model,
     builders,
+    gelu_unit_reason,
     gemm_floor,
     reference_forward,
 )
@@ -247,6 +251,8 @@ def run_preset(run: Run, args, device: torch.device, ceilings: dict, progress: c
 
     for name, reason in args.skipped.items():
         rec["skipped"][name] = reason
+    if "fusedenc-gelu-unit" in args.impls and (why := gelu_unit_reason(run, device)):
+        rec["skipped"]["fusedenc-gelu-unit"] = why
     table = builders(args.impls, run, device, batches, check_x, args.compile_modes, args.compile_dynamic)
     if args.fp8:
         table.update(fp8_peers.builders(args.impls, run, device, batches, args.compile_modes, args.compile_dynamic,
@@ -481,7 +487,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         notes.append("no GPU: running on CPU in float32 (fp16 matmuls are slow on CPU; --dtype overrides)")
 
     args.skipped = {}
-    wanted = args.impl or [i for i in IMPLS if on_gpu or i not in GPU_ONLY_BY_DEFAULT]
+    wanted = args.impl or [i for i in IMPLS if (on_gpu or i not in GPU_ONLY_BY_DEFAULT) and i not in ON_REQUEST]
     if not on_gpu and not args.impl:
         args.skipped["torch-compile"] = "not run on CPU by default (name it in --impl to run it)"
     if not on_gpu and ("fusedenc-graph" in wanted or not args.impl):

@@ -57,6 +57,7 @@ import common  # noqa: E402
 
 import fusedenc  # noqa: E402
 from fusedenc import attention as fattn  # noqa: E402
+from fusedenc import core  # noqa: E402
 from fusedenc.common import dtypes  # noqa: E402
 from fusedenc.common.activations import apply_activation, canonical_activation, torch_function  # noqa: E402
 from fusedenc.core import gemm_routes
@@ -100,6 +101,21 @@ def _triton_gemm():
     except Exception:  # noqa: BLE001 - no triton, or a triton that cannot load here: no case
         return None
     return triton_gemm
+
+
+def _has_gelu_unit(device: torch.device, dtype: torch.dtype, activation: str) -> bool:
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and (str(dtype).replace("torch.", ""), activation) in core.sm90_gelu_epilogue_kernels())  # fmt: skip
+
+
+def _gelu_unit(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, activation: str, t: int, f: int) -> torch.Tensor:
+    """FFN1 on the Hopper GELU unit (switched on for the call): what a folded FFN1 runs."""
+    x2 = x.reshape(t, -1)
+    out = torch.empty((t, f), dtype=x.dtype, device=x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    with core.sm90_gelu_epilogue():
+        core.sm90_norm_gemm(x2, w, out, b, activation, None, None, None, stream, core.workspace(x.device, stream))
+    return out
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -178,7 +194,10 @@ def build_ops(run: Run, batch: int, device: torch.device, wanted: list[str]) -> 
             ] + ([  # GPU with triton only (the module imports triton)
                 Case(f"triton GEMM + {p.activation} epilogue (1 kernel)",
                      lambda k: tg.linear_act(k["x"], k["w"], k["b"], p.activation)),
-            ] if tg is not None else []),
+            ] if tg is not None else []) + ([  # a build with the Hopper GELU unit, on an sm90 GPU
+                Case(f"Hopper {p.activation} unit (1 kernel, off by default)",
+                     lambda k: _gelu_unit(k["x"], k["w"], k["b"], p.activation, t, f)),
+            ] if _has_gelu_unit(device, dt, p.activation) else []),
             f"[{t}, {d}] x [{f}, {d}]^T, {p.activation}",
         ))  # fmt: skip
 

@@ -51,7 +51,9 @@ __all__ = [
 
 #: The implementations, in the order they run.
 IMPLS = ("unfused", "torch", "torch-fastpath", "torch-compile", "fusedenc", "fusedenc-eager", "fusedenc-compile",
-         "fusedenc-graph")  # fmt: skip
+         "fusedenc-graph", "fusedenc-gelu-unit")  # fmt: skip
+#: Rows run only when named (A/B rows of switches that are off by default).
+ON_REQUEST = ("fusedenc-gelu-unit",)
 
 
 # ------------------------------------------------------------ the models ----
@@ -417,6 +419,37 @@ def make_fusedenc_graph(model: TorchEncoder, run: Run, device: torch.device, bat
     return impl
 
 
+def gelu_unit_reason(run: Run, device: torch.device) -> Optional[str]:
+    """Why the ``fusedenc-gelu-unit`` row cannot run ``run`` here (None: it can)."""
+    from fusedenc import core
+
+    act = run.preset.activation
+    if act not in ("gelu", "gelu_tanh"):
+        return f"the preset's activation is {act}, not a GELU"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "the Hopper GELU units run on compute capability 9.0 only"
+    if (str(run.dtype).replace("torch.", ""), act) not in core.sm90_gelu_epilogue_kernels():
+        return f"this build has no Hopper GELU unit for {run.dtype} {act}"
+    return None
+
+
+def make_fusedenc_gelu_unit(model: TorchEncoder, run: Run, device: torch.device) -> Impl:
+    """The plain call with the Hopper GELU units on (off by default until measured): the A/B row
+    of ``fusedenc`` for GELU presets.  The switch is the core's own (no graph invalidation): this
+    row's stack has its own graphs, captured with the units on."""
+    from fusedenc import core
+
+    stack = load_fusedenc_stack(model, run, device)
+
+    def call(x):
+        with core.sm90_gelu_epilogue():
+            return stack(x)
+
+    impl = Impl("fusedenc-gelu-unit", call)
+    impl.notes.append("EncoderStack plain call with the Hopper GELU units on (as FUSEDENC_SM90_GELU=1)")
+    return impl
+
+
 def builders(
     names: list[str], run: Run, device: torch.device, batches: list[int], check_x: torch.Tensor,
     compile_modes: list[str], compile_dynamic: bool,
@@ -443,6 +476,8 @@ def builders(
             out[name] = lambda m: make_fusedenc_compile(m, run, device, compile_dynamic)
         elif name == "fusedenc-graph":
             out[name] = lambda m: make_fusedenc_graph(m, run, device, batches)
+        elif name == "fusedenc-gelu-unit" and gelu_unit_reason(run, device) is None:
+            out[name] = lambda m: make_fusedenc_gelu_unit(m, run, device)
     return out
 
 
