@@ -103,6 +103,12 @@ PRESETS: dict[str, Preset] = {
                note="Lc0 BT4-like body (no smolgen, no embedding)"),
         Preset("bert-base", 12, 768, 12, 3072, "gelu", 1.0, 1e-12, (128, 512), "sequences",
                note="BERT-base encoder stack (no embeddings, no padding mask)"),
+        # The other ends of the embedding models people run (not run by default): all-MiniLM-L6's
+        # shape, and bge-large / e5-large's.
+        Preset("minilm", 6, 384, 12, 1536, "gelu", 1.0, 1e-12, (128, 512), "sequences",
+               note="all-MiniLM-L6-shaped encoder stack (no embeddings, no padding mask)"),
+        Preset("bge-large", 24, 1024, 16, 4096, "gelu", 1.0, 1e-12, (128, 512), "sequences",
+               note="bge-large / e5-large-shaped encoder stack (no embeddings, no padding mask)"),
         # Small enough for a 2-core CPU in seconds; same Lc0 form as t82 (swish, alpha != 1).
         Preset("tiny", 2, 64, 4, 128, "swish", _lc0_alpha(2), 1e-5, (16,), "positions",
                note="CPU smoke configuration, Lc0 form"),
