@@ -38,6 +38,8 @@ Implementations (all built from one idiomatic PyTorch model's weights):
   fusedenc-graph   EncoderStack.graph_runner (one CUDA graph per batch size).
   fusedenc-gelu-unit  the plain call with the Hopper GELU units on (GELU presets on an H100/H200;
                    off by default in the library until measured: only when named in --impl).
+  fusedenc-folded  the plain call with LayerNorm folding forced at every batch size (the
+                   library folds where the GEMMs span four waves: only when named in --impl).
 
 Reference lines: ``gemm-floor``, the four GEMMs of every layer alone (each
 layer's own weights, the faster of torch.mm and fusedenc.linear, i.e. the

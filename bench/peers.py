@@ -51,9 +51,9 @@ __all__ = [
 
 #: The implementations, in the order they run.
 IMPLS = ("unfused", "torch", "torch-fastpath", "torch-compile", "fusedenc", "fusedenc-eager", "fusedenc-compile",
-         "fusedenc-graph", "fusedenc-gelu-unit")  # fmt: skip
+         "fusedenc-graph", "fusedenc-gelu-unit", "fusedenc-folded")  # fmt: skip
 #: Rows run only when named (A/B rows of switches that are off by default).
-ON_REQUEST = ("fusedenc-gelu-unit",)
+ON_REQUEST = ("fusedenc-gelu-unit", "fusedenc-folded")
 
 
 # ------------------------------------------------------------ the models ----
@@ -433,20 +433,27 @@ def gelu_unit_reason(run: Run, device: torch.device) -> Optional[str]:
     return None
 
 
-def make_fusedenc_gelu_unit(model: TorchEncoder, run: Run, device: torch.device) -> Impl:
-    """The plain call with the Hopper GELU units on (off by default until measured): the A/B row
-    of ``fusedenc`` for GELU presets.  The switch is the core's own (no graph invalidation): this
-    row's stack has its own graphs, captured with the units on."""
+def make_fusedenc_switched(model: TorchEncoder, run: Run, device: torch.device, name: str) -> Impl:
+    """The plain call inside a switch that is off by default, the A/B row of ``fusedenc``:
+    ``fusedenc-gelu-unit``, the Hopper GELU units on (as ``FUSEDENC_SM90_GELU=1``; the core's own
+    switch, without graph invalidation: this row's stack has its own graphs, captured with the
+    units on); ``fusedenc-folded``, LayerNorm folding forced at every batch size (``auto`` folds
+    only where the GEMMs span four waves; the mode is part of every graph's key)."""
     from fusedenc import core
+    from fusedenc.ops import norm_fold
 
+    switch, note = {
+        "fusedenc-gelu-unit": (core.sm90_gelu_epilogue, "the Hopper GELU units on (as FUSEDENC_SM90_GELU=1)"),
+        "fusedenc-folded": (lambda: norm_fold.mode("force"), "LayerNorm folding forced at every batch size"),
+    }[name]
     stack = load_fusedenc_stack(model, run, device)
 
     def call(x):
-        with core.sm90_gelu_epilogue():
+        with switch():
             return stack(x)
 
-    impl = Impl("fusedenc-gelu-unit", call)
-    impl.notes.append("EncoderStack plain call with the Hopper GELU units on (as FUSEDENC_SM90_GELU=1)")
+    impl = Impl(name, call)
+    impl.notes.append(f"EncoderStack plain call with {note}")
     return impl
 
 
@@ -477,7 +484,9 @@ def builders(
         elif name == "fusedenc-graph":
             out[name] = lambda m: make_fusedenc_graph(m, run, device, batches)
         elif name == "fusedenc-gelu-unit" and gelu_unit_reason(run, device) is None:
-            out[name] = lambda m: make_fusedenc_gelu_unit(m, run, device)
+            out[name] = lambda m: make_fusedenc_switched(m, run, device, "fusedenc-gelu-unit")
+        elif name == "fusedenc-folded":
+            out[name] = lambda m: make_fusedenc_switched(m, run, device, "fusedenc-folded")
     return out
 
 
