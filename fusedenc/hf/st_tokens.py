@@ -45,16 +45,19 @@ def chunk_tokenizer(model: Any, texts: list) -> Callable[[list], Tokenized]:
         return ids, None if types is None else [row[keep] for row, keep in zip(types.numpy(), real)]
 
     fast = _fast_ids(model)
-    if fast is None or len(texts) <= 3 * fast_ids.SAMPLE_EACH:  # a short call: the sample would be the call
+    if fast is None:
         return from_preprocess
-    try:
-        probe = fast_ids.sample(texts, lambda chunk: fast(chunk)[0], int(model.max_seq_length))
-        want_ids, want_types = from_preprocess(probe)
-        same = fast_ids.same_ids(want_ids, fast(probe)[0]) and (
-            want_types is None or all(not np.any(t) for t in want_types))
-    except Exception:  # noqa: BLE001 - a check that cannot run (a probe the module refuses): its own path
-        same = False
-    return fast if same else from_preprocess
+
+    def preprocess_ids(chunk: list) -> list:
+        ids, types = from_preprocess(chunk)
+        if types is not None and any(np.any(t) for t in types):  # the fast path gives no token types
+            raise ValueError("preprocess gives token types other than 0")
+        return ids
+
+    # fast_ids.checked: preprocess itself for a short call, where the sample disagrees, or where
+    # the check cannot run (a probe the module refuses, token types the fast path lacks).
+    chosen = fast_ids.checked(texts, lambda chunk: fast(chunk)[0], preprocess_ids, int(model.max_seq_length))
+    return from_preprocess if chosen is preprocess_ids else fast
 
 
 def _fast_ids(model: Any) -> Optional[Callable[[list], Tokenized]]:
