@@ -140,21 +140,22 @@ static bool in_epilogue(Activation act) {
   }
 }
 
-// The GELU unit of `k` for `act` where it is built and switched on (null: none).  Not part of
-// in_epilogue: sm90_gemm_compiled, which the FP8 fold reads as its kernels' activations, must
-// not list activations the FP8 kernels' run-time switch lacks.
-static NormFn gelu_unit(const Kernels& k, Activation act) {
-  if (!g_gelu_enabled.load(std::memory_order_relaxed)) return nullptr;
+// The GELU unit of `k` for `act` (null: none built, or `act` is no GELU).
+static NormFn gelu_kernel(const Kernels& k, Activation act) {
   if (act == Activation::gelu) return k.norm_gelu;
   if (act == Activation::gelu_tanh) return k.norm_gelu_tanh;
   return nullptr;
 }
 
-bool sm90_gemm_compiled(DType dtype, Activation act) { return kernels_for(dtype).norm != nullptr && in_epilogue(act); }
-bool sm90_gelu_epilogue_compiled(DType dtype, Activation act) {
-  const Kernels k = kernels_for(dtype);
-  return (act == Activation::gelu && k.norm_gelu) || (act == Activation::gelu_tanh && k.norm_gelu_tanh);
+// The same where the units are switched on.  Not part of in_epilogue: sm90_gemm_compiled,
+// which the FP8 fold reads as its kernels' activations, must not list activations the FP8
+// kernels' run-time switch lacks.
+static NormFn gelu_unit(const Kernels& k, Activation act) {
+  return g_gelu_enabled.load(std::memory_order_relaxed) ? gelu_kernel(k, act) : nullptr;
 }
+
+bool sm90_gemm_compiled(DType dtype, Activation act) { return kernels_for(dtype).norm != nullptr && in_epilogue(act); }
+bool sm90_gelu_epilogue_compiled(DType dtype, Activation act) { return gelu_kernel(kernels_for(dtype), act) != nullptr; }
 void set_sm90_gelu_epilogue(bool on) { g_gelu_enabled.store(on); }
 bool sm90_gelu_epilogue() { return g_gelu_enabled.load(); }
 bool sm90_residual_gemm_compiled(DType dtype) { return kernels_for(dtype).residual != nullptr; }

@@ -146,47 +146,43 @@ def sm90_gelu_epilogue_kernels() -> list[tuple[str, str]]:
     """(dtype, activation) pairs of the Hopper GELU units this build holds: the epilogue GEMM
     with exact GELU or tanh-GELU fixed at compile time; empty without them."""
     module = native_module()
-    return [tuple(p) for p in module.sm90_gelu_epilogue_kernels()] if module and hasattr(module, "sm90_gelu_epilogue_kernels") else []
+    return [tuple(p) for p in module.sm90_gelu_epilogue_kernels()] if module else []
 
 
 def sm90_gelu_epilogue_on() -> bool:
     """Whether the GELU units are switched on (``FUSEDENC_SM90_GELU=1`` at start, or inside
     ``sm90_gelu_epilogue(True)``); off by default until measured on a GPU."""
     module = native_module()
-    return bool(module and hasattr(module, "sm90_gelu_epilogue") and module.sm90_gelu_epilogue())
+    return bool(module and module.sm90_gelu_epilogue())
 
 
 @contextlib.contextmanager
-def sm90_gelu_epilogue(on: bool = True) -> Iterator[None]:
+def _native_switch(name: str, on: bool) -> Iterator[None]:
+    """The core's switch ``name`` (``<name>()`` reads it, ``set_<name>(on)`` sets it) at ``on``
+    inside, as it was after; nothing without a native core."""
+    module = native_module()
+    if module is None:
+        yield
+        return
+    was = getattr(module, name)()
+    getattr(module, "set_" + name)(on)
+    try:
+        yield
+    finally:
+        getattr(module, "set_" + name)(was)
+
+
+def sm90_gelu_epilogue(on: bool = True) -> contextlib.AbstractContextManager:
     """Inside, the GELU units are on (or off): a folded GEMM with exact or tanh GELU applies it
     in its epilogue instead of running the pass after it, and a plain GEMM with exact GELU runs
     on the Hopper kernel instead of cuBLASLt + the pass.  The A/B switch of those units
     (``FUSEDENC_SM90_GELU=1`` turns them on for a whole process).  Public as
     ``fusedenc.testing.sm90_gelu_epilogue``."""
-    module = native_module()
-    if module is None or not hasattr(module, "set_sm90_gelu_epilogue"):
-        yield
-        return
-    was = module.sm90_gelu_epilogue()
-    module.set_sm90_gelu_epilogue(bool(on))
-    try:
-        yield
-    finally:
-        module.set_sm90_gelu_epilogue(was)
+    return _native_switch("sm90_gelu_epilogue", bool(on))
 
 
-@contextlib.contextmanager
-def sm90_gemm_disabled() -> Iterator[None]:
+def sm90_gemm_disabled() -> contextlib.AbstractContextManager:
     """Send every GEMM to cuBLASLt (+ the activation pass) inside: the A/B switch for the
     Hopper epilogue kernel (``FUSEDENC_SM90_GEMM=0`` does it for a whole process).
     Public as ``fusedenc.testing.sm90_gemm_disabled``."""
-    module = native_module()
-    if module is None:
-        yield
-        return
-    was = module.sm90_gemm_enabled()
-    module.set_sm90_gemm_enabled(False)
-    try:
-        yield
-    finally:
-        module.set_sm90_gemm_enabled(was)
+    return _native_switch("sm90_gemm_enabled", False)
