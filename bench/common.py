@@ -139,6 +139,17 @@ def comma_list(text: str) -> list[str]:
 # ------------------------------------------------------------ ceilings ----
 
 
+def gelu_unit_reason(device: torch.device, dtype: torch.dtype, activation: str) -> Optional[str]:
+    """Why the Hopper GELU unit cannot run ``activation`` in ``dtype`` on ``device`` (None: it can)."""
+    if activation not in ("gelu", "gelu_tanh"):
+        return f"the activation is {activation}, not a GELU"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "the Hopper GELU units run on compute capability 9.0 only"
+    if (dtypes.name(dtype), activation) not in core.sm90_gelu_epilogue_kernels():
+        return f"this build has no Hopper GELU unit for {dtypes.name(dtype)} {activation}"
+    return None
+
+
 def gemm_rate(device: torch.device, dtype: torch.dtype, reps: int = MIN_REPS) -> dict[str, Any]:
     """The dense GEMM rate of this device: best TFLOP/s of ``torch.mm`` over a few large shapes.
 

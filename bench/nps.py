@@ -125,7 +125,6 @@ from peers import (  # noqa: E402
     block_state_dicts,
     build_torch_model,
     builders,
-    gelu_unit_reason,
     gemm_floor,
     reference_forward,
 )
@@ -253,9 +252,10 @@ def run_preset(run: Run, args, device: torch.device, ceilings: dict, progress: c
 
     for name, reason in args.skipped.items():
         rec["skipped"][name] = reason
-    if "fusedenc-gelu-unit" in args.impls and (why := gelu_unit_reason(run, device)):
-        rec["skipped"]["fusedenc-gelu-unit"] = why
     table = builders(args.impls, run, device, batches, check_x, args.compile_modes, args.compile_dynamic)
+    if "fusedenc-gelu-unit" in table and (why := common.gelu_unit_reason(device, run.dtype, run.preset.activation)):
+        rec["skipped"]["fusedenc-gelu-unit"] = why
+        del table["fusedenc-gelu-unit"]
     if args.fp8:
         table.update(fp8_peers.builders(args.impls, run, device, batches, args.compile_modes, args.compile_dynamic,
                                         args.scaled_mm_out))  # fmt: skip

@@ -103,11 +103,6 @@ def _triton_gemm():
     return triton_gemm
 
 
-def _has_gelu_unit(device: torch.device, dtype: torch.dtype, activation: str) -> bool:
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-            and (str(dtype).replace("torch.", ""), activation) in core.sm90_gelu_epilogue_kernels())  # fmt: skip
-
-
 def _gelu_unit(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, activation: str, t: int, f: int) -> torch.Tensor:
     """FFN1 on the Hopper GELU unit (switched on for the call): what a folded FFN1 runs."""
     x2 = x.reshape(t, -1)
@@ -197,7 +192,7 @@ def build_ops(run: Run, batch: int, device: torch.device, wanted: list[str]) -> 
             ] if tg is not None else []) + ([  # a build with the Hopper GELU unit, on an sm90 GPU
                 Case(f"Hopper {p.activation} unit (1 kernel, off by default)",
                      lambda k: _gelu_unit(k["x"], k["w"], k["b"], p.activation, t, f)),
-            ] if _has_gelu_unit(device, dt, p.activation) else []),
+            ] if common.gelu_unit_reason(device, dt, p.activation) is None else []),
             f"[{t}, {d}] x [{f}, {d}]^T, {p.activation}",
         ))  # fmt: skip
 

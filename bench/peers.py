@@ -419,20 +419,6 @@ def make_fusedenc_graph(model: TorchEncoder, run: Run, device: torch.device, bat
     return impl
 
 
-def gelu_unit_reason(run: Run, device: torch.device) -> Optional[str]:
-    """Why the ``fusedenc-gelu-unit`` row cannot run ``run`` here (None: it can)."""
-    from fusedenc import core
-
-    act = run.preset.activation
-    if act not in ("gelu", "gelu_tanh"):
-        return f"the preset's activation is {act}, not a GELU"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return "the Hopper GELU units run on compute capability 9.0 only"
-    if (str(run.dtype).replace("torch.", ""), act) not in core.sm90_gelu_epilogue_kernels():
-        return f"this build has no Hopper GELU unit for {run.dtype} {act}"
-    return None
-
-
 def make_fusedenc_switched(model: TorchEncoder, run: Run, device: torch.device, name: str) -> Impl:
     """The plain call inside a switch that is off by default, the A/B row of ``fusedenc``:
     ``fusedenc-gelu-unit``, the Hopper GELU units on (as ``FUSEDENC_SM90_GELU=1``; the core's own
@@ -483,10 +469,8 @@ def builders(
             out[name] = lambda m: make_fusedenc_compile(m, run, device, compile_dynamic)
         elif name == "fusedenc-graph":
             out[name] = lambda m: make_fusedenc_graph(m, run, device, batches)
-        elif name == "fusedenc-gelu-unit" and gelu_unit_reason(run, device) is None:
-            out[name] = lambda m: make_fusedenc_switched(m, run, device, "fusedenc-gelu-unit")
-        elif name == "fusedenc-folded":
-            out[name] = lambda m: make_fusedenc_switched(m, run, device, "fusedenc-folded")
+        elif name in ("fusedenc-gelu-unit", "fusedenc-folded"):
+            out[name] = lambda m, name=name: make_fusedenc_switched(m, run, device, name)
     return out
 
 

@@ -27,31 +27,23 @@ from helpers import (
     same_dtype_torch,
     whole_range_inputs,
 )
+from test_sm90_gemm_gpu import DEVICE, HALF, _operands  # the epilogue GEMM's tests: same operands
 
 import fusedenc
 import fusedenc.testing
 from fusedenc import core
+from fusedenc.common import dtypes
 
 pytestmark = pytest.mark.gpu
 
-DEVICE = "cuda"
-HALF = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 GELUS = ["gelu", "gelu_tanh"]
-NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def _require_unit(dtype: torch.dtype, act: str) -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 GELU units run on compute capability 9.0 only")
-    if (NAME[dtype], act) not in core.sm90_gelu_epilogue_kernels():
-        pytest.skip(f"this build has no sm90 GELU unit for {NAME[dtype]} {act} (built without CUTLASS?)")
-
-
-def _operands(m, k, n, dtype, gen, bias=True, scale=1.0):
-    x = randn((m, k), dtype, device=DEVICE, gen=gen, scale=scale)
-    w = randn((n, k), dtype, device=DEVICE, gen=gen, scale=k**-0.5)
-    b = randn((n,), dtype, device=DEVICE, gen=gen) if bias else None
-    return x, w, b
+    if (dtypes.name(dtype), act) not in core.sm90_gelu_epilogue_kernels():
+        pytest.skip(f"this build has no sm90 GELU unit for {dtypes.name(dtype)} {act} (built without CUTLASS?)")
 
 
 def _norm_gemm(x, w, b, act, out, rstd=None, shift=None, colsum=None) -> None:
