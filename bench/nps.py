@@ -39,7 +39,9 @@ Implementations (all built from one idiomatic PyTorch model's weights):
   fusedenc-gelu-unit  the plain call with the Hopper GELU units on (GELU presets on an H100/H200;
                    off by default in the library until measured: only when named in --impl).
   fusedenc-folded  the plain call with LayerNorm folding forced at every batch size (the
-                   library folds where the GEMMs span four waves: only when named in --impl).
+                   library folds where the GEMMs span four waves: only when named in --impl);
+                   fusedenc-unfolded with folding off at every batch size, and
+                   fusedenc-unfolded-gelu-unit with folding off and the GELU units on.
 
 Reference lines: ``gemm-floor``, the four GEMMs of every layer alone (each
 layer's own weights, the faster of torch.mm and fusedenc.linear, i.e. the
@@ -119,6 +121,7 @@ import fp8_peers  # noqa: E402
 import lc0 as lc0_bench  # noqa: E402  (bench/lc0.py: whole lc0 networks)
 from nps_report import plot, report_lines, write_outputs  # noqa: E402
 from peers import (  # noqa: E402
+    GELU_UNIT_ROWS,
     IMPLS,
     ON_REQUEST,
     Impl,
@@ -253,9 +256,10 @@ def run_preset(run: Run, args, device: torch.device, ceilings: dict, progress: c
     for name, reason in args.skipped.items():
         rec["skipped"][name] = reason
     table = builders(args.impls, run, device, batches, check_x, args.compile_modes, args.compile_dynamic)
-    if "fusedenc-gelu-unit" in table and (why := common.gelu_unit_reason(device, run.dtype, run.preset.activation)):
-        rec["skipped"]["fusedenc-gelu-unit"] = why
-        del table["fusedenc-gelu-unit"]
+    why = common.gelu_unit_reason(device, run.dtype, run.preset.activation)
+    for name in [n for n in GELU_UNIT_ROWS if n in table] if why else []:
+        rec["skipped"][name] = why
+        del table[name]
     if args.fp8:
         table.update(fp8_peers.builders(args.impls, run, device, batches, args.compile_modes, args.compile_dynamic,
                                         args.scaled_mm_out))  # fmt: skip

@@ -51,9 +51,23 @@ __all__ = [
 
 #: The implementations, in the order they run.
 IMPLS = ("unfused", "torch", "torch-fastpath", "torch-compile", "fusedenc", "fusedenc-eager", "fusedenc-compile",
-         "fusedenc-graph", "fusedenc-gelu-unit", "fusedenc-folded")  # fmt: skip
-#: Rows run only when named (A/B rows of switches that are off by default).
-ON_REQUEST = ("fusedenc-gelu-unit", "fusedenc-folded")
+         "fusedenc-graph", "fusedenc-gelu-unit", "fusedenc-folded", "fusedenc-unfolded",
+         "fusedenc-unfolded-gelu-unit")  # fmt: skip
+#: Rows run only when named: the plain call under switches the library sets otherwise, the A/B
+#: rows of its defaults.  Name -> (the switches, what the row's note says).  "gelu-unit": the
+#: Hopper GELU units on (as FUSEDENC_SM90_GELU=1; the core's own switch, without graph
+#: invalidation: the row's stack has its own graphs, captured with the units on); "force" /
+#: "off": LayerNorm folding at every batch size / at none (``auto`` folds only where the GEMMs
+#: span four waves; the mode is part of every graph's key).
+SWITCHED = {
+    "fusedenc-gelu-unit": (("gelu-unit",), "the Hopper GELU units on (as FUSEDENC_SM90_GELU=1)"),
+    "fusedenc-folded": (("force",), "LayerNorm folding forced at every batch size"),
+    "fusedenc-unfolded": (("off",), "LayerNorm folding off at every batch size"),
+    "fusedenc-unfolded-gelu-unit": (("off", "gelu-unit"), "LayerNorm folding off and the Hopper GELU units on"),
+}
+ON_REQUEST = tuple(SWITCHED)
+#: The rows that need the Hopper GELU units (skipped where they cannot run).
+GELU_UNIT_ROWS = tuple(name for name, (switches, _) in SWITCHED.items() if "gelu-unit" in switches)
 
 
 # ------------------------------------------------------------ the models ----
@@ -420,22 +434,19 @@ def make_fusedenc_graph(model: TorchEncoder, run: Run, device: torch.device, bat
 
 
 def make_fusedenc_switched(model: TorchEncoder, run: Run, device: torch.device, name: str) -> Impl:
-    """The plain call inside a switch that is off by default, the A/B row of ``fusedenc``:
-    ``fusedenc-gelu-unit``, the Hopper GELU units on (as ``FUSEDENC_SM90_GELU=1``; the core's own
-    switch, without graph invalidation: this row's stack has its own graphs, captured with the
-    units on); ``fusedenc-folded``, LayerNorm folding forced at every batch size (``auto`` folds
-    only where the GEMMs span four waves; the mode is part of every graph's key)."""
+    """The plain call inside the switches of ``SWITCHED[name]``: an A/B row of ``fusedenc``."""
     from fusedenc import core
     from fusedenc.ops import norm_fold
 
-    switch, note = {
-        "fusedenc-gelu-unit": (core.sm90_gelu_epilogue, "the Hopper GELU units on (as FUSEDENC_SM90_GELU=1)"),
-        "fusedenc-folded": (lambda: norm_fold.mode("force"), "LayerNorm folding forced at every batch size"),
-    }[name]
+    switches, note = SWITCHED[name]
+    enter = {"gelu-unit": core.sm90_gelu_epilogue, "force": lambda: norm_fold.mode("force"),
+             "off": lambda: norm_fold.mode("off")}  # fmt: skip
     stack = load_fusedenc_stack(model, run, device)
 
     def call(x):
-        with switch():
+        with contextlib.ExitStack() as on:
+            for switch in switches:
+                on.enter_context(enter[switch]())
             return stack(x)
 
     impl = Impl(name, call)
@@ -469,7 +480,7 @@ def builders(
             out[name] = lambda m: make_fusedenc_compile(m, run, device, compile_dynamic)
         elif name == "fusedenc-graph":
             out[name] = lambda m: make_fusedenc_graph(m, run, device, batches)
-        elif name in ("fusedenc-gelu-unit", "fusedenc-folded"):
+        elif name in SWITCHED:
             out[name] = lambda m, name=name: make_fusedenc_switched(m, run, device, name)
     return out
 

@@ -2,8 +2,9 @@
 # The BERT-kernel work on a GPU machine, in one call: build the CUDA core (with the Hopper
 # kernels), the GPU tests of the epilogue GEMMs and GELU units, FFN1 per op (cuBLASLt + the GELU
 # pass against the Hopper GELU unit) at the encoder shapes, then the nps comparison with the
-# A/B rows (fusedenc-gelu-unit: the GELU units switched on; fusedenc-folded: LayerNorm folding
-# at every batch size) beside torch.compile.  Logs and results go to $OUT (or ./gpu-out); each
+# A/B rows of the library's defaults (fusedenc-gelu-unit: the GELU units on; fusedenc-folded /
+# fusedenc-unfolded: LayerNorm folding at every batch size / at none; both switches together)
+# beside torch.compile.  Logs and results go to $OUT (or ./gpu-out); each
 # step is capped so one slow step leaves the others' results; a summary is printed last.
 #   bash tools/gpu_bert.sh [tests,ops,nps]
 # BERT_NPS_PRESETS (default bert-base-s128) and BERT_NPS_BATCHES (default 32,256,1024) pick the
@@ -42,7 +43,7 @@ fi
 if [[ $stages == *nps* ]]; then
   for preset in ${BERT_NPS_PRESETS:-bert-base-s128}; do
     step "nps-$preset" 400 python3 bench/nps.py --preset "$preset" --batch-sizes "${BERT_NPS_BATCHES:-32,256,1024}" \
-      --impl torch-compile,fusedenc,fusedenc-gelu-unit,fusedenc-folded --compile-modes max-autotune-no-cudagraphs \
+      --impl torch-compile,fusedenc,fusedenc-gelu-unit,fusedenc-folded,fusedenc-unfolded,fusedenc-unfolded-gelu-unit --compile-modes max-autotune-no-cudagraphs \
       --out-dir "$OUT" --no-plot --no-progress --step-timeout 240
   done
 fi
