@@ -44,6 +44,14 @@ def whole_range_inputs(dtype, gen, device, rows=16384, k=256) -> tuple[torch.Ten
     return x, torch.eye(k, k, dtype=dtype, device=device)
 
 
+def gelu_fp64(x: torch.Tensor, act: str) -> torch.Tensor:
+    """Exact GELU or tanh-GELU of fp64 ``x`` without the cancellation of torch's ``1 + erf`` /
+    ``1 + tanh`` forms in the negative tail (where bf16 still holds values down to 1e-40)."""
+    if act == "gelu":
+        return 0.5 * x * torch.special.erfc(-x / math.sqrt(2.0))
+    return x * torch.sigmoid(2.0 * math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))
+
+
 def assert_within_output_rounding(out, x, ref, dtype, what) -> None:
     """Each output within half an ulp of the output (``dtype``) plus 1e-5 relative of the fp64
     ``ref``, and within the smallest subnormal near zero; finite where ``x`` is."""

@@ -18,7 +18,17 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_close_rule, linear_formula, poisoned, randn, ref_dtype, same_dtype_torch
+from helpers import (
+    assert_close_rule,
+    assert_within_output_rounding,
+    gelu_fp64,
+    linear_formula,
+    poisoned,
+    randn,
+    ref_dtype,
+    same_dtype_torch,
+    whole_range_inputs,
+)
 
 import fusedenc
 import fusedenc.testing
@@ -292,6 +302,23 @@ def test_forced_epilogue_fallback(dtype, activation, with_bias, with_residual, r
         normal = fusedenc.linear(x, w, b, activation, r, beta, out=poisoned((m, n), dtype, DEVICE))
     assert len(fusedenc.fallback_events()) == events_before + 1
     _check(normal, x, w, b, activation, r, beta, what=f"after leaving the context: {what}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_gelu_pass_accurate_over_the_whole_range(dtype, act, gen):
+    """The bias + activation pass's GELUs in 16 bits (activations.cuh's forms, which the Hopper
+    GELU units share) at every representable input in [-40, 40]: through an identity weight the
+    GEMM's output is exactly the input, and each output of the pass is within half an ulp plus
+    1e-5 relative of the fp64 GELU, the negative tail included (torch's 1 + erf form loses it)."""
+    x, w = whole_range_inputs(dtype, gen, DEVICE)
+    out = poisoned((x.shape[0], w.shape[0]), dtype, DEVICE)
+    with fusedenc.testing.sm90_gelu_epilogue(False), fusedenc.testing.force_epilogue_fallback(), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", fusedenc.FallbackWarning)  # the forced fallback warns once a shape
+        fusedenc.linear(x, w, None, act, out=out)
+    assert_within_output_rounding(out, x, gelu_fp64(x.double(), act), dtype, f"the {act} pass")
 
 
 # ------------------------------------------------------------------- QKV ----

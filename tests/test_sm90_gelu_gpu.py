@@ -13,13 +13,12 @@ build that holds the units; elsewhere they skip with the reason.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from helpers import (
     assert_close_rule,
     assert_within_output_rounding,
+    gelu_fp64,
     linear_formula,
     poisoned,
     randn,
@@ -49,14 +48,6 @@ def _require_unit(dtype: torch.dtype, act: str) -> None:
 def _norm_gemm(x, w, b, act, out, rstd=None, shift=None, colsum=None) -> None:
     stream = torch.cuda.current_stream().cuda_stream
     assert core.sm90_norm_gemm(x, w, out, b, act, rstd, shift, colsum, stream, core.workspace(x.device, stream))
-
-
-def _accurate(x: torch.Tensor, act: str) -> torch.Tensor:
-    """The GELU of fp64 ``x`` without the cancellation of torch's ``1 + erf`` / ``1 + tanh``
-    forms in the negative tail (where bf16 still holds values down to 1e-40)."""
-    if act == "gelu":
-        return 0.5 * x * torch.special.erfc(-x / math.sqrt(2.0))
-    return x * torch.sigmoid(2.0 * math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -120,7 +111,7 @@ def test_units_accurate_over_the_whole_range(dtype, act, gen):
     out = poisoned((x.shape[0], w.shape[0]), dtype, DEVICE)
     with fusedenc.testing.sm90_gelu_epilogue():
         _norm_gemm(x, w, None, act, out)
-    assert_within_output_rounding(out, x, _accurate(x.double(), act), dtype, act)
+    assert_within_output_rounding(out, x, gelu_fp64(x.double(), act), dtype, act)
 
 
 @pytest.mark.parametrize("act", GELUS)

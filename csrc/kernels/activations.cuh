@@ -76,21 +76,44 @@ template <Activation A>
 __device__ __forceinline__ float activate_fast(float x) {
   return activate<A>(x);
 }
-// e^x as one MUFU.EX2 with denormals flushed (ex2.approx.ftz).  __expf compiles to the
-// non-flushing ex2, which sm_90 wraps in a range fix-up (a compare and two predicated
-// multiplies around the MUFU op, all on the activation's dependent chain).  Flushing only
-// changes results below 2^-126, which are 0 in the 16-bit outputs these epilogues write.
-// Measured on an H100 (fp16, folded FFN1): outputs bit-identical; swish 65536 x 768 -> 2304
-// 404 -> 398 us, mish 65536 x 1024 -> 1536 348 -> 342 us; whole nets within noise.
-__device__ __forceinline__ float exp_ftz(float x) {
+// 2^y and 1/q as one MUFU op each, denormals flushed (ex2.approx.ftz, rcp.approx.ftz).
+// __expf compiles to the non-flushing ex2, which sm_90 wraps in a range fix-up (a compare and
+// two predicated multiplies around the MUFU op, all on the activation's dependent chain).
+// Flushing only changes results below 2^-126, which are 0 in the 16-bit outputs these
+// epilogues write (exact GELU, whose bf16 tail reaches below that, shifts its exponent).
+// HIP builds take the plain functions.
+__device__ __forceinline__ float ex2_ftz(float y) {
 #if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
-  return y;
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  return r;
 #else
-  return __expf(x);
+  return exp2f(y);
 #endif
 }
+__device__ __forceinline__ float rcp_ftz(float q) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(q));
+  return r;
+#else
+  return 1.f / q;
+#endif
+}
+// max(x, y) that returns NaN where either is NaN (fmaxf returns the other), in one instruction.
+__device__ __forceinline__ float max_nan(float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+#else
+  return x != x ? x : fmaxf(x, y);
+#endif
+}
+// e^x through ex2_ftz.  Measured on an H100 against __expf (fp16, folded FFN1): outputs
+// bit-identical; swish 65536 x 768 -> 2304 404 -> 398 us, mish 65536 x 1024 -> 1536 348 -> 342
+// us; whole nets within noise.
+__device__ __forceinline__ float exp_ftz(float x) { return ex2_ftz(x * 1.4426950408889634f); }
 template <> __device__ __forceinline__ float activate_fast<Activation::swish>(float x) {
   return __fdividef(x, 1.f + exp_ftz(-x));
 }
@@ -122,42 +145,52 @@ template <> __device__ __forceinline__ float activate_fast<Activation::sigmoid>(
 }
 
 // The two GELUs for the epilogue units that fix them at compile time (sm90_gemm.cpp:
-// gelu_in_epilogue).  Both are written so that the dependent chain is short (the epilogue's
-// cost follows its chain's latency, not its instruction count: bench/NOTES.md) and so that
-// the negative tail keeps its relative accuracy down to the subnormals bf16 can hold:
-// __expf (not exp_ftz) keeps subnormal results, and no form subtracts two numbers near 1.
-// Checked in a float32 emulation over every fp16/bf16 value in [-40, 40] against fp64 erfc
-// and sigmoid: within the output's half ulp + 1e-5 relative everywhere, 4e-6 / 1e-5 relative
-// in fp32 (tests/test_sm90_gelu_gpu.py checks the kernels the same way).
+// gelu_in_epilogue).  An epilogue's activation costs GEMM time roughly in proportion to its
+// instructions per element (bench/NOTES.md: swish ~6, mish ~15), so both are written for few
+// instructions, and so that the negative tail keeps its relative accuracy down to the
+// subnormals bf16 can hold: no form subtracts two numbers near 1.  Checked in a float32
+// emulation of these exact steps over every fp16/bf16 value in [-40, 40] against fp64 erfc and
+// sigmoid (with the MUFU results off by 2 ulp either way): within the output's half ulp + 1e-5
+// relative everywhere, 4e-6 relative in fp32 (tests/test_sm90_gelu_gpu.py checks the kernels
+// the same way).
 //
-// Exact GELU as x - h (x >= 0) or -h (x < 0), h = 0.5 |x| erfc(|x| / sqrt 2), with erfc from
-// Numerical Recipes' erfcc fit: erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), P of degree
-// 9 (relative error < 1.2e-7 for every z >= 0); P by Estrin's scheme (depth 4 instead of
-// Horner's 9).  |x| is clamped at 15 (erfc(15 / sqrt 2) < 1e-50: 0 in fp32), so +inf gives
-// +inf and NaN comes back through x; -inf gives -0 (torch: NaN; no finite accumulator is -inf).
+// Exact GELU as max(x, 0) - h, h = 0.5 a erfc(a / sqrt 2) for a = |x| (x - h or -h), written
+// h = e^(-a^2 / 2) R(a) with R(a) = a P(a) / Q(a), P cubic and Q quartic: a rational fitted to
+// R for relative error over [0, 14] (Lawson's iteration on fp64 values; max 3.8e-7).  R tends to
+// 1 / sqrt(2 pi), so nothing in it overflows or cancels; ~16.5 instructions and 2 MUFU a value
+// in the SASS, against 25 and 1 for CUDA's erff in torch's 1 + erf form (which loses the tail)
+// and 32 and 2 for Numerical Recipes' erfcc fit used before.  The exponential is one ex2 with
+// denormals flushed, taken of y + 24 (2^24 times e^(-a^2 / 2), normal down to a = 14) and
+// Q carries the 2^-24 back: the products (a P) e and then / Q stay normal wherever h is above
+// bf16's smallest subnormal.  |x| is clamped at 14 (h < 2e-43 beyond: 0 in both dtypes), so
+// +inf gives +inf and NaN comes back through x; -inf gives ~-1e-43, -0 in 16 bits (torch: NaN;
+// no finite accumulator is -inf).
 template <> __device__ __forceinline__ float activate_fast<Activation::gelu>(float x) {
-  const float a = fminf(fabsf(x), 15.f);
-  const float t = __fdividef(1.f, fmaf(0.35355339059327373f, a, 1.f));  // 1 / (1 + z / 2), z = a / sqrt 2
-  const float t2 = t * t;
-  const float t4 = t2 * t2;
-  const float q0 = fmaf(1.00002368f, t, -1.26551223f);
-  const float q1 = fmaf(0.09678418f, t, 0.37409196f);
-  const float q2 = fmaf(0.27886807f, t, -0.18628806f);
-  const float q3 = fmaf(1.48851587f, t, -1.13520398f);
-  const float q4 = fmaf(0.17087277f, t, -0.82215223f);
-  const float p = fmaf(q4, t4 * t4, fmaf(fmaf(q3, t2, q2), t4, fmaf(q1, t2, q0)));
-  const float e = __expf(fmaf(-0.5f * a, a, p));  // e^(-z^2 + P(t)), subnormals kept
-  const float h = (0.5f * a) * t * e;
-  return x < 0.f ? -h : x - h;
+  constexpr float kScale = 16777216.f;  // 2^24: e's shift, taken back through Q
+  const float a = fminf(fabsf(x), 14.f);
+  const float e = ex2_ftz(fmaf(a * a, -0.72134752044448170f, 24.f));  // 2^24 e^(-a^2 / 2)
+  float p = fmaf(0.017046008079070668f, a, 0.1195253393320198f);
+  p = fmaf(p, a, 0.36196096071292805f);
+  p = fmaf(p, a, 0.4999998108821728f);
+  float q = fmaf(0.042733009473022f * kScale, a, 0.29940288962377015f * kScale);
+  q = fmaf(q, a, 0.9534105193270418f * kScale);
+  q = fmaf(q, a, 1.5217877020917112f * kScale);
+  q = fmaf(q, a, kScale);
+  const float h = ((a * p) * e) * rcp_ftz(q);
+  return max_nan(x, 0.f) - h;  // x - h or -h
 }
 // tanh-GELU: 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3), as
-// x / (1 + w) (u >= 0) or x w / (1 + w) (u < 0) with w = e^(-2|u|) <= 1: no overflow, and the
-// negative tail (torch's 0.5 x (1 + tanh(u)) is 0 there) stays accurate.  NaN -> NaN, +inf ->
-// +inf, -inf -> NaN (as torch).
+// x / (1 + w) (x >= 0) or x w / (1 + w) (x < 0) with w = e^(-2|u|) <= 1: no overflow, and the
+// negative tail (torch's 0.5 x (1 + tanh(u)) is 0 there) stays accurate.  The same exponent
+// shift as exact GELU's: w' = 2^24 w from one flushing ex2 (normal while the result is above
+// bf16's smallest subnormal), then x 2^24 / (2^24 + w') or x w' / (2^24 + w').  11 instructions
+// and 2 MUFU a value (14.5 with __expf's range fix-up, used before).  NaN -> NaN, +inf -> +inf,
+// -inf -> NaN (as torch).
 template <> __device__ __forceinline__ float activate_fast<Activation::gelu_tanh>(float x) {
+  constexpr float kScale = 16777216.f;  // 2^24
   const float inner = fmaf(0.044715f, x * x, 1.f);
-  const float w = __expf((-1.5957691216057308f * fabsf(x)) * inner);  // e^(-2|u|), 2 sqrt(2 / pi)
-  return (x >= 0.f ? x : x * w) * __fdividef(1.f, 1.f + w);
+  const float w = ex2_ftz(fmaf(-2.3022081981443250f * fabsf(x), inner, 24.f));  // 2^24 e^(-2|u|): -2 sqrt(2 / pi) log2(e)
+  return (x * (x >= 0.f ? kScale : w)) * rcp_ftz(w + kScale);
 }
 
 }  // namespace fusedenc
