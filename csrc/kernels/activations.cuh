@@ -154,17 +154,17 @@ template <> __device__ __forceinline__ float activate_fast<Activation::sigmoid>(
 // relative everywhere, 4e-6 relative in fp32 (tests/test_sm90_gelu_gpu.py checks the kernels
 // the same way).
 //
-// Exact GELU as max(x, 0) - h, h = 0.5 a erfc(a / sqrt 2) for a = |x| (x - h or -h), written
-// h = e^(-a^2 / 2) R(a) with R(a) = a P(a) / Q(a), P cubic and Q quartic: a rational fitted to
-// R for relative error over [0, 14] (Lawson's iteration on fp64 values; max 3.8e-7).  R tends to
-// 1 / sqrt(2 pi), so nothing in it overflows or cancels; ~16.5 instructions and 2 MUFU a value
-// in the SASS, against 25 and 1 for CUDA's erff in torch's 1 + erf form (which loses the tail)
-// and 32 and 2 for Numerical Recipes' erfcc fit used before.  The exponential is one ex2 with
-// denormals flushed, taken of y + 24 (2^24 times e^(-a^2 / 2), normal down to a = 14) and
-// Q carries the 2^-24 back: the products (a P) e and then / Q stay normal wherever h is above
-// bf16's smallest subnormal.  |x| is clamped at 14 (h < 2e-43 beyond: 0 in both dtypes), so
-// +inf gives +inf and NaN comes back through x; -inf gives ~-1e-43, -0 in 16 bits (torch: NaN;
-// no finite accumulator is -inf).
+// Exact GELU as max(x, 0) - h, h = 0.5 a erfc(a / sqrt 2) for a = |x| (x - h or -h), written h
+// = e^(-a^2 / 2) R(a) with R(a) = a P(a) / Q(a), P cubic and Q quartic: a rational fitted to R
+// for relative error over [0, 14] (max 3.8e-7; tools/gelu_rational_fit.py fits it and emulates
+// these steps).  R tends to 1 / sqrt(2 pi), so nothing in it overflows or cancels; ~16.5
+// instructions and 2 MUFU a value in the SASS, against 25 and 1 for CUDA's erff in torch's 1 +
+// erf form (which loses the tail) and 32 and 2 for Numerical Recipes' erfcc fit used before.
+// The exponential is one ex2 with denormals flushed, taken of y + 24 (2^24 times e^(-a^2 / 2),
+// normal down to a = 14) and Q carries the 2^-24 back: the products (a P) e and then / Q stay
+// normal wherever h is above bf16's smallest subnormal.  |x| is clamped at 14 (h < 2e-43
+// beyond: 0 in both dtypes), so +inf gives +inf and NaN comes back through x; -inf gives
+// ~-1e-43, -0 in 16 bits (torch: NaN; no finite accumulator is -inf).
 template <> __device__ __forceinline__ float activate_fast<Activation::gelu>(float x) {
   constexpr float kScale = 16777216.f;  // 2^24: e's shift, taken back through Q
   const float a = fminf(fabsf(x), 14.f);
