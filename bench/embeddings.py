@@ -71,6 +71,11 @@ Implementations (``--impl``):
                         ``VarlenGraphRunner`` (CUDA graphs keyed by token count) on the
                         packed rows, pooled straight from them (``fusedenc.varlen.packing.mean_pool``)
 
+``--kernels`` (GPU): after timing, one more pass of each row runs under ``torch.profiler`` and
+the row also reports its GPU kernels a batch (launched, or replayed from a CUDA graph), their
+summed device time a batch (the floor the call could reach with no gaps and no host cost), and
+that floor's share of the timed pass: where small batches lose their time.
+
 Before timing, every implementation's embeddings are compared with the fp32 HF model's on
 the same batches: the smallest cosine over all sentences is reported (the target for fp16
 is >= 0.9999) and a failure is marked in the table.  bert-base has random weights (HF's
@@ -426,6 +431,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--out-dir", default=os.environ.get(common.RESULTS_DIR_ENV) or common.DEFAULT_RESULTS_DIR)
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--kernels", action="store_true",
+                    help="GPU: profile one more pass per row: kernels a batch and their device time (see above)")
     args = ap.parse_args(argv)
 
     device = common.resolve_device(args.device)
@@ -443,6 +450,8 @@ def main(argv=None) -> int:
             ap.error(f"--impl {i!r} is not one of {IMPLS}")
     if not gpu and "fusedenc-graph" in impls:
         ap.error("fusedenc-graph needs a GPU (CUDA graphs)")
+    if not gpu and args.kernels:
+        ap.error("--kernels needs a GPU (it counts CUDA kernels)")
     if args.reps < 1:
         ap.error("--reps must be at least 1")
     if args.full_length is not None and not 1 <= args.full_length <= args.max_length:
@@ -491,7 +500,8 @@ def main(argv=None) -> int:
             for impl in impls:
                 print(f"[{name} b{batch} io={io}] {impl} ...", file=sys.stderr, flush=True)
                 try:
-                    row = measure(impl, name, device, dtype, args.seed, batches, batch, io, ref, hist, args.reps)
+                    row = measure(impl, name, device, dtype, args.seed, batches, batch, io, ref, hist, args.reps,
+                                  args.kernels)  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others
                     row = {"impl": impl, "error": f"{type(e).__name__}: {e}"}
                 record["results"].append(row)
@@ -511,8 +521,9 @@ def main(argv=None) -> int:
 
 
 def measure(impl: str, name: str, device, dtype, seed: int, batches, batch: int, io: str, ref: torch.Tensor,
-            hist: dict, reps: int) -> dict:
-    """One implementation's row: built and warmed up, checked against ``ref``, timed."""
+            hist: dict, reps: int, kernels: bool = False) -> dict:
+    """One implementation's row: built and warmed up, checked against ``ref``, timed (and, with
+    ``kernels``, one more pass profiled: ``kernel_profile``)."""
     run, setup_s, note = build(impl, name, device, dtype, seed, batches, batch, io)
     step = with_io(run, device, io)
     emb = embed_all(step, batches)
@@ -523,6 +534,11 @@ def measure(impl: str, name: str, device, dtype, seed: int, batches, batch: int,
            "real_tokens_per_s": hist["real_tokens"] / sec, "min_cosine": float(cos.min()),
            "mean_cosine": float(cos.mean()), "cosine_ok": bool(cos.min() >= FP16_COSINE) or dtype != torch.float16,
            "setup_seconds": setup_s, "note": note, "passes_s": passes}  # fmt: skip
+    if kernels:
+        try:
+            row["kernels"] = kernel_profile(step, batches, sec)
+        except Exception as e:  # noqa: BLE001 - a profiler that cannot run here must not lose the row
+            row["kernels"] = {"error": f"{type(e).__name__}: {e}"}
     stats = getattr(run, "graph_stats", None)
     if stats is not None:
         try:
@@ -537,6 +553,43 @@ def measure(impl: str, name: str, device, dtype, seed: int, batches, batch: int,
                 f"{c.get('replays', 0)} replays, {c.get('evictions', 0)} evictions, "
                 f"{sum(v for k, v in c.items() if k.startswith('eager'))} eager calls")
     return row
+
+
+def kernel_profile(step, batches, seconds_per_pass: float) -> dict:
+    """One pass of ``step`` under ``torch.profiler`` (CUDA activity): GPU kernels and copies a
+    batch, the kernels' summed device time a batch, and that time's share of the timed pass's
+    (``seconds_per_pass``: the median of the timed passes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for b in batches:
+            step(b)
+        torch.cuda.synchronize()
+    kernels = copies = 0
+    device_us = 0.0
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if e.key.startswith(("Memcpy", "Memset")):
+            copies += e.count
+        else:
+            kernels += e.count
+            device_us += us
+    n = len(batches)
+    if kernels == 0:
+        raise RuntimeError("the profiler recorded no GPU kernels")
+    return {"kernels_per_batch": kernels / n, "copies_per_batch": copies / n, "kernel_us_per_batch": device_us / n,
+            "pass_us_per_batch": seconds_per_pass * 1e6 / n, "busy_fraction": device_us / (seconds_per_pass * 1e6)}
+
+
+def _kernel_note(k: dict) -> str:
+    if "error" in k:
+        return f"kernels: {k['error'][:80]}"
+    return (f"{k['kernels_per_batch']:.0f} kernels + {k['copies_per_batch']:.0f} copies a batch, "
+            f"{k['kernel_us_per_batch']:.0f} us of kernels in {k['pass_us_per_batch']:.0f} us "
+            f"({100 * k['busy_fraction']:.0f}% busy)")
 
 
 def write_results(base: str, result: dict) -> None:
@@ -572,6 +625,8 @@ def table(record: dict) -> list[str]:
         flag = "" if r["cosine_ok"] else "  BELOW 0.9999"
         out.append(f"  {r['impl']:<16} {r['sentences_per_s']:>12.0f} {r['real_tokens_per_s']:>12.0f} {ratio:>11} "
                    f"{r['min_cosine']:>11.6f}  {r['setup_seconds']:.1f}s {r['note']}{flag}".rstrip())  # fmt: skip
+        if "kernels" in r:
+            out.append(f"  {'':<16} {_kernel_note(r['kernels'])}")
     if not record.get("complete", True):
         out.append("  (still running: the rows above are those measured so far)")
     return out + [""]

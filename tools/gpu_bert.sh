@@ -6,7 +6,11 @@
 # fusedenc-unfolded: LayerNorm folding at every batch size / at none; both switches together)
 # beside torch.compile.  Logs and results go to $OUT (or ./gpu-out); each
 # step is capped so one slow step leaves the others' results; a summary is printed last.
-#   bash tools/gpu_bert.sh [tests,ops,nps]
+# The small stage: MiniLM at 32 sentences, the pooled one-graph call against torch.compile's,
+# with each row's GPU kernels a batch and their summed time (bench/embeddings.py --kernels: the
+# floor a small batch could reach, and how close the call gets).  Without the real-models extra,
+# .cache/minilm-tokenizer (the tokenizer's files) stands in, as for tools/gpu_embed.sh.
+#   bash tools/gpu_bert.sh [tests,ops,nps,small]
 # BERT_NPS_PRESETS (default bert-base-s128) and BERT_NPS_BATCHES (default 32,256,1024) pick the
 # nps runs; BERT_OPS_PRESETS and BERT_OPS_TOKENS the per-op shapes; BERT_TESTS the pytest files
 # (default: the sm90 GEMM and GELU tests; "all" runs the whole GPU suite, as tools/gpu_check.sh).
@@ -14,7 +18,8 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSEDENC_REQUIRE_NATIVE=cuda
-stages=${1:-tests,ops,nps}
+[ -d .cache/minilm-tokenizer ] && export FUSEDENC_MINILM_DIR=${FUSEDENC_MINILM_DIR:-$PWD/.cache/minilm-tokenizer}
+stages=${1:-tests,ops,nps,small}
 steps=()
 step() {  # step NAME SECONDS command...: under a cap (SIGINT first: pytest and the benches still report)
   local name=$1 cap=$2 start=$SECONDS; shift 2
@@ -47,8 +52,13 @@ if [[ $stages == *nps* ]]; then
       --out-dir "$OUT" --no-plot --no-progress --step-timeout 240
   done
 fi
+if [[ $stages == *small* ]]; then
+  step small 300 python3 bench/embeddings.py --model minilm,bert-base --batch-sizes 32 --kernels \
+    --impl compile-ro-pooled,fusedenc-pooled --out-dir "$OUT" --tag small-batch-kernels
+fi
 
 echo "==== steps"; printf '%s\n' "${steps[@]}"; cat "$OUT/env.txt"
 [ -f "$OUT/gpu-tests.log" ] && { echo "==== GPU tests"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu-tests.log" | tail -20; }
 for f in "$OUT"/ops-*.log; do [ -f "$f" ] && { echo "==== $(basename "$f")"; grep -E "^ *(ffn1|torch|F\.|fusedenc|triton|Hopper)" "$f" | cut -c1-120; }; done
 for f in "$OUT"/nps-*.log; do [ -f "$f" ] && { echo "==== $(basename "$f")"; grep -E "^ +[0-9]+ +(torch-compile|fusedenc|gemm-floor)" "$f" | cut -c1-110; }; done
+[ -f "$OUT/embeddings_small-batch-kernels.txt" ] && { echo "==== small batches"; grep -E "^  (compile|fusedenc|  )" "$OUT/embeddings_small-batch-kernels.txt"; }
