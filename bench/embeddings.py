@@ -5,6 +5,7 @@
     python3 bench/embeddings.py --model minilm --batch-sizes 128 --impl hf-sdpa,fusedenc,fusedenc-graph
     python3 bench/embeddings.py --io device           # inputs on the device before timing, outputs left there
     python3 bench/embeddings.py --full-length 128     # no padding: every sequence 128 tokens
+    python3 bench/embeddings.py --passages 512        # retrieval passages: runs of sentences up to 512 tokens
 
 The sentences are ``tests/data/real_sentences`` (English prose of the Python 3.11
 documentation, in a seeded random order), taken in file order and batched as a service
@@ -15,6 +16,11 @@ mean-pools the last hidden state over the attention mask (sentence-transformers'
 for all-MiniLM-L6-v2; the same pooling for bert-base).  The table reports sentences/s and
 tokens/s (real tokens), the median of ``--reps`` passes (default 10), with the ratio to the
 best peer.
+
+``--passages N`` measures what a retrieval index embeds: the whole corpus cut into passages,
+each a run of consecutive sentences of at most N tokens (a greedy chunker, as text splitters
+with a token limit make them; a sentence longer than N is truncated), so batches hold nearly
+full sequences with a few percent of padding; truncation is then N.
 
 ``--full-length N`` measures batches with no padding instead (where the padding-free path
 must be no slower than the padded one): every sequence is exactly N tokens, its sentence cut
@@ -140,10 +146,34 @@ IO_TIMING = {
 # ------------------------------------------------------------ inputs ----
 
 
-def read_sentences(n: int) -> list[str]:
+def read_sentences(n: Optional[int]) -> list[str]:
+    """The first ``n`` sentences (None: all)."""
     with gzip.open(SENTENCES, "rt", encoding="utf-8") as fh:
         lines = fh.read().splitlines()
     return lines[:n]
+
+
+def make_passages(sentences: list[str], tokenizer, max_tokens: int) -> list[str]:
+    """Runs of consecutive ``sentences`` joined by spaces, each of at most ``max_tokens`` tokens
+    with the two special tokens (a greedy chunker); a sentence longer than that is a passage of
+    its own, truncated when tokenized."""
+    if isinstance(tokenizer, WordTokenizer):
+        counts = [len(tokenizer.ids(t)) - 2 for t in sentences]
+    else:
+        counts = [len(ids) for ids in tokenizer(sentences, add_special_tokens=False)["input_ids"]]
+    budget = max_tokens - 2
+    passages: list[str] = []
+    run: list[str] = []
+    used = 0
+    for text, count in zip(sentences, counts):
+        if run and used + count > budget:
+            passages.append(" ".join(run))
+            run, used = [], 0
+        run.append(text)
+        used += count
+    if run:
+        passages.append(" ".join(run))
+    return passages
 
 
 class WordTokenizer:
@@ -423,7 +453,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sentences", type=int, default=None, help="sentences per pass (default 4096 on a GPU, 64 on CPU)")
     ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                     help="default float16 on a GPU, float32 on CPU")  # fmt: skip
-    ap.add_argument("--max-length", type=int, default=256, help="truncation (sentence-transformers' 256)")
+    ap.add_argument("--max-length", type=int, default=None,
+                    help="truncation (default sentence-transformers' 256; with --passages N, N)")
+    ap.add_argument("--passages", type=int, default=None, metavar="N",
+                    help="the corpus as passages of up to N tokens (see above); --sentences then counts passages")
     ap.add_argument("--full-length", type=int, default=None, metavar="N",
                     help="batches with no padding: every sequence exactly N tokens (see above)")
     ap.add_argument("--reps", type=int, default=REPS, help=f"timed passes, median taken (default {REPS})")
@@ -454,13 +487,18 @@ def main(argv=None) -> int:
         ap.error("--kernels needs a GPU (it counts CUDA kernels)")
     if args.reps < 1:
         ap.error("--reps must be at least 1")
+    if args.passages is not None and (args.passages < 3 or args.full_length is not None):
+        ap.error("--passages takes N >= 3 (two special tokens and text) and not --full-length")
+    args.max_length = args.max_length or args.passages or 256
+    if args.passages is not None and args.passages > args.max_length:
+        ap.error(f"--passages {args.passages} is longer than --max-length {args.max_length}")
     if args.full_length is not None and not 1 <= args.full_length <= args.max_length:
         ap.error(f"--full-length must be in [1, --max-length={args.max_length}], got {args.full_length}")
     io = args.io
     dtype = getattr(torch, args.dtype or ("float16" if gpu else "float32"))
     dtype_name = str(dtype).replace("torch.", "")
     n = args.sentences or (4096 if gpu else 64)
-    sentences = read_sentences(n)
+    sentences = read_sentences(None if args.passages else n)
     env = common.environment(device)
     try:
         import transformers
@@ -471,7 +509,7 @@ def main(argv=None) -> int:
         return 2
     env["varlen_attention"] = varlen_attention.choose(dtype, 64, device)
 
-    shape = [f"full{args.full_length}"] if args.full_length else []
+    shape = [f"full{args.full_length}"] if args.full_length else [f"passages{args.passages}"] if args.passages else []
     tag = args.tag or "_".join(("-".join(models), *shape, dtype_name, common.slug(env["device_name"])))
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, f"embeddings_{tag}")
@@ -486,7 +524,8 @@ def main(argv=None) -> int:
         tokenizer = tokenizer or WordTokenizer()
         ref_model = load_model(name, device, torch.float32, "sdpa", args.seed)
         for batch in sizes:
-            batches = make_batches(sentences, tokenizer, batch, args.max_length, device if io == "device" else None,
+            texts = make_passages(sentences, tokenizer, args.passages)[:args.sentences] if args.passages else sentences
+            batches = make_batches(texts, tokenizer, batch, args.max_length, device if io == "device" else None,
                                    args.full_length)  # fmt: skip
             if not batches:
                 print(f"skip {name} batch {batch}: fewer than {batch} sentences", file=sys.stderr)
@@ -494,7 +533,7 @@ def main(argv=None) -> int:
             hist = length_histogram(batches)
             ref = embed_all(with_io(hf_runner(ref_model), device, io), batches)
             record = {"model": name, "batch": batch, "dtype": dtype_name, "io": io, "tokenizer": tok_note,
-                      "full_length": args.full_length,
+                      "full_length": args.full_length, "passages": args.passages,
                       "lengths": hist, "results": [], "complete": False}  # fmt: skip
             records.append(record)
             for impl in impls:
@@ -608,6 +647,8 @@ def write_results(base: str, result: dict) -> None:
 def table(record: dict) -> list[str]:
     h = record["lengths"]
     full = f", every sequence {record['full_length']} tokens (no padding)" if record.get("full_length") else ""
+    if record.get("passages"):
+        full = f", passages of up to {record['passages']} tokens (runs of consecutive sentences)"
     out = [f"{record['model']}, batch {record['batch']}, {record['dtype']}, io {record['io']}{full}: {h['sentences']} sentences, "
            f"tokens per sentence min {h['min']} / p10 {h['p10']:.0f} / median {h['median']:.0f} / mean {h['mean']:.1f} / "
            f"p90 {h['p90']:.0f} / p99 {h['p99']:.0f} / max {h['max']}; {100 * h['padding_fraction']:.0f}% of the "

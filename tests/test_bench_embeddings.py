@@ -72,6 +72,43 @@ def test_embeddings_warm_up_runs_each_batch_shape_once(monkeypatch):
     assert [b["input_ids"].shape[1] for b in embeddings.distinct_shapes(batches)] == [16, 24, 32]
 
 
+def test_passages_are_runs_of_consecutive_sentences_within_the_budget(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import embeddings  # bench/embeddings.py
+
+    tok = embeddings.WordTokenizer()
+    sentences = embeddings.read_sentences(400)
+    passages = embeddings.make_passages(sentences, tok, 64)
+    assert " ".join(passages) == " ".join(sentences)  # every sentence, in order, none twice
+    sizes = [len(tok.ids(p)) for p in passages]
+    # within the budget unless one sentence alone is longer; nearly full otherwise (greedy)
+    assert all(n <= 64 or p in sentences for p, n in zip(passages, sizes))
+    assert sorted(sizes)[len(sizes) // 2] > 48
+    assert len(embeddings.make_passages(["one two three"] * 3, tok, 4)) == 3  # each alone over the budget
+
+
+def test_passages_run(tmp_path):
+    run_bench("embeddings.py", ["--device", "cpu", "--model", "tiny", "--batch-sizes", "4", "--passages", "96",
+                                "--sentences", "8", "--reps", "1", "--impl", "hf-sdpa,fusedenc", "--out-dir",
+                                str(tmp_path), "--tag", "psg"], timeout=300)  # fmt: skip
+    [record] = json.loads((tmp_path / "embeddings_psg.json").read_text(encoding="utf-8"))["records"]
+    assert record["passages"] == 96 and record["lengths"]["sentences"] == 8 and record["lengths"]["max"] <= 96
+    assert record["lengths"]["median"] > 60  # passages, not single sentences
+    assert "passages of up to 96 tokens" in (tmp_path / "embeddings_psg.txt").read_text(encoding="utf-8")
+
+
+
+@pytest.mark.parametrize("bad", [["--passages", "2"], ["--passages", "64", "--full-length", "32"],
+                                 ["--passages", "600", "--max-length", "512"]])
+def test_passages_refuse_bad_arguments(bad, tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import embeddings  # bench/embeddings.py
+
+    with pytest.raises(SystemExit) as exit_:
+        embeddings.main(["--device", "cpu", "--model", "tiny", *bad, "--out-dir", str(tmp_path)])
+    assert exit_.value.code == 2 and "--passages" in capsys.readouterr().err
+
+
 def test_st_loop_tiny_and_the_loop_is_sentence_transformers(tmp_path):
     """bench/st_loop.py end to end on the CPU (every peer checked against the fp32 loop, a
     positive rate), and, where the real model and sentence-transformers are installed, the

@@ -10,7 +10,10 @@
 # with each row's GPU kernels a batch and their summed time (bench/embeddings.py --kernels: the
 # floor a small batch could reach, and how close the call gets).  Without the real-models extra,
 # .cache/minilm-tokenizer (the tokenizer's files) stands in, as for tools/gpu_embed.sh.
-#   bash tools/gpu_bert.sh [tests,ops,nps,small]
+# The passages stage: patched Hugging Face models on retrieval passages (bench/embeddings.py
+# --passages: runs of sentences up to 256 / 512 tokens, a few percent of padding) against
+# torch.compile, embeddings checked against fp32 first.
+#   bash tools/gpu_bert.sh [tests,ops,nps,small,passages]
 # BERT_NPS_PRESETS (default bert-base-s128) and BERT_NPS_BATCHES (default 32,256,1024) pick the
 # nps runs; BERT_OPS_PRESETS and BERT_OPS_TOKENS the per-op shapes; BERT_TESTS the pytest files
 # (default: the sm90 GEMM and GELU tests; "all" runs the whole GPU suite, as tools/gpu_check.sh).
@@ -19,7 +22,7 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSEDENC_REQUIRE_NATIVE=cuda
 [ -d .cache/minilm-tokenizer ] && export FUSEDENC_MINILM_DIR=${FUSEDENC_MINILM_DIR:-$PWD/.cache/minilm-tokenizer}
-stages=${1:-tests,ops,nps,small}
+stages=${1:-tests,ops,nps,small,passages}
 steps=()
 step() {  # step NAME SECONDS command...: under a cap (SIGINT first: pytest and the benches still report)
   local name=$1 cap=$2 start=$SECONDS; shift 2
@@ -56,9 +59,17 @@ if [[ $stages == *small* ]]; then
   step small 300 python3 bench/embeddings.py --model minilm,bert-base --batch-sizes 32 --kernels \
     --impl compile-ro-pooled,fusedenc-pooled --out-dir "$OUT" --tag small-batch-kernels
 fi
+if [[ $stages == *passages* ]]; then
+  for tokens in 512 256; do
+    step "passages-$tokens" 400 python3 bench/embeddings.py --model bert-base,minilm --batch-sizes 32,256 \
+      --passages "$tokens" --impl hf-sdpa,compile-pooled,compile-ro-pooled,fusedenc,fusedenc-pooled \
+      --out-dir "$OUT" --tag "passages$tokens"
+  done
+fi
 
 echo "==== steps"; printf '%s\n' "${steps[@]}"; cat "$OUT/env.txt"
 [ -f "$OUT/gpu-tests.log" ] && { echo "==== GPU tests"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu-tests.log" | tail -20; }
 for f in "$OUT"/ops-*.log; do [ -f "$f" ] && { echo "==== $(basename "$f")"; grep -E "^ *(ffn1|torch|F\.|fusedenc|triton|Hopper)" "$f" | cut -c1-120; }; done
 for f in "$OUT"/nps-*.log; do [ -f "$f" ] && { echo "==== $(basename "$f")"; grep -E "^ +[0-9]+ +(torch-compile|fusedenc|gemm-floor)" "$f" | cut -c1-110; }; done
 [ -f "$OUT/embeddings_small-batch-kernels.txt" ] && { echo "==== small batches"; grep -E "^  (compile|fusedenc|  )" "$OUT/embeddings_small-batch-kernels.txt"; }
+for f in "$OUT"/embeddings_passages*.txt; do [ -f "$f" ] && { echo "==== $(basename "$f")"; grep -E "^(minilm|bert-base)|^  (hf|compile|fusedenc)" "$f" | cut -c1-120; }; done
