@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
-# The BERT-kernel work on a GPU machine, in one call: build the CUDA core (with the Hopper
-# kernels), the GPU tests of the epilogue GEMMs and GELU units, FFN1 per op (cuBLASLt + the GELU
-# pass against the Hopper GELU unit) at the encoder shapes, then the nps comparison with the
-# A/B rows of the library's defaults (fusedenc-gelu-unit: the GELU units on; fusedenc-folded /
-# fusedenc-unfolded: LayerNorm folding at every batch size / at none; both switches together)
-# beside torch.compile.  Logs and results go to $OUT (or ./gpu-out); each
-# step is capped so one slow step leaves the others' results; a summary is printed last.
-# The small stage: MiniLM at 32 sentences, the pooled one-graph call against torch.compile's,
-# with each row's GPU kernels a batch and their summed time (bench/embeddings.py --kernels: the
-# floor a small batch could reach, and how close the call gets).  Without the real-models extra,
-# .cache/minilm-tokenizer (the tokenizer's files) stands in, as for tools/gpu_embed.sh.
-# The passages stage: patched Hugging Face models on retrieval passages (bench/embeddings.py
-# --passages: runs of sentences up to 256 / 512 tokens, a few percent of padding) against
-# torch.compile, embeddings checked against fp32 first.
-#   bash tools/gpu_bert.sh [tests,ops,nps,small,passages]
-# BERT_NPS_PRESETS (default bert-base-s128) and BERT_NPS_BATCHES (default 32,256,1024) pick the
-# nps runs; BERT_OPS_PRESETS and BERT_OPS_TOKENS the per-op shapes; BERT_TESTS the pytest files
-# (default: the sm90 GEMM and GELU tests; "all" runs the whole GPU suite, as tools/gpu_check.sh).
+# The BERT-kernel work on a GPU machine, in one call; logs and results go to $OUT (or ./gpu-out),
+# each step under a cap (one slow step leaves the others' results), a summary printed last.
+#   bash tools/gpu_bert.sh [tests,ops,nps,small,passages]     (default: all five)
+# Always first: build the CUDA core with the Hopper kernels.
+#   tests     the sm90 GEMM and GELU-unit GPU tests (BERT_TESTS: pytest files; "all": the whole suite)
+#   ops       FFN1 per op, cuBLASLt + the GELU pass against the Hopper GELU unit, at MiniLM /
+#             bert-base / bge-large shapes (BERT_OPS_PRESETS, BERT_OPS_TOKENS)
+#   nps       the body against torch.compile (the default mode and BERT_COMPILE_MODES, default
+#             reduce-overhead: the best at bert-base 32 lately; max-autotune-no-cudagraphs costs
+#             minutes of autotuning), with the A/B rows of the library's defaults: GELU units on,
+#             LayerNorm folding at every batch size / at none, folding off with the units on
+#             (BERT_NPS_PRESETS default bert-base-s128, BERT_NPS_BATCHES default 32,256,1024)
+#   small     MiniLM and bert-base at 32 sentences, the pooled one-graph call against
+#             torch.compile's, with each row's kernels a batch and their summed time
+#             (bench/embeddings.py --kernels: the floor, and how close the call gets)
+#   passages  patched models on retrieval passages (bench/embeddings.py --passages 512 and 256,
+#             a few percent of padding) against torch.compile, checked against fp32 first
+# Without the real-models extra, .cache/minilm-tokenizer (the tokenizer's files) stands in for
+# the MiniLM tokenizer, as for tools/gpu_embed.sh.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -51,7 +52,8 @@ fi
 if [[ $stages == *nps* ]]; then
   for preset in ${BERT_NPS_PRESETS:-bert-base-s128}; do
     step "nps-$preset" 400 python3 bench/nps.py --preset "$preset" --batch-sizes "${BERT_NPS_BATCHES:-32,256,1024}" \
-      --impl torch-compile,fusedenc,fusedenc-gelu-unit,fusedenc-folded,fusedenc-unfolded,fusedenc-unfolded-gelu-unit --compile-modes max-autotune-no-cudagraphs \
+      --impl torch-compile,fusedenc,fusedenc-gelu-unit,fusedenc-folded,fusedenc-unfolded,fusedenc-unfolded-gelu-unit \
+      --compile-modes "${BERT_COMPILE_MODES:-reduce-overhead}" \
       --out-dir "$OUT" --no-plot --no-progress --step-timeout 240
   done
 fi
