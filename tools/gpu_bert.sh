@@ -44,7 +44,7 @@ if [[ $stages == *tests* ]]; then
     "${parallel[@]}" $tests
 fi
 if [[ $stages == *ops* ]]; then
-  for tokens in ${BERT_OPS_TOKENS:-4096 16384 65536}; do
+  for tokens in ${BERT_OPS_TOKENS:-4096 16384 65536 262144}; do
     step "ops-$tokens" 120 python3 bench/ops.py --preset "${BERT_OPS_PRESETS:-minilm-s128,bert-base-s128,bge-large-s128}" \
       --tokens "$tokens" --ops ffn1 --out-dir "$OUT" --tag "ffn1-gelu-$tokens" --no-progress --step-timeout 60
   done
