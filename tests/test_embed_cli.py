@@ -190,6 +190,21 @@ def test_bad_input_exits_2_naming_the_row_and_writes_nothing(folder, tmp_path, c
     assert list(tmp_path.glob("out*")) == []
 
 
+@pytest.mark.parametrize("where, words", [("missing/out.npy", ["no folder", "missing"]),
+                                          ("taken.npy", ["is a folder", "name the output file"])])
+def test_an_output_that_cannot_be_written_exits_2_before_the_model_loads(folder, tmp_path, capsys, monkeypatch,
+                                                                          where, words):
+    (tmp_path / "taken.npy").mkdir()
+    src = tmp_path / "c.txt"
+    src.write_text("one\ntwo\n", encoding="utf-8")
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model loaded before the output was checked"))
+    rc, err = _run([folder, src, "-o", tmp_path / where, "--no-progress"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "taken.npy"]
+
+
 def test_empty_texts_skipped_on_request_are_counted(folder, tmp_path, capsys):
     src = tmp_path / "c.txt"
     src.write_text("one\n\ntwo\n   \nthree\n", encoding="utf-8")

@@ -169,6 +169,8 @@ def _no_network(monkeypatch):
         (["--pgn", "{bad_pgn}"], ["game 2", "'Nf5'"]),
         (["--epd", "/nonexistent/suite.epd"], ["cannot read", "/nonexistent/suite.epd"]),
         (["--pgn", "/nonexistent/games.pgn"], ["cannot read"]),
+        (["--epd", "{good_epd}", "--out", "/nonexistent/out.jsonl"], ["--out", "no folder /nonexistent"]),
+        (["--epd", "{good_epd}", "--out", "{good_epd_dir}"], ["--out", "is a folder"]),
     ],
 )
 def test_bad_input_exits_2(net_path, tmp_path, monkeypatch, capsys, args, words):
@@ -176,10 +178,12 @@ def test_bad_input_exits_2(net_path, tmp_path, monkeypatch, capsys, args, words)
         "bad_epd": "startpos\n".replace("startpos", KIWIPETE) + "\n8/8/8 w - -\n",
         "bad_epd_fen": KIWIPETE + "\n8/8/8/8/8/8/8/8 w - -\n",
         "bad_pgn": "1. e4 e5 *\n\n1. e4 e5 2. Nf3 Nc6 3. Nf5 *\n",
+        "good_epd": KIWIPETE + "\n",
     }
     for name, text in files.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
-    args = [a.format(**{k: str(tmp_path / k) for k in files}) for a in args]
+    (tmp_path / "good_epd_dir").mkdir()
+    args = [a.format(**{k: str(tmp_path / k) for k in (*files, "good_epd_dir")}) for a in args]
     _no_network(monkeypatch)
 
     def not_yet(path):  # the input is checked before the net file is read (seconds on a CPU)

@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 
 from ..common.dtypes import CLI_NAMES as DTYPES
+from ..common.paths import output_file_problem
 from .embedding import DEFAULT_MAX_BATCH_TOKENS, encode, load_model
 from .texts import InputError, read_corpus
 
@@ -69,6 +70,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise InputError(f"{out}: unknown output format {out.suffix or '(no suffix)'!r}: use .npy or .parquet")
         if out.suffix.lower() == ".parquet":
             _need_pyarrow(out)
+        if why := output_file_problem(out):  # before the model loads
+            raise InputError(f"{out}: {why}")
         dtype = None
         if args.dtype is not None:
             if args.dtype not in DTYPES:

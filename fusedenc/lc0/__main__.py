@@ -45,6 +45,7 @@ import torch
 
 from ..common.device import parse_devices
 from ..common.dtypes import CLI_NAMES
+from ..common.paths import output_file_problem
 from ..tune.cli import int_list
 from ..tune.timing import time_graph
 from .errors import Lc0FileError, Lc0FormatError, reason
@@ -372,6 +373,8 @@ def eval_main(argv: list[str]) -> int:
             checked = _checked_one(args)
         else:
             items = epd_items(args.epd) if args.epd else pgn_items(args.pgn)
+        if args.out is not None and (why := output_file_problem(args.out)):  # before the net loads too
+            raise InputError(f"--out {args.out}: {why}")
         t_read = time.perf_counter()
         file = _load(args.net)
         if args.fen is not None:
