@@ -67,6 +67,9 @@ def test_the_embed_command_with_ray_writes_what_it_writes_without(tmp_path, caps
     src = tmp_path / "c.txt"
     src.write_text("\n".join(texts) + "\n", encoding="utf-8")
     assert main(["embed", folder, str(src), "-o", str(tmp_path / "one.npy"), "--no-progress", "--device", "cpu"]) == 0
+    # an output file with no folder to go in: refused before a cluster starts
+    assert main(["embed", folder, str(src), "-o", str(tmp_path / "nodir" / "x.npy"), "--ray", "local"]) == 2
+    assert "no folder" in capsys.readouterr().err
     # --ray runs in a process of its own, as a user runs it (each starts and stops its local cluster)
     _command(folder, str(src), "-o", str(tmp_path / "ray.npy"), "--device", "cpu", "--ray", "local", "--block-rows", "32")
     np.testing.assert_allclose(np.load(tmp_path / "ray.npy"), np.load(tmp_path / "one.npy"), rtol=1e-4, atol=1e-5)
@@ -167,17 +170,21 @@ def test_lc0_eval_reads_parquet_positions_and_training_frames_on_ray(tmp_path):
 
 def test_lc0_eval_refuses_cluster_inputs_it_cannot_take(tmp_path):
     """Before any cluster starts: --parquet or --frames without --ray, or without a directory
-    to write; a missing frames file or net; each one line, exit 2."""
+    to write; an output file with no folder to go in; a missing frames file or net; each one
+    line, exit 2."""
     from lc0_writer import write_preset
 
     net = tmp_path / "tiny.pb.gz"
     write_preset(str(net), "tiny", seed=9)
     (tmp_path / "dir").mkdir()
+    epd = tmp_path / "one.epd"
+    epd.write_text("rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1\n", encoding="utf-8")
     cases = {
         ("--parquet", str(tmp_path / "dir"), "--out", str(tmp_path / "o")): "add --ray",
         ("--parquet", str(tmp_path / "dir"), "--out", str(tmp_path / "o.jsonl"), "--ray", "local"): "--out DIR",
         ("--frames", str(tmp_path / "missing.gz"), "--out", str(tmp_path / "o"), "--ray", "local"): "no such file",
         ("--parquet", str(tmp_path / "nodir"), "--out", str(tmp_path / "o"), "--ray", "local"): "not a directory",
+        ("--epd", str(epd), "--out", str(tmp_path / "nodir" / "o.jsonl"), "--ray", "local"): "no folder",
     }
     for args, message in cases.items():
         done = _lc0_eval(net, *args)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..common.paths import output_file_problem
 from ..embed import cli as embed_cli
 from ..embed.texts import InputError, read_corpus
 from . import embed, ray_or_exit
@@ -46,6 +47,8 @@ def embed_main(argv: list[str]) -> int:
         to_dir = out.suffix == "" or out.is_dir()
         if not to_dir and out.suffix.lower() not in embed_cli.OUTPUTS:
             raise InputError(f"{out}: unknown output format {out.suffix!r}: use .npy, .parquet or a directory")
+        if not to_dir and (why := output_file_problem(out)):  # a file is written here, at the end
+            raise InputError(f"{out}: {why}")
         if args.dtype is not None and args.dtype not in embed_cli.DTYPES:
             raise InputError(f"--dtype {args.dtype}: use one of {', '.join(embed_cli.DTYPES)}")
         t0 = time.perf_counter()
@@ -129,6 +132,8 @@ def eval_main(argv: list[str]) -> int:
             raise Lc0InputError(f"{source} writes a Parquet directory: give --out DIR (a path without a suffix)")
         if args.block_rows < 1:
             raise Lc0InputError(f"--block-rows must be >= 1, got {args.block_rows}")
+        if args.out is not None and not out_dir and (why := output_file_problem(args.out)):
+            raise Lc0InputError(f"--out {args.out}: {why}")
         try:
             ray = ray_or_exit()
         except ImportError as exc:
