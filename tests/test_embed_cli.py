@@ -83,6 +83,10 @@ def test_jsonl_to_parquet_and_parquet_to_npy(folder, texts, reference, tmp_path,
     rc, err = _run([folder, src2, "-o", tmp_path / "emb2.npy", "--column", "passage", "--no-progress"], capsys)
     assert rc == 0, err
     np.testing.assert_allclose(np.load(tmp_path / "emb2.npy"), reference, **TOL)
+    # a missing column: the message names the option that names it
+    for args, option in ((["--column", "body"], "--column"), (["--column", "passage", "--id-column", "doc"], "--id-column")):
+        rc, err = _run([folder, src2, "-o", tmp_path / "emb3.npy", *args, "--no-progress"], capsys)
+        assert rc == 2 and "no column" in err and "columns: passage" in err and f"{option} names it" in err, err
 
 
 def test_the_python_api_gives_what_the_command_writes(folder, texts, reference):

@@ -104,10 +104,10 @@ def _parquet(path: Path, column: str, id_column: Optional[str]) -> tuple[list, l
         table = pq.read_table(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow's errors have no common base: one message
         raise InputError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
-    for name in filter(None, (column, id_column)):
-        if name not in table.column_names:
+    for name, option in ((column, "--column"), (id_column, "--id-column")):
+        if name is not None and name not in table.column_names:
             raise InputError(f"{path}: no column {name!r} (columns: {', '.join(table.column_names)}; "
-                             f"--field names the text's)")  # fmt: skip
+                             f"{option} names it)")  # fmt: skip
     texts = table.column(column).to_pylist()
     for row, text in enumerate(texts):
         if not isinstance(text, str):
