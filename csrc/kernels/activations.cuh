@@ -145,10 +145,10 @@ template <> __device__ __forceinline__ float activate_fast<Activation::sigmoid>(
 }
 
 // The two GELUs for the epilogue units that fix them at compile time (sm90_gemm.cpp:
-// gelu_in_epilogue).  An epilogue's activation costs GEMM time roughly in proportion to its
-// instructions per element (bench/NOTES.md: swish ~6, mish ~15), so both are written for few
-// instructions, and so that the negative tail keeps its relative accuracy down to the
-// subnormals bf16 can hold: no form subtracts two numbers near 1.  Checked in a float32
+// gelu_in_epilogue).  An epilogue's activation costs GEMM time (mish, ~15 instructions a value,
+// as much as the GELU pass it would replace: bench/NOTES.md), so both are written for few
+// instructions and a short dependent chain, and so that the negative tail keeps its relative
+// accuracy down to the subnormals bf16 can hold: no form subtracts two numbers near 1.  Checked in a float32
 // emulation of these exact steps over every fp16/bf16 value in [-40, 40] against fp64 erfc and
 // sigmoid (with the MUFU results off by 2 ulp either way): within the output's half ulp + 1e-5
 // relative everywhere, 4e-6 relative in fp32 (tests/test_sm90_gelu_gpu.py checks the kernels
