@@ -331,6 +331,40 @@ def test_moved_model_drops_its_graphs_and_copies_keep_the_path(gen, hf_calls):
     assert calls == []
 
 
+def test_a_replaced_layer_or_block_makes_a_new_stack(gen):
+    """The encoder's cached stack is made of the blocks the layers hold when it is made: a
+    layer's block replaced afterwards (a fine-tuned copy swapped in) or the layers reordered get
+    a new stack of the blocks as they are, and the call computes with them."""
+    model, ref = _models(gen)
+    ids, _, mask = _batch(gen)
+    encoder = model.encoder
+    first = encoder._fusedenc_as_stack()
+    assert encoder._fusedenc_as_stack() is first  # cached while nothing changed
+    with torch.no_grad():
+        new_block = copy.deepcopy(encoder.layer[1].block)
+        new_block.ffn1_bias.add_(0.5)  # a different FFN1 bias: a different output
+        ref.encoder.layer[1].intermediate.dense.bias.add_(0.5)
+        encoder.layer[1].block = new_block
+        second = encoder._fusedenc_as_stack()
+        assert second is not first and second.blocks[1] is new_block and second.blocks[0] is first.blocks[0]
+        _assert_packed_like(model(ids, attention_mask=mask), ref(ids, attention_mask=mask), mask, "a new block")
+        # layers swapped: the same blocks in another order
+        encoder.layer[0], encoder.layer[1] = encoder.layer[1], encoder.layer[0]
+        ref.encoder.layer[0], ref.encoder.layer[1] = ref.encoder.layer[1], ref.encoder.layer[0]
+        third = encoder._fusedenc_as_stack()
+        assert third is not second and list(third.blocks) == [second.blocks[1], second.blocks[0], *second.blocks[2:]]
+        _assert_packed_like(model(ids, attention_mask=mask), ref(ids, attention_mask=mask), mask, "layers swapped")
+        # A layer that is not this encoder's (a patched layer copied, an HF layer put back): no
+        # stack, and no packed rows either (that layer would attend across the sequences): the
+        # padded path, HF's values at every position.
+        for foreign in (copy.deepcopy(encoder.layer[0]), copy.deepcopy(ref.encoder.layer[0])):
+            encoder.layer[0] = foreign
+            assert encoder._fusedenc_as_stack() is None
+            got, want = model(ids, attention_mask=mask), ref(ids, attention_mask=mask)
+            torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, **TOL)
+            torch.testing.assert_close(got.pooler_output, want.pooler_output, **TOL)
+
+
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
 @pytest.mark.slow
 def test_a_patched_model_pickles_whole(model_type, gen, tmp_path):

@@ -209,10 +209,9 @@ class EmbeddedModel(nn.Module):
     def _fusedenc_plain(self) -> bool:
         """Whether nothing would see or change the embeddings' call, and HF returns its
         ModelOutput without collecting anything."""
-        config = self.config
-        if (getattr(config, "is_decoder", False) or getattr(config, "output_hidden_states", False)
-                or getattr(config, "output_attentions", False) or getattr(config, "return_dict", True) is False):
-            return False  # fmt: skip
+        is_decoder, hidden_states, attentions, return_dict = _config_flags(self.config)
+        if is_decoder or hidden_states or attentions or return_dict is False:
+            return False
         if hf_varlen.global_forward_hooks() or hf_varlen.collected_outputs() or hf_varlen.forward_hooked(self):
             return False
         emb = self.embeddings
@@ -362,6 +361,30 @@ class _Pooled(_Tail):
 
     def done(self, model, result):
         return result
+
+
+_FLAG_NAMES = frozenset(("is_decoder", "output_hidden_states", "output_attentions", "return_dict"))
+
+
+def _config_flags(config) -> tuple:
+    """The config's ``is_decoder``, ``output_hidden_states``, ``output_attentions`` and
+    ``return_dict``, read on every call.  ``PretrainedConfig.__getattribute__`` looks each
+    name up in ``attribute_map`` first (~3 us an attribute in Python); where none of these
+    names is an alias, the plain lookup gives the same values (properties included)."""
+    try:
+        aliases = object.__getattribute__(config, "attribute_map")
+    except AttributeError:
+        aliases = {}
+    get = getattr if aliases and not aliases.keys().isdisjoint(_FLAG_NAMES) else _plain_getattr
+    return (get(config, "is_decoder", False), get(config, "output_hidden_states", False),
+            get(config, "output_attentions", False), get(config, "return_dict", True))  # fmt: skip
+
+
+def _plain_getattr(obj, name: str, default):
+    try:
+        return object.__getattribute__(obj, name)
+    except AttributeError:
+        return default
 
 
 def _embedded(emb: nn.Module, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,8 @@ a KV cache, ...; the layers raise) or while transformers' output capture collect
 run the loop.  The layers run one by one instead where a layer call could be seen or
 changed from outside: a forward hook or pre-hook on a layer (transformers 5's
 output-capturing hooks only while they collect), a ``forward`` set on a layer instance, a
-global module forward hook, a layer not patched by this encoder, a layer in training mode
-(it raises), a new stack's block in training mode.  ``stack_of(encoder)`` is the cached
+global module forward hook, a layer in training mode (it raises), a new stack's block in
+training mode.  ``stack_of(encoder)`` is the cached
 stack (its ``auto_graphs.stats()``).
 
 Host work: the mask is read once (a sync: its key padding, and where needed the values
@@ -37,7 +37,9 @@ numpy work on the mask, one host-to-device copy of the indices and offsets
 (``varlen.packing_from_host``) and the gather.
 
 The padded path (every layer on ``[B, S, D]`` with a key padding mask) runs instead when
-the packed one would not reproduce HF: no mask or no padding; a sequence whose position 0
+the packed one would not reproduce HF: a layer that is not this encoder's own (an HF layer
+put back, a patched layer copied from another model: packed rows with no mask would make
+it attend across the sequences); no mask or no padding; a sequence whose position 0
 is padding (left padding: the pooler would read a zero), or that is all padding (HF
 averages over every key there); a mask that is not a key padding mask; hidden states of
 every layer requested (``output_hidden_states``: they must keep HF's shape); and while
@@ -176,10 +178,12 @@ class PaddingFreeEncoder(nn.Module):
         """The layers' blocks as one stack, where calling the layers one by one would do
         nothing else (module docstring); None: they run one by one."""
         state = self._fusedenc_padding_free
-        layers = list(self.layer)
-        blocks = [layer._modules.get("block") for layer in layers]
+        layers = list(self._modules["layer"])  # not self.layer: nn.Module's __getattr__ costs ~2 us a call
+        blocks = tuple(layer._modules.get("block") for layer in layers)
         stack = self.__dict__.get("_fusedenc_stack")
-        if stack is not None and not _same(stack.blocks, blocks):  # layers or blocks replaced
+        # The blocks the stack was made of, kept as a tuple: comparing it (identity first, in C)
+        # costs a fraction of walking the stack's ModuleList, on every call.
+        if stack is not None and self.__dict__.get("_fusedenc_stack_blocks") != blocks:  # layers or blocks replaced
             self._fusedenc_drop_stack()
             stack = None
         hooked = False
@@ -202,10 +206,12 @@ class PaddingFreeEncoder(nn.Module):
             stack.auto_graphs.max_graphs = PACKED_MAX_GRAPHS
             # In __dict__, not a submodule: no second path to the blocks in state_dict() or modules().
             self.__dict__["_fusedenc_stack"] = stack
+            self.__dict__["_fusedenc_stack_blocks"] = blocks
         return stack
 
     def _fusedenc_drop_stack(self) -> None:
         stack = self.__dict__.pop("_fusedenc_stack", None)
+        self.__dict__.pop("_fusedenc_stack_blocks", None)
         if stack is not None:
             stack.auto_graphs.clear()  # its graphs hold the weights they captured
 
@@ -227,7 +233,13 @@ class PaddingFreeEncoder(nn.Module):
             return False
         # A call a patched layer refuses takes the padded path, where the first layer raises
         # before any block runs (the packed path would run the stack first).
-        return not self._fusedenc_refused(kwargs) and not self._fusedenc_wants_hidden_states(args, kwargs)
+        if self._fusedenc_refused(kwargs) or self._fusedenc_wants_hidden_states(args, kwargs):
+            return False
+        # Packed rows [1, T, D] with no mask mean something only to this encoder's own layers
+        # (they read the packing from its state): a layer that is not one of them (an HF layer
+        # put back, a patched layer copied from elsewhere) would attend across sequences.
+        state = self._fusedenc_padding_free
+        return all(layer.__dict__.get("_padding_free") is state for layer in self._modules["layer"])
 
     def _fusedenc_packing(self, hidden_states, attention_mask) -> Optional[varlen.Packing]:
         """This forward's packing, or None where the padded path must run (module docstring):
@@ -319,10 +331,6 @@ def stack_of(encoder: nn.Module) -> Optional[EncoderStack]:
     """The ``EncoderStack`` a padding-free encoder runs its layers' blocks as (made by its
     first forward that could use one), or None."""
     return encoder.__dict__.get("_fusedenc_stack")
-
-
-def _same(a, b) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _watched(layer: nn.Module) -> bool:
