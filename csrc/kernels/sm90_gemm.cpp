@@ -99,22 +99,21 @@ Kernels kernels_for(DType dtype) {
   return k;
 }
 
-bool env_enabled() {
-  const char* v = std::getenv("FUSEDENC_SM90_GEMM");
-  return !(v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0));
+// A process-wide switch from the environment: "0" or "off" turns it off, "1" or "on" on,
+// anything else (or unset) leaves `fallback`.
+bool env_switch(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  if (v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0)) return false;
+  if (v && (std::strcmp(v, "1") == 0 || std::strcmp(v, "on") == 0)) return true;
+  return fallback;
 }
 
-std::atomic<bool> g_enabled{env_enabled()};
+std::atomic<bool> g_enabled{env_switch("FUSEDENC_SM90_GEMM", true)};
 
 // The GELU units are off until measured against cuBLASLt + the pass on a GPU (a default that
 // a measurement has not chosen would be a guess): FUSEDENC_SM90_GELU=1 or
 // set_sm90_gelu_epilogue(true) turns them on.
-bool env_gelu_enabled() {
-  const char* v = std::getenv("FUSEDENC_SM90_GELU");
-  return v && (std::strcmp(v, "1") == 0 || std::strcmp(v, "on") == 0);
-}
-
-std::atomic<bool> g_gelu_enabled{env_gelu_enabled()};
+std::atomic<bool> g_gelu_enabled{env_switch("FUSEDENC_SM90_GELU", false)};
 
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
