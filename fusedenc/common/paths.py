@@ -13,7 +13,7 @@ __all__ = ["output_file_problem"]
 def output_file_problem(path: Union[str, Path]) -> Optional[str]:
     """Why ``path`` cannot be created or replaced as a file by this process (None: it can)."""
     path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
+    folder = path.parent  # Path("x.npy").parent is Path(".")
     if path.is_dir():
         return "is a folder; name the output file"
     if not folder.is_dir():
