@@ -189,7 +189,7 @@ class PaddingFreeEncoder(nn.Module):
         hooked = False
         for layer, block in zip(layers, blocks):
             # A layer in training mode refuses the call (HFEncoderLayer): the layers run, and raise.
-            mine = layer.__dict__.get("_padding_free") is state and isinstance(block, EncoderBlock)
+            mine = _own(layer, state) and isinstance(block, EncoderBlock)
             if not mine or layer.training:
                 return None
             hooked = hooked or forward_hooked(layer)
@@ -239,7 +239,7 @@ class PaddingFreeEncoder(nn.Module):
         # (they read the packing from its state): a layer that is not one of them (an HF layer
         # put back, a patched layer copied from elsewhere) would attend across sequences.
         state = self._fusedenc_padding_free
-        return all(layer.__dict__.get("_padding_free") is state for layer in self._modules["layer"])
+        return all(_own(layer, state) for layer in self._modules["layer"])
 
     def _fusedenc_packing(self, hidden_states, attention_mask) -> Optional[varlen.Packing]:
         """This forward's packing, or None where the padded path must run (module docstring):
@@ -331,6 +331,12 @@ def stack_of(encoder: nn.Module) -> Optional[EncoderStack]:
     """The ``EncoderStack`` a padding-free encoder runs its layers' blocks as (made by its
     first forward that could use one), or None."""
     return encoder.__dict__.get("_fusedenc_stack")
+
+
+def _own(layer: nn.Module, state: PaddingFree) -> bool:
+    """Whether ``layer`` was patched by the encoder whose shared state is ``state`` (it reads
+    the packing of a forward from there)."""
+    return layer.__dict__.get("_padding_free") is state
 
 
 def _watched(layer: nn.Module) -> bool:
