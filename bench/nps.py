@@ -36,12 +36,12 @@ Implementations (all built from one idiomatic PyTorch model's weights):
   fusedenc-compile torch.compile(EncoderStack, fullgraph=True), default mode (meant to be >= 0.95x
                    eager fusedenc at every batch).
   fusedenc-graph   EncoderStack.graph_runner (one CUDA graph per batch size).
-  fusedenc-gelu-unit  the plain call with the Hopper GELU units on (GELU presets on an H100/H200;
-                   off by default in the library until measured: only when named in --impl).
+  fusedenc-gelu-pass  the plain call with the Hopper GELU units off: GELU a pass after the GEMM
+                   (GELU presets on an H100/H200; only when named in --impl).
   fusedenc-folded  the plain call with LayerNorm folding forced at every batch size (the
                    library folds where the GEMMs span four waves: only when named in --impl);
                    fusedenc-unfolded with folding off at every batch size, and
-                   fusedenc-unfolded-gelu-unit with folding off and the GELU units on.
+                   fusedenc-unfolded-gelu-pass with folding off and the GELU units off.
 
 Reference lines: ``gemm-floor``, the four GEMMs of every layer alone (each
 layer's own weights, the faster of torch.mm and fusedenc.linear, i.e. the

@@ -51,23 +51,24 @@ __all__ = [
 
 #: The implementations, in the order they run.
 IMPLS = ("unfused", "torch", "torch-fastpath", "torch-compile", "fusedenc", "fusedenc-eager", "fusedenc-compile",
-         "fusedenc-graph", "fusedenc-gelu-unit", "fusedenc-folded", "fusedenc-unfolded",
-         "fusedenc-unfolded-gelu-unit")  # fmt: skip
+         "fusedenc-graph", "fusedenc-gelu-pass", "fusedenc-folded", "fusedenc-unfolded",
+         "fusedenc-unfolded-gelu-pass")  # fmt: skip
 #: Rows run only when named: the plain call under switches the library sets otherwise, the A/B
-#: rows of its defaults.  Name -> (the switches, what the row's note says).  "gelu-unit": the
-#: Hopper GELU units on (as FUSEDENC_SM90_GELU=1; the core's own switch, without graph
-#: invalidation: the row's stack has its own graphs, captured with the units on); "force" /
+#: rows of its defaults.  Name -> (the switches, what the row's note says).  "gelu-pass": the
+#: Hopper GELU units off, GELU a pass after the GEMM (as FUSEDENC_SM90_GELU=0; the core's own
+#: switch, without graph invalidation: the row's stack has its own graphs, captured with the
+#: units off); "force" /
 #: "off": LayerNorm folding at every batch size / at none (``auto`` folds only where the GEMMs
 #: span four waves; the mode is part of every graph's key).
 SWITCHED = {
-    "fusedenc-gelu-unit": (("gelu-unit",), "the Hopper GELU units on (as FUSEDENC_SM90_GELU=1)"),
+    "fusedenc-gelu-pass": (("gelu-pass",), "the Hopper GELU units off (as FUSEDENC_SM90_GELU=0)"),
     "fusedenc-folded": (("force",), "LayerNorm folding forced at every batch size"),
     "fusedenc-unfolded": (("off",), "LayerNorm folding off at every batch size"),
-    "fusedenc-unfolded-gelu-unit": (("off", "gelu-unit"), "LayerNorm folding off and the Hopper GELU units on"),
+    "fusedenc-unfolded-gelu-pass": (("off", "gelu-pass"), "LayerNorm folding off and the Hopper GELU units off"),
 }
 ON_REQUEST = tuple(SWITCHED)
-#: The rows that need the Hopper GELU units (skipped where they cannot run).
-GELU_UNIT_ROWS = tuple(name for name, (switches, _) in SWITCHED.items() if "gelu-unit" in switches)
+#: The A/B rows of the Hopper GELU units (skipped where there are none to switch off).
+GELU_UNIT_ROWS = tuple(name for name, (switches, _) in SWITCHED.items() if "gelu-pass" in switches)
 
 
 # ------------------------------------------------------------ the models ----
@@ -439,7 +440,7 @@ def make_fusedenc_switched(model: TorchEncoder, run: Run, device: torch.device, 
     from fusedenc.ops import norm_fold
 
     switches, note = SWITCHED[name]
-    enter = {"gelu-unit": core.sm90_gelu_epilogue, "force": lambda: norm_fold.mode("force"),
+    enter = {"gelu-pass": lambda: core.sm90_gelu_epilogue(False), "force": lambda: norm_fold.mode("force"),
              "off": lambda: norm_fold.mode("off")}  # fmt: skip
     stack = load_fusedenc_stack(model, run, device)
 

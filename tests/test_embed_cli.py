@@ -253,3 +253,33 @@ def test_a_stopped_run_resumes_where_it_was(folder, texts, reference, tmp_path, 
     assert rc == 0 and "resuming: 2 of 5 chunks already embedded" in err, err
     assert len(calls) == 3  # only the chunks not yet done
     np.testing.assert_allclose(np.load(out), reference, **TOL)
+
+
+@pytest.mark.parametrize("setting,threads", [(None, 1), ("true", 1), ("1", 1), ("false", None), ("0", None),
+                                             ("OFF", None), ("", None)])  # fmt: skip
+def test_one_tokenizer_thread_where_the_tokenizer_spreads_over_the_cores(setting, threads, monkeypatch):
+    """A fast tokenizer parallel by itself (``TOKENIZERS_PARALLELISM`` unset or true, as the
+    tokenizers library reads it) gets one thread that hands chunks out one by one; a serial one
+    gets up to 4 (one a core)."""
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    if setting is not None:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", setting)
+    monkeypatch.setattr(token_batches.os, "cpu_count", lambda: 16)
+    assert token_batches.tokenizer_threads() == (4 if threads is None else threads)
+    monkeypatch.setattr(token_batches.os, "cpu_count", lambda: 2)
+    assert token_batches.tokenizer_threads() == (2 if threads is None else threads)
+
+
+@pytest.mark.parametrize("workers", [None, 1, 3])
+def test_tokenized_chunks_come_in_length_order_whatever_the_threads(workers):
+    """Every text once, longest first (by characters), chunk by chunk, each tokenized as given."""
+    rng = np.random.default_rng()
+    texts = ["x" * int(n) for n in rng.integers(0, 60, size=int(rng.integers(1, 200)))]
+    chunk = int(rng.integers(1, 40))
+    got = list(token_batches.tokenized_chunks(texts, lambda batch: [len(t) for t in batch], chunk, workers))
+    rows = np.concatenate([r for r, _ in got])
+    assert sorted(rows.tolist()) == list(range(len(texts)))
+    assert all(len(r) <= chunk for r, _ in got)
+    lengths = [n for _, ns in got for n in ns]
+    assert lengths == [len(texts[r]) for r in rows] and lengths == sorted(lengths, reverse=True)
+    assert list(token_batches.tokenized_chunks([], len, chunk, workers)) == []

@@ -103,3 +103,23 @@ def test_an_h100_runs_with_its_hopper_kernels():
     assert h["built"], f"an sm90 GPU with a CUDA core without its Hopper kernels: {h['why_not']}"
     assert h["sm90_devices"] and h["warning"] is None
     assert not any("WARNING" in line for line in cli.report())
+
+
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("on", True), ("0", False), ("off", False),
+                                      ("maybe", True)])  # fmt: skip
+def test_the_gelu_units_are_on_unless_the_environment_says_0_or_off(value, on):
+    """The GELU units' process-wide switch (measured faster than cuBLASLt + the pass, so on by
+    default): ``FUSEDENC_SM90_GELU`` read once when the core loads, in a fresh process each."""
+    import subprocess
+    import sys
+
+    if core.native_module() is None:
+        pytest.skip("no native core in this build: the switch lives there")
+    env = {k: v for k, v in os.environ.items() if k != "FUSEDENC_SM90_GELU"}
+    if value is not None:
+        env["FUSEDENC_SM90_GELU"] = value
+    code = ("import fusedenc; from fusedenc import core; "
+            "print(core.sm90_gelu_epilogue_on(), fusedenc.capabilities()['sm90_gelu_epilogue']['on'])")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(on), str(on)]

@@ -1,7 +1,7 @@
 """The Hopper GELU units (the epilogue GEMM with exact GELU or tanh-GELU fixed at compile time)
 against the fp32 reference, with the tolerance rule of ``helpers.assert_close_rule`` and
-NaN-poisoned outputs; and their switch (``fusedenc.testing.sm90_gelu_epilogue``, off by
-default until measured).
+NaN-poisoned outputs; and their switch (``fusedenc.testing.sm90_gelu_epilogue``, on by
+default: measured faster than cuBLASLt + the pass).
 
 With the switch on, a folded GEMM (``core.sm90_norm_gemm``) applies either GELU in its
 epilogue, and a plain GEMM with exact GELU runs on the kernel (``core.sm90_gemm_applies`` says
@@ -12,6 +12,8 @@ build that holds the units; elsewhere they skip with the reason.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -131,14 +133,15 @@ def test_extreme_inputs_and_nan(act, gen):
 
 
 def test_the_switch_chooses_the_path(gen):
-    """Off (the default): the plain path refuses exact GELU with the pass's reason and a folded
-    GEMM runs kernel + pass; on: the unit.  Both within tolerance, different in some bits
+    """Off: the plain path refuses exact GELU with the pass's reason and a folded GEMM runs
+    kernel + pass; on (the default, unless FUSEDENC_SM90_GELU=0): the unit.  Both within tolerance, different in some bits
     (the pass reads the rounded GEMM output, the unit the fp32 accumulator); leaving the switch
     restores what was."""
     _require_unit(torch.float16, "gelu")
     m, k, n = 8192, 768, 3072
     x, w, b = _operands(m, k, n, torch.float16, gen)
     was = core.sm90_gelu_epilogue_on()
+    assert was == (os.environ.get("FUSEDENC_SM90_GELU") not in ("0", "off")), "on by default"
     probe = poisoned((m, n), torch.float16, DEVICE)
     with fusedenc.testing.sm90_gelu_epilogue(False):
         assert core.sm90_gemm_applies(x, w, b, probe, "gelu") == (

@@ -106,7 +106,7 @@ def test_long_chain_activations_stay_a_pass(act, gen):
     m, k, n = 16384, 768, 2304
     x, w, b = _operands(m, k, n, torch.float16, gen)
     out = poisoned((m, n), torch.float16, DEVICE)
-    with fusedenc.testing.sm90_gelu_epilogue(False):  # GELU's units are off unless switched on
+    with fusedenc.testing.sm90_gelu_epilogue(False):  # without GELU's units (on by default)
         assert core.sm90_gemm_applies(x, w, b, out, act) == (
             False, "this activation is faster as cuBLASLt's GEMM and a separate pass"
         )

@@ -79,7 +79,7 @@ struct Fp8Codes {
 bool sm90_gemm_compiled(DType dtype, Activation act);
 
 // The GELU units: the epilogue kernel with exact GELU or tanh-GELU fixed at compile time
-// (both dtypes).  Off unless switched on (FUSEDENC_SM90_GELU=1 or set_sm90_gelu_epilogue):
+// (both dtypes).  On unless switched off (FUSEDENC_SM90_GELU=0 or set_sm90_gelu_epilogue):
 // on, a folded GEMM with either GELU applies it in its epilogue instead of running the pass
 // after it, and a plain GEMM with exact GELU runs here instead of cuBLASLt + the pass
 // (tanh-GELU keeps cuBLASLt's own GELU epilogue).

@@ -150,8 +150,8 @@ def sm90_gelu_epilogue_kernels() -> list[tuple[str, str]]:
 
 
 def sm90_gelu_epilogue_on() -> bool:
-    """Whether the GELU units are switched on (``FUSEDENC_SM90_GELU=1`` at start, or inside
-    ``sm90_gelu_epilogue(True)``); off by default until measured on a GPU."""
+    """Whether the GELU units are switched on: by default (where built), unless
+    ``FUSEDENC_SM90_GELU=0`` at start or inside ``sm90_gelu_epilogue(False)``."""
     module = native_module()
     return bool(module and module.sm90_gelu_epilogue())
 
@@ -175,8 +175,8 @@ def _native_switch(name: str, on: bool) -> Iterator[None]:
 def sm90_gelu_epilogue(on: bool = True) -> contextlib.AbstractContextManager:
     """Inside, the GELU units are on (or off): a folded GEMM with exact or tanh GELU applies it
     in its epilogue instead of running the pass after it, and a plain GEMM with exact GELU runs
-    on the Hopper kernel instead of cuBLASLt + the pass.  The A/B switch of those units
-    (``FUSEDENC_SM90_GELU=1`` turns them on for a whole process).  Public as
+    on the Hopper kernel instead of cuBLASLt + the pass.  The A/B switch of those units, on by
+    default (``FUSEDENC_SM90_GELU=0`` turns them off for a whole process).  Public as
     ``fusedenc.testing.sm90_gelu_epilogue``."""
     return _native_switch("sm90_gelu_epilogue", bool(on))
 

@@ -149,7 +149,8 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
     ``row_name(i)`` names text ``i`` in errors; ``progress(n)`` is told of every ``n`` texts done.
 
     The texts are tokenized in chunks on ``workers`` threads while the chunks before run
-    (``hf.token_batches.tokenized_chunks``), and cut into batches across chunks
+    (``hf.token_batches.tokenized_chunks``; default one, the fast tokenizer spreading each
+    chunk over the cores itself: ``tokenizer_threads``), and cut into batches across chunks
     (``stream_batches``); a text longer than the model takes is truncated
     (its closing special token kept) and counted, or, with ``truncate=False``, refused before
     anything runs (every chunk is then tokenized first)."""

@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["MAX_BATCH_SEQUENCES", "batches_by_tokens", "padded_batch", "stream_batches", "tokenized_chunks"]
+__all__ = ["MAX_BATCH_SEQUENCES", "batches_by_tokens", "padded_batch", "stream_batches", "tokenized_chunks",
+           "tokenizer_threads"]
 
 #: Texts a batch may hold: the graphs' largest batch bucket (``graphs.feeds.BUCKETS``).
 MAX_BATCH_SEQUENCES = 1024
@@ -95,14 +96,29 @@ def padded_batch(seqs: Sequence[Sequence[int]], lengths: np.ndarray, pad: int) -
     return ids, real.astype(np.int64)
 
 
+def tokenizer_threads() -> int:
+    """Threads that tokenize chunks ahead of the caller, by default.  A fast tokenizer's batch
+    call already spreads one chunk over every core (Rust's rayon pool, unless
+    ``TOKENIZERS_PARALLELISM`` says no, as the tokenizers library reads it): more threads then
+    only make the chunks finish together in groups (on a 2-core CPU two threads handed out
+    chunks in pairs at the same total time), and the GPU waits for a group's first chunk
+    as long as for the whole group, which ends a pass with a group's GPU work left to do.
+    One thread hands them out one by one.  Where the tokenizer runs on one core, up to 4
+    threads (one a core) share the chunks instead."""
+    setting = os.environ.get("TOKENIZERS_PARALLELISM")
+    if setting is None or setting.lower() not in ("", "off", "false", "f", "no", "n", "0"):
+        return 1
+    return min(4, os.cpu_count() or 1)
+
+
 def tokenized_chunks(texts: Sequence[str], tokenize: Callable[[list], Any], chunk: int,
                      workers: Optional[int] = None) -> Iterator[tuple[np.ndarray, Any]]:  # fmt: skip
     """``(rows, tokenize(their texts))`` for chunks of ``chunk`` texts, in the order
     sentence-transformers sorts texts (longest by characters first, so each chunk's token
     counts are close), as each is ready: the first on the calling thread (a fast tokenizer
     sets its truncation and padding state on its first call, which threads must not race),
-    every other one submitted to ``workers`` threads (default up to 4, one a core) before the
-    first is handed out, so the tokenizer works while the caller runs the chunks before (a
+    every other one submitted to ``workers`` threads (default ``tokenizer_threads()``) before
+    the first is handed out, so the tokenizer works while the caller runs the chunks before (a
     fast tokenizer's batch call runs outside the GIL)."""
     order = np.argsort([-len(t) for t in texts], kind="stable")
     chunks = [order[i:i + chunk] for i in range(0, len(order), max(1, chunk))]
@@ -113,7 +129,7 @@ def tokenized_chunks(texts: Sequence[str], tokenize: Callable[[list], Any], chun
         return tokenize([texts[r] for r in rows])
 
     first = run(chunks[0])
-    with ThreadPoolExecutor(max_workers=max(1, workers or min(4, os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, workers or tokenizer_threads())) as pool:
         rest = pool.map(run, chunks[1:])
         yield chunks[0], first
         yield from zip(chunks[1:], rest)
