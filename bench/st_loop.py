@@ -127,7 +127,7 @@ def peer(impl: str, name: str, device: torch.device, dtype: torch.dtype, seed: i
             raise RuntimeError("needs the real-models extra's fast tokenizer")
         budget = int(impl.split(":")[1]) if ":" in impl else fusedenc.embed.DEFAULT_MAX_BATCH_TOKENS
         model = fusedenc.patch_hf(eb.load_model(name, device, dtype, "sdpa", seed))
-        wrapped = fusedenc.embed.Model(model, tokenizer, MAX_LENGTH, name, device, dtype, True)
+        wrapped = fusedenc.embed.Model(model, tokenizer, MAX_LENGTH, name, device, dtype)
         return (lambda sentences, batch: fusedenc.embed.encode(wrapped, sentences, max_batch_tokens=budget)[0]), \
             f"fusedenc.embed.encode, {budget} padded tokens a batch", model
     model = eb.load_model(name, device, dtype, "sdpa", seed)

@@ -8,7 +8,7 @@ API; ``python -m fusedenc embed`` (``cli.py``) runs it over a file."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from ..hf import fast_ids, real_models
 from ..hf.patch import patch_hf
-from ..hf.sentences import sentence_embeddings, sentence_parts
+from ..hf.sentences import sentence_embeddings
 from ..hf.token_batches import padded_batch, stream_batches, tokenized_chunks
 from .texts import InputError
 
@@ -45,7 +45,6 @@ class Model:
     label: str
     device: torch.device
     dtype: torch.dtype
-    token_types: bool = field(default=False)
 
 
 def load_model(spec: str, *, device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Model:
@@ -86,10 +85,7 @@ def load_model(spec: str, *, device: Optional[str] = None, dtype: Optional[torch
         patch_hf(module)
     except (TypeError, ValueError) as exc:
         raise InputError(f"{spec}: fusedenc embeds BERT-family models (BERT, RoBERTa, XLM-R, ...): {exc}") from None
-    parts = sentence_parts(module)
-    hf_model = parts.hf_model if parts else module
-    token_types = "token_type_ids" in tokenizer.model_input_names and getattr(hf_model.config, "type_vocab_size", 0) > 1
-    return Model(module, tokenizer, max_length, spec, dev, dt, token_types)
+    return Model(module, tokenizer, max_length, spec, dev, dt)
 
 
 def _load(folder: Path, dev: torch.device, dt: torch.dtype, transformers: Any) -> tuple[nn.Module, Any, int]:
@@ -204,8 +200,9 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
     with torch.inference_mode():
         for rows, ids, _, lengths in stream_batches(truncated(chunks), max_batch_tokens):
             batch, mask = padded_batch(ids, lengths, pad)
-            types = torch.zeros(batch.shape, dtype=torch.int64) if model.token_types else None
-            emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask), types)
+            # No token types: each text is one segment, all type 0, which is what the model
+            # takes without them (and the ids go over alone).
+            emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask))
             pending.append((rows, emb))
             stats.batches += 1
             if len(pending) >= _COPY_EVERY:
