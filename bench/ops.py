@@ -176,8 +176,9 @@ def build_ops(run: Run, batch: int, device: torch.device, wanted: list[str]) -> 
 
         tg = _triton_gemm() if device.type == "cuda" else None
         unit_why = common.gelu_unit_reason(device, dt, p.activation)
-        if unit_why is None and p.activation == "gelu" and "Triton" not in how:
-            how = "Hopper GELU unit where the GEMM fills the chip, else " + how
+        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+        if hopper and "sm90" in caps and "Triton" not in how:
+            how = f"{caps['sm90']['kernel']} where the GEMM fills the chip, else {how}"
 
         def ffn1_set(g):
             return dict(x=rnd(g, t, d), w=weight(g, f, d), b=rnd(g, f, scale=0.1))

@@ -118,6 +118,7 @@ def capabilities() -> dict[str, Any]:
     # The Hopper kernels as a whole: built or why not, and whether a GPU here would run them.
     report["hopper"] = hopper()
     sm90 = set(core.sm90_gemm_kernels())
+    gelu_units = set(core.sm90_gelu_epilogue_kernels()) if core.sm90_gelu_epilogue_on() else set()
     report["sm90_epilogue_gemm"] = [f"{d}:{a}" for d, a in sorted(sm90)]
     # The GELU units (exact and tanh GELU fixed at compile time): built, and switched on or not.
     report["sm90_gelu_epilogue"] = {
@@ -173,6 +174,8 @@ def capabilities() -> dict[str, Any]:
                 if (dtype, act) in sm90:
                     # On compute capability 9.0, GEMMs that fill the chip run it in the epilogue.
                     per_act[act]["sm90"] = {"fusion": "native", "kernel": "CUTLASS sm90 epilogue GEMM"}
+                elif act == "gelu" and (dtype, act) in gelu_units:  # plain tanh-GELU GEMMs keep GELU_BIAS
+                    per_act[act]["sm90"] = {"fusion": "native", "kernel": "CUTLASS sm90 GELU unit"}
         report["activations"][dtype] = per_act
         report["residual"][dtype] = (
             {"fusion": "native", "epilogue": "BIAS with beta*C, C != D", "kernel": None}

@@ -48,10 +48,12 @@ def test_capabilities_of_the_built_core():
     assert table["gelu_tanh"] == {"fusion": "native", "epilogue": "GELU_BIAS", "kernel": None}
     assert table["none"]["epilogue"] == "BIAS"
     sm90 = set(core.sm90_gemm_kernels())
+    units = set(core.sm90_gelu_epilogue_kernels()) if core.sm90_gelu_epilogue_on() else set()
     for act in ("gelu", "mish", "relu2", "selu", "tanh", "sigmoid"):
         entry = dict(table[act])
-        # Where the build holds the Hopper epilogue GEMM for it, the report says so beside the fallback.
-        assert (entry.pop("sm90", None) is not None) == (("float16", act) in sm90), act
+        # Where the build holds the Hopper epilogue GEMM (or the switched-on GELU unit) for it,
+        # the report says so beside the fallback.
+        assert (entry.pop("sm90", None) is not None) == (("float16", act) in sm90 | units), act
         assert entry == {"fusion": "fallback", "epilogue": "BIAS", "kernel": "bias_activation"}, act
     assert fusedenc.capabilities()["sm90_epilogue_gemm"] == [f"{d}:{a}" for d, a in sorted(sm90)]
     if module.VENDOR == "cuda":
