@@ -41,7 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import common
 import embeddings as eb
@@ -128,8 +128,11 @@ def peer(impl: str, name: str, device: torch.device, dtype: torch.dtype, seed: i
         budget = int(impl.split(":")[1]) if ":" in impl else fusedenc.embed.DEFAULT_MAX_BATCH_TOKENS
         model = fusedenc.patch_hf(eb.load_model(name, device, dtype, "sdpa", seed))
         wrapped = fusedenc.embed.Model(model, tokenizer, MAX_LENGTH, name, device, dtype)
-        return (lambda sentences, batch: fusedenc.embed.encode(wrapped, sentences, max_batch_tokens=budget)[0]), \
-            f"fusedenc.embed.encode, {budget} padded tokens a batch", model
+        def run_corpus(sentences, batch):
+            emb, run_corpus.last_stats = fusedenc.embed.encode(wrapped, sentences, max_batch_tokens=budget)
+            return emb
+
+        return run_corpus, f"fusedenc.embed.encode, {budget} padded tokens a batch", model
     model = eb.load_model(name, device, dtype, "sdpa", seed)
     note = ""
     if impl == "compile":
@@ -257,7 +260,8 @@ def main(argv=None) -> int:
                                               "setup_seconds": setup, "first_pass_seconds": first,
                                               "note": note,
                                               "warm_up_graphs": warm,
-                                              "timed_graphs": counts_since(warm, graph_counts(patched))})  # fmt: skip
+                                              "timed_graphs": counts_since(warm, graph_counts(patched)),
+                                              "host_phases": _phases(getattr(run, "last_stats", None))})  # fmt: skip
                 except Exception as exc:  # noqa: BLE001 - a peer that fails is a row saying so
                     record["results"].append({"impl": impl, "error": f"{type(exc).__name__}: {exc}"})
                 print("\n".join(table(record)), flush=True)
@@ -299,7 +303,19 @@ def table(record: dict) -> list[str]:
         if r.get("timed_graphs"):
             out.append(f"  {'':<16} graphs, 2 warm-up passes: {_counts(r['warm_up_graphs'])}; "
                        f"{record.get('reps', '')} timed passes: {_counts(r['timed_graphs'])}")
+        if r.get("host_phases"):
+            p = r["host_phases"]
+            out.append(f"  {'':<16} the last pass on the calling thread: {p['seconds']:.3f} s, waiting for the "
+                       f"tokenizer {p['tokenizer_wait_s']:.3f}, the model's calls and copies back {p['model_s']:.3f}, "
+                       f"batching {p['seconds'] - p['tokenizer_wait_s'] - p['model_s']:.3f}")  # fmt: skip
     return out + [""]
+
+
+def _phases(stats) -> Optional[dict]:
+    """Where the corpus command's last pass spent its time (``EncodeStats``), or None."""
+    if stats is None:
+        return None
+    return {"seconds": stats.seconds, "tokenizer_wait_s": stats.tokenizer_wait_s, "model_s": stats.model_s}
 
 
 def _counts(c: dict) -> str:

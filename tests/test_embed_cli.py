@@ -6,6 +6,7 @@ input stops it before anything is written, naming the file and row; a stopped ru
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -61,6 +62,7 @@ def test_txt_to_npy_equals_sentence_transformers(folder, texts, reference, tmp_p
     np.testing.assert_allclose(got, reference, **TOL)
     last = err.strip().splitlines()[-1]
     assert "41 texts" in last and "texts/s" in last and "the whole command" in last, last
+    assert re.search(r"; \d+% of it waiting for the tokenizer\)", last), last
     assert "1 texts longer than the model's 140 tokens were truncated" in err
     assert not (tmp_path / "emb.npy.progress.json").exists() and not (tmp_path / "emb.npy.partial.npy").exists()
 
@@ -95,6 +97,27 @@ def test_the_python_api_gives_what_the_command_writes(folder, texts, reference):
     emb, stats = fusedenc.embed.encode(model, texts, max_batch_tokens=500)
     np.testing.assert_allclose(emb, reference, **TOL)
     assert stats.texts == len(texts) and stats.truncated == 1 and stats.batches >= 3 and stats.tokens > 0
+
+
+def test_encode_says_where_its_time_went(folder, texts, monkeypatch):
+    """Waiting for tokenized texts and the model's calls are timed apart: a tokenizer made
+    slow shows as waiting, and neither part exceeds the call."""
+    import time
+
+    model = fusedenc.embed.load_model(str(folder), device="cpu")
+    _, quick = fusedenc.embed.encode(model, texts, max_batch_tokens=500)
+    real = embedding.tokenized_chunks
+
+    def slow(*args, **kwargs):
+        for item in real(*args, **kwargs):
+            time.sleep(0.1)
+            yield item
+
+    monkeypatch.setattr(embedding, "tokenized_chunks", slow)
+    _, stats = fusedenc.embed.encode(model, texts, max_batch_tokens=500)
+    assert stats.tokenizer_wait_s >= 0.1 > quick.tokenizer_wait_s  # one chunk of 41 texts
+    for s in (quick, stats):
+        assert s.model_s > 0 and s.tokenizer_wait_s > 0 and s.tokenizer_wait_s + s.model_s <= s.seconds
 
 
 def test_encode_tokenizes_through_the_backend_where_a_sample_agrees(folder, texts, reference, monkeypatch):

@@ -117,7 +117,7 @@ def _run(args, corpus, model, out: Path, t_start: float) -> int:
         except ImportError:
             bar = None
     store = np.load(partial, mmap_mode="r+") if done else None
-    totals = {"tokens": 0, "truncated": 0, "batches": 0, "seconds": 0.0, "texts": 0}
+    totals = {"tokens": 0, "truncated": 0, "batches": 0, "seconds": 0.0, "texts": 0, "tokenizer_wait_s": 0.0}
     for index, (start, end) in enumerate(chunks):
         if index in done:
             continue
@@ -130,7 +130,7 @@ def _run(args, corpus, model, out: Path, t_start: float) -> int:
         store.flush()
         done.append(index)
         progress_file.write_text(json.dumps({"signature": signature, "done": done}))
-        for key in ("tokens", "truncated", "batches", "seconds", "texts"):
+        for key in totals:
             totals[key] += getattr(stats, key)
     if bar is not None:
         bar.close()
@@ -138,12 +138,14 @@ def _run(args, corpus, model, out: Path, t_start: float) -> int:
     progress_file.unlink()
     wall = time.perf_counter() - t_start
     rate = totals["texts"] / totals["seconds"] if totals["seconds"] > 0 else float("inf")
+    waiting = totals["tokenizer_wait_s"] / totals["seconds"] if totals["seconds"] > 0 else 0.0
     if totals["truncated"]:
         print(f"{PROG}: {totals['truncated']} texts longer than the model's {model.max_length} tokens were "
               f"truncated (--no-truncate refuses them)", file=sys.stderr)  # fmt: skip
     print(f"{PROG}: {n:,} texts -> {out} ({store.shape[1]} dims, float32); {totals['texts']:,} embedded in "
           f"{totals['seconds']:.2f} s: {rate:,.0f} texts/s ({totals['tokens']:,} tokens, {totals['batches']} batches, "
-          f"{model.device}, {str(model.dtype).replace('torch.', '')}); the whole command {wall:.2f} s",
+          f"{model.device}, {str(model.dtype).replace('torch.', '')}; {waiting:.0%} of it waiting for the tokenizer); "
+          f"the whole command {wall:.2f} s",
           file=sys.stderr)  # fmt: skip
     return 0
 

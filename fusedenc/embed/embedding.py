@@ -127,11 +127,19 @@ def _max_length(model: nn.Module, tokenizer: Any, folder: Path) -> int:
 
 @dataclass
 class EncodeStats:
+    """What an ``encode`` call did, and where its time went on the calling thread:
+    ``tokenizer_wait_s`` waiting for tokenized texts (the first chunk, tokenized on this thread,
+    included), ``model_s`` in the model's calls and the copies back (waits for the GPU
+    included), the rest batching and padding.  A large ``tokenizer_wait_s`` means the host's
+    cores bound the run."""
+
     texts: int = 0
     tokens: int = 0
     truncated: int = 0
     batches: int = 0
     seconds: float = 0.0
+    tokenizer_wait_s: float = 0.0
+    model_s: float = 0.0
 
     @property
     def texts_per_s(self) -> float:
@@ -166,7 +174,9 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
     tokenize = fast_ids.checked(texts, fast_ids.backend_ids(tok), tokenize, model.max_length)
     chunks = tokenized_chunks(texts, tokenize, _TOKENIZE_CHUNK, workers)
     if not truncate:  # every text checked before anything runs
+        t = time.perf_counter()
         chunks = list(chunks)
+        stats.tokenizer_wait_s += time.perf_counter() - t
         long = {int(rows[i]): len(row) for rows, ids in chunks for i, row in enumerate(ids) if len(row) > model.max_length}
         if long:
             where = min(long)
@@ -180,7 +190,9 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
         nonlocal out
         if not pending:
             return
+        t = time.perf_counter()
         done = torch.cat([e for _, e in pending]).float().cpu().numpy()  # the one sync per group
+        stats.model_s += time.perf_counter() - t
         if out is None:
             out = np.empty((len(texts), done.shape[1]), dtype=np.float32)
         out[np.concatenate([rows for rows, _ in pending])] = done
@@ -188,8 +200,18 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
             progress(done.shape[0])
         pending.clear()
 
+    def waited(tokenized):  # each chunk, with the time spent waiting for it counted
+        it = iter(tokenized)
+        while True:
+            t = time.perf_counter()
+            item = next(it, None)
+            stats.tokenizer_wait_s += time.perf_counter() - t
+            if item is None:
+                return
+            yield item
+
     def truncated(tokenized):
-        for rows, ids in tokenized:
+        for rows, ids in waited(tokenized):
             for i, row in enumerate(ids):  # keep the closing special token: the model saw [CLS] ... [SEP]
                 if len(row) > model.max_length:
                     ids[i] = row[:model.max_length - 1] + row[-1:]
@@ -202,7 +224,9 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
             batch, mask = padded_batch(ids, lengths, pad)
             # No token types: each text is one segment, all type 0, which is what the model
             # takes without them (and the ids go over alone).
+            t = time.perf_counter()
             emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask))
+            stats.model_s += time.perf_counter() - t
             pending.append((rows, emb))
             stats.batches += 1
             if len(pending) >= _COPY_EVERY:
