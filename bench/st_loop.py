@@ -28,8 +28,9 @@ Every peer's embeddings are checked against the fp32 plain loop (cosine >= 0.999
 Timed: the wall clock of whole passes (tokenization included), the median of ``--reps``,
 after two warm-up passes (fusedenc captures a shape's graph at its second call, and a sorted
 pass meets most shapes once); the first pass's rate is reported beside it (what a one-off
-run of a small corpus sees: compiling, planning, new shapes run eagerly).  The sentences are tests/data/real_sentences (their token histogram
-is in the result).
+run of a small corpus sees: compiling, planning, new shapes run eagerly).  The sentences are
+tests/data/real_sentences (their token histogram is in the result); the corpus command's row
+also says where its last pass spent the calling thread's time.
 """
 
 from __future__ import annotations
