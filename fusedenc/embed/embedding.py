@@ -1,9 +1,10 @@
 """Embedding a list of texts the fast way: tokenized in chunks on a worker thread while the
 chunks before run, sorted by length, cut into batches by a token budget (so a batch of short
-sentences holds many and a batch of passages few), each batch handed over as host tensors to ``sentence_embeddings`` (one copy
-from pinned memory, the pooling inside the patched model's graph), the results copied back
-once per group of batches so that copies overlap the GPU's work.  ``encode`` is the Python
-API; ``python -m fusedenc embed`` (``cli.py``) runs it over a file."""
+sentences holds many and a batch of passages few), each batch handed over as host tensors to
+``sentence_embeddings`` (one copy from pinned memory, the pooling inside the patched model's
+graph), the results copied back once per group of batches so that copies overlap the GPU's
+work.  ``encode`` is the Python API; ``python -m fusedenc embed`` (``cli.py``) runs it over a
+file."""
 
 from __future__ import annotations
 
