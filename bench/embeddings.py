@@ -594,10 +594,15 @@ def measure(impl: str, name: str, device, dtype, seed: int, batches, batch: int,
     return row
 
 
+#: Kernels listed by their device time in ``--kernels``' record (the JSON; the table keeps one line).
+TOP_KERNELS = 12
+
+
 def kernel_profile(step, batches, seconds_per_pass: float) -> dict:
     """One pass of ``step`` under ``torch.profiler`` (CUDA activity): GPU kernels and copies a
     batch, the kernels' summed device time a batch, and that time's share of the timed pass's
-    (``seconds_per_pass``: the median of the timed passes)."""
+    (``seconds_per_pass``: the median of the timed passes); the ``TOP_KERNELS`` longest kernels
+    by name, with their calls and time a batch."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -606,6 +611,7 @@ def kernel_profile(step, batches, seconds_per_pass: float) -> dict:
         torch.cuda.synchronize()
     kernels = copies = 0
     device_us = 0.0
+    by_name = []
     for e in prof.key_averages():
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
@@ -616,11 +622,16 @@ def kernel_profile(step, batches, seconds_per_pass: float) -> dict:
         else:
             kernels += e.count
             device_us += us
+            by_name.append((us, e.count, e.key))
     n = len(batches)
     if kernels == 0:
         raise RuntimeError("the profiler recorded no GPU kernels")
+    # Where a batch's kernel time goes: what a fusion or a faster kernel would have to remove.
+    top = [{"kernel": name[:120], "per_batch": count / n, "us_per_batch": us / n}
+           for us, count, name in sorted(by_name, reverse=True)[:TOP_KERNELS]]  # fmt: skip
     return {"kernels_per_batch": kernels / n, "copies_per_batch": copies / n, "kernel_us_per_batch": device_us / n,
-            "pass_us_per_batch": seconds_per_pass * 1e6 / n, "busy_fraction": device_us / (seconds_per_pass * 1e6)}
+            "pass_us_per_batch": seconds_per_pass * 1e6 / n, "busy_fraction": device_us / (seconds_per_pass * 1e6),
+            "top_kernels": top}  # fmt: skip
 
 
 def _kernel_note(k: dict) -> str:
@@ -668,6 +679,8 @@ def table(record: dict) -> list[str]:
                    f"{r['min_cosine']:>11.6f}  {r['setup_seconds']:.1f}s {r['note']}{flag}".rstrip())  # fmt: skip
         if "kernels" in r:
             out.append(f"  {'':<16} {_kernel_note(r['kernels'])}")
+            for k in r["kernels"].get("top_kernels", [])[:4]:  # the rest in the JSON
+                out.append(f"  {'':<16}   {k['us_per_batch']:7.1f} us, {k['per_batch']:4.0f}x  {k['kernel'][:90]}")
     if not record.get("complete", True):
         out.append("  (still running: the rows above are those measured so far)")
     return out + [""]
