@@ -123,17 +123,17 @@ def peer(impl: str, name: str, device: torch.device, dtype: torch.dtype, seed: i
             return np.asarray(st.encode(sentences, batch_size=batch, convert_to_numpy=True), dtype=np.float32)
 
         return run_st, note, hf
-    if impl.startswith("corpus"):  # "corpus" or "corpus:<max batch tokens>" (the budget sweep)
+    if impl.startswith("corpus"):
         if tokenizer is None:
             raise RuntimeError("needs the real-models extra's fast tokenizer")
-        budget = int(impl.split(":")[1]) if ":" in impl else fusedenc.embed.DEFAULT_MAX_BATCH_TOKENS
+        options = corpus_options(impl)
         model = fusedenc.patch_hf(eb.load_model(name, device, dtype, "sdpa", seed))
         wrapped = fusedenc.embed.Model(model, tokenizer, MAX_LENGTH, name, device, dtype)
         def run_corpus(sentences, batch):
-            emb, run_corpus.last_stats = fusedenc.embed.encode(wrapped, sentences, max_batch_tokens=budget)
+            emb, run_corpus.last_stats = fusedenc.embed.encode(wrapped, sentences, **options)
             return emb
 
-        return run_corpus, f"fusedenc.embed.encode, {budget} padded tokens a batch", model
+        return run_corpus, "fusedenc.embed.encode, " + ", ".join(f"{k} {v}" for k, v in options.items()), model
     model = eb.load_model(name, device, dtype, "sdpa", seed)
     note = ""
     if impl == "compile":
@@ -150,6 +150,21 @@ def peer(impl: str, name: str, device: torch.device, dtype: torch.dtype, seed: i
             return eb.pooled(model(**f).last_hidden_state, f["attention_mask"])
     patched = model if impl.startswith("patched") else None
     return (lambda sentences, batch: st_loop(step, tokenizer, sentences, batch, device)), note, patched
+
+
+def corpus_options(impl: str) -> dict[str, int]:
+    """``fusedenc.embed.encode``'s keywords of a corpus peer's name: ``corpus`` with optional
+    ``:<N>`` (padded tokens a batch), ``:w<N>`` (tokenizing threads), ``:c<N>`` (texts a
+    tokenized chunk), e.g. ``corpus:w2:c1024`` - the A/B rows of the command's defaults."""
+    keys = {"w": "workers", "c": "texts_per_chunk"}
+    options = {"max_batch_tokens": fusedenc.embed.DEFAULT_MAX_BATCH_TOKENS}
+    for part in impl.split(":")[1:]:
+        key = keys.get(part[:1], "max_batch_tokens")
+        value = part[1:] if key != "max_batch_tokens" else part
+        if not value.isdigit():
+            raise ValueError(f"{impl!r}: {part!r} is not <N>, w<N> or c<N>")
+        options[key] = int(value)
+    return options
 
 
 def graph_counts(model) -> dict:
@@ -206,7 +221,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="comma list of minilm, bert-base, tiny (default minilm,bert-base)")
     ap.add_argument("--batch-sizes", default="32,128")
     ap.add_argument("--impl", default=",".join(IMPLS),
-                    help="comma list of peers; corpus:N runs the corpus command's encode at N padded tokens a batch")
+                    help="comma list of peers; corpus[:N][:wN][:cN] runs the corpus command's encode at N padded "
+                         "tokens a batch, N tokenizing threads, N texts a chunk")
     ap.add_argument("--sentences", type=int, default=20000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None)

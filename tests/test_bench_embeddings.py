@@ -123,7 +123,7 @@ def test_st_loop_tiny_and_the_loop_is_sentence_transformers(tmp_path):
     except real_models.RealModelMissing:
         check = False
     args = ["--device", "cpu", "--model", "tiny", "--batch-sizes", "8", "--sentences", "48", "--reps", "1",
-            "--impl", "plain,patched,patched-pooled" + (",corpus,corpus:2048,st-plain,st-patched" if check else ""),
+            "--impl", "plain,patched,patched-pooled" + (",corpus,corpus:2048,corpus:w2:c16,st-plain,st-patched" if check else ""),
             "--out-dir", str(tmp_path)]  # fmt: skip
     run_bench("st_loop.py", args + (["--check-st"] if check else []), timeout=600)
     [path] = list(tmp_path.glob("st_loop_tiny_*.json"))
@@ -133,7 +133,21 @@ def test_st_loop_tiny_and_the_loop_is_sentence_transformers(tmp_path):
         assert "error" not in r and r["cosine_ok"] and r["sentences_per_s"] > 0, r
     if check:
         assert result["st_check"]["max_abs_diff"] < 1e-5, result["st_check"]
-        assert {r["impl"] for r in record["results"]} >= {"corpus:2048", "st-plain", "st-patched"}
+        assert {r["impl"] for r in record["results"]} >= {"corpus:2048", "corpus:w2:c16", "st-plain", "st-patched"}
+
+
+def test_st_loop_corpus_names_read_as_encode_keywords(monkeypatch):
+    """A corpus peer's name gives encode()'s keywords; a part that is not a number refuses."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import st_loop  # bench/st_loop.py
+
+    from fusedenc.embed import DEFAULT_MAX_BATCH_TOKENS
+
+    assert st_loop.corpus_options("corpus") == {"max_batch_tokens": DEFAULT_MAX_BATCH_TOKENS}
+    assert st_loop.corpus_options("corpus:4096:w2:c1024") == {"max_batch_tokens": 4096, "workers": 2,
+                                                               "texts_per_chunk": 1024}  # fmt: skip
+    with pytest.raises(ValueError, match="wx"):
+        st_loop.corpus_options("corpus:wx")
 
 
 def test_distributed_actor_only_tiny(tmp_path):

@@ -97,6 +97,11 @@ def test_the_python_api_gives_what_the_command_writes(folder, texts, reference):
     emb, stats = fusedenc.embed.encode(model, texts, max_batch_tokens=500)
     np.testing.assert_allclose(emb, reference, **TOL)
     assert stats.texts == len(texts) and stats.truncated == 1 and stats.batches >= 3 and stats.tokens > 0
+    # small chunks on two threads: the same embeddings in the same order
+    small, _ = fusedenc.embed.encode(model, texts, max_batch_tokens=500, workers=2, texts_per_chunk=3)
+    np.testing.assert_allclose(small, emb, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="texts_per_chunk"):
+        fusedenc.embed.encode(model, texts, texts_per_chunk=0)
 
 
 def test_encode_says_where_its_time_went(folder, texts, monkeypatch):

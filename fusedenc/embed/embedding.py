@@ -149,11 +149,12 @@ class EncodeStats:
 
 def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
            truncate: bool = True, row_name: Optional[Callable[[int], Any]] = None,
-           progress: Optional[Callable[[int], None]] = None, workers: Optional[int] = None) -> tuple[np.ndarray, EncodeStats]:  # fmt: skip
+           progress: Optional[Callable[[int], None]] = None, workers: Optional[int] = None,
+           texts_per_chunk: int = _TOKENIZE_CHUNK) -> tuple[np.ndarray, EncodeStats]:  # fmt: skip
     """Float32 ``[len(texts), D]`` embeddings of ``texts`` in their order, and what it took.
     ``row_name(i)`` names text ``i`` in errors; ``progress(n)`` is told of every ``n`` texts done.
 
-    The texts are tokenized in chunks on ``workers`` threads while the chunks before run
+    The texts are tokenized in chunks of ``texts_per_chunk`` on ``workers`` threads while the chunks before run
     (``hf.token_batches.tokenized_chunks``; default one, the fast tokenizer spreading each
     chunk over the cores itself: ``tokenizer_threads``), and cut into batches across chunks
     (``stream_batches``); a text longer than the model takes is truncated
@@ -161,6 +162,8 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
     anything runs (every chunk is then tokenized first)."""
     if max_batch_tokens < 1:
         raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+    if texts_per_chunk < 1:
+        raise ValueError(f"texts_per_chunk must be >= 1, got {texts_per_chunk}")
     t0 = time.perf_counter()
     stats = EncodeStats(texts=len(texts))
     first_row = row_name or (lambda i: f"text {i}")
@@ -173,7 +176,7 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
     # The backend's ids where a sample of these texts shows them equal to the call's: the call's
     # Python half costs as much host time as the tokenizing (``hf.fast_ids``).
     tokenize = fast_ids.checked(texts, fast_ids.backend_ids(tok), tokenize, model.max_length)
-    chunks = tokenized_chunks(texts, tokenize, _TOKENIZE_CHUNK, workers)
+    chunks = tokenized_chunks(texts, tokenize, texts_per_chunk, workers)
     if not truncate:  # every text checked before anything runs
         t = time.perf_counter()
         chunks = list(chunks)
