@@ -30,7 +30,8 @@ after two warm-up passes (fusedenc captures a shape's graph at its second call, 
 pass meets most shapes once); the first pass's rate is reported beside it (what a one-off
 run of a small corpus sees: compiling, planning, new shapes run eagerly).  The sentences are
 tests/data/real_sentences (their token histogram is in the result); the corpus command's row
-also says where its last pass spent the calling thread's time.
+also says where its last pass spent the calling thread's time, and with ``--kernels`` every
+row how much of a pass the GPU spent in kernels (one more pass, under ``torch.profiler``).
 """
 
 from __future__ import annotations
@@ -228,10 +229,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kernels", action="store_true",
+                    help="GPU: one more pass per row under torch.profiler: the GPU's kernel time in the pass")
     ap.add_argument("--check-st", action="store_true", help="the loop against sentence-transformers (CPU, minilm)")
     ap.add_argument("--out-dir", default=os.environ.get(common.RESULTS_DIR_ENV) or common.DEFAULT_RESULTS_DIR)
     args = ap.parse_args(argv)
     device = common.resolve_device(args.device)
+    if args.kernels and device.type != "cuda":
+        ap.error("--kernels needs a GPU (it counts CUDA kernels)")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
     names = common.comma_list(args.model or "minilm,bert-base")
     batches = [int(b) for b in common.comma_list(args.batch_sizes)]
@@ -279,6 +284,10 @@ def main(argv=None) -> int:
                                               "warm_up_graphs": warm,
                                               "timed_graphs": counts_since(warm, graph_counts(patched)),
                                               "host_phases": _phases(getattr(run, "last_stats", None))})  # fmt: skip
+                    if args.kernels:  # how much of a pass the GPU works: the host's share is the rest
+                        profile = eb.kernel_profile(lambda _: run(sentences, b), [None], t)
+                        record["results"][-1]["kernels"] = {k: profile[k] for k in ("kernel_us_per_batch",
+                                                                                   "busy_fraction", "top_kernels")}
                 except Exception as exc:  # noqa: BLE001 - a peer that fails is a row saying so
                     record["results"].append({"impl": impl, "error": f"{type(exc).__name__}: {exc}"})
                 print("\n".join(table(record)), flush=True)
@@ -320,6 +329,11 @@ def table(record: dict) -> list[str]:
         if r.get("timed_graphs"):
             out.append(f"  {'':<16} graphs, 2 warm-up passes: {_counts(r['warm_up_graphs'])}; "
                        f"{record.get('reps', '')} timed passes: {_counts(r['timed_graphs'])}")
+        if r.get("kernels"):
+            k = r["kernels"]
+            out.append(f"  {'':<16} GPU kernels, one more pass: {k['kernel_us_per_batch'] / 1e3:.1f} ms "
+                       f"({100 * k['busy_fraction']:.0f}% of the timed pass); longest: "
+                       + "; ".join(f"{x['us_per_batch'] / 1e3:.1f} ms {x['kernel'][:40]}" for x in k["top_kernels"][:2]))
         if r.get("host_phases"):
             p = r["host_phases"]
             out.append(f"  {'':<16} the last pass on the calling thread: {p['seconds']:.3f} s, waiting for the "
