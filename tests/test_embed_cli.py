@@ -302,12 +302,15 @@ def test_one_tokenizer_thread_where_the_tokenizer_spreads_over_the_cores(setting
 def test_tokenized_chunks_come_in_length_order_whatever_the_threads(workers):
     """Every text once, longest first (by characters), chunk by chunk, each tokenized as given."""
     rng = np.random.default_rng()
-    texts = ["x" * int(n) for n in rng.integers(0, 60, size=int(rng.integers(1, 200)))]
-    chunk = int(rng.integers(1, 40))
+    texts = ["x" * int(n) for n in rng.integers(0, 60, size=int(rng.integers(1, 3000)))]
+    chunk = int(rng.integers(1, 40)) if rng.random() < 0.5 else int(rng.integers(300, 3000))
     got = list(token_batches.tokenized_chunks(texts, lambda batch: [len(t) for t in batch], chunk, workers))
     rows = np.concatenate([r for r, _ in got])
     assert sorted(rows.tolist()) == list(range(len(texts)))
-    assert all(len(r) <= chunk for r, _ in got)
+    sizes = [len(r) for r, _ in got]
+    assert sizes == token_batches.chunk_sizes(len(texts), chunk)
+    assert all(n <= chunk for n in sizes) and sizes[0] <= token_batches.FIRST_CHUNK
+    assert sizes[:-1] == sorted(sizes[:-1])  # growing, the last what is left
     lengths = [n for _, ns in got for n in ns]
     assert lengths == [len(texts[r]) for r in rows] and lengths == sorted(lengths, reverse=True)
     assert list(token_batches.tokenized_chunks([], len, chunk, workers)) == []

@@ -28,9 +28,10 @@ __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_m
 #: Padded tokens a batch may hold (batch size x its longest sequence), TEI's default; the
 #: number of sequences a batch may hold is capped by the graphs' largest batch bucket.
 DEFAULT_MAX_BATCH_TOKENS = 16384
-#: Texts a tokenizer call takes: large enough to amortize its Python, small enough to spread
-#: over the threads and to start the GPU early.
-_TOKENIZE_CHUNK = 2048
+#: Texts a tokenizer call takes at most (the first ones are smaller: ``chunk_sizes``): large
+#: enough to amortize its Python.  1,024 beat 2,048 on an H200 (bert-base corpus 69k against
+#: 61k sentences/s, MiniLM 117k against 114k), as sentence-transformers' patched encode() takes.
+_TOKENIZE_CHUNK = 1024
 #: Batches whose results are copied back to the host together (one sync).
 _COPY_EVERY = 32
 

@@ -111,9 +111,26 @@ def tokenizer_threads() -> int:
     return min(4, os.cpu_count() or 1)
 
 
+#: The first chunk's texts at most: the GPU waits for it (measured on an H200, bert-base and 20k
+#: sentences: a first chunk of 2,048 texts left the GPU idle ~40 ms of a 330 ms pass).
+FIRST_CHUNK = 256
+
+
+def chunk_sizes(total: int, chunk: int) -> list[int]:
+    """Texts a chunk: ``FIRST_CHUNK`` (or ``chunk`` if smaller) first, doubling up to ``chunk``,
+    the last what is left: a small first chunk starts the GPU early, the later ones keep the
+    tokenizer's per-call cost low."""
+    sizes, size, left = [], min(max(1, chunk), FIRST_CHUNK), total
+    while left > 0:
+        sizes.append(min(size, left))
+        left -= sizes[-1]
+        size = min(2 * size, max(1, chunk))
+    return sizes
+
+
 def tokenized_chunks(texts: Sequence[str], tokenize: Callable[[list], Any], chunk: int,
                      workers: Optional[int] = None) -> Iterator[tuple[np.ndarray, Any]]:  # fmt: skip
-    """``(rows, tokenize(their texts))`` for chunks of ``chunk`` texts, in the order
+    """``(rows, tokenize(their texts))`` for chunks of up to ``chunk`` texts (``chunk_sizes``), in the order
     sentence-transformers sorts texts (longest by characters first, so each chunk's token
     counts are close), as each is ready: the first on the calling thread (a fast tokenizer
     sets its truncation and padding state on its first call, which threads must not race),
@@ -121,7 +138,8 @@ def tokenized_chunks(texts: Sequence[str], tokenize: Callable[[list], Any], chun
     the first is handed out, so the tokenizer works while the caller runs the chunks before (a
     fast tokenizer's batch call runs outside the GIL)."""
     order = np.argsort([-len(t) for t in texts], kind="stable")
-    chunks = [order[i:i + chunk] for i in range(0, len(order), max(1, chunk))]
+    ends = np.cumsum(chunk_sizes(len(order), chunk))
+    chunks = [order[end - size:end] for end, size in zip(ends, chunk_sizes(len(order), chunk))]
     if not chunks:
         return
 
