@@ -29,8 +29,8 @@ __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_m
 #: number of sequences a batch may hold is capped by the graphs' largest batch bucket.
 DEFAULT_MAX_BATCH_TOKENS = 16384
 #: Texts a tokenizer call takes at most (the first ones are smaller: ``chunk_sizes``): large
-#: enough to amortize its Python.  1,024 beat 2,048 on an H200 (bert-base corpus 69k against
-#: 61k sentences/s, MiniLM 117k against 114k), as sentence-transformers' patched encode() takes.
+#: enough to amortize its Python.  On an H200, with the small first chunk, 1,024 and 2,048 are
+#: level within the runs' noise (~5%); 1,024 as sentence-transformers' patched encode() takes.
 _TOKENIZE_CHUNK = 1024
 #: Batches whose results are copied back to the host together (one sync).
 _COPY_EVERY = 32
