@@ -196,6 +196,19 @@ def test_ray_missing_is_one_line(monkeypatch):
         distributed.embed(None, "minilm")
 
 
+def test_the_embed_command_refuses_a_block_of_no_rows_before_ray_starts(folder, tmp_path, capsys, monkeypatch):
+    """``--block-rows 0``: a clear message and status 2, no cluster started, no file written."""
+    ray = pytest.importorskip("ray")
+    from fusedenc.distributed import cli
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a cluster started"))
+    src = tmp_path / "texts.txt"
+    src.write_text("one\ntwo\n", encoding="utf-8")
+    rc = cli.embed_main([folder, str(src), "-o", str(tmp_path / "e.npy"), "--ray", "local", "--block-rows", "0"])
+    assert rc == 2 and "--block-rows must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "e.npy").exists()
+
+
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat", "rb") as f:
         return int(f.read().rsplit(b")", 1)[1].split()[1])  # the field after the state

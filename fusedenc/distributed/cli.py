@@ -20,7 +20,7 @@ import numpy as np
 from ..common.paths import output_file_problem
 from ..embed import cli as embed_cli
 from ..embed.texts import InputError, read_corpus
-from . import embed, ray_or_exit
+from . import BLOCK_ROWS, EMBED_BLOCK_ROWS, embed, ray_or_exit
 
 PROG = embed_cli.PROG
 
@@ -36,7 +36,8 @@ def embed_main(argv: list[str]) -> int:
     ap = embed_cli.parser()
     ap.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
                     help="run on a Ray cluster: alone, the one this machine is in; 'local'; or a head's HOST:PORT")
-    ap.add_argument("--block-rows", type=int, default=4096, help="rows an actor takes at once (default 4096)")
+    ap.add_argument("--block-rows", type=int, default=EMBED_BLOCK_ROWS,
+                    help=f"texts an actor takes at once (default {EMBED_BLOCK_ROWS})")
     args = ap.parse_args(argv)
     src, out = Path(args.input), Path(args.output)
     try:
@@ -51,6 +52,8 @@ def embed_main(argv: list[str]) -> int:
             raise InputError(f"{out}: {why}")
         if args.dtype is not None and args.dtype not in embed_cli.DTYPES:
             raise InputError(f"--dtype {args.dtype}: use one of {', '.join(embed_cli.DTYPES)}")
+        if args.block_rows < 1:
+            raise InputError(f"--block-rows must be >= 1, got {args.block_rows}")
         t0 = time.perf_counter()
         corpus = None
         if not src.is_dir():  # a file: read and checked here, before the cluster starts anything
@@ -120,7 +123,8 @@ def eval_main(argv: list[str]) -> int:
     ap = eval_parser()
     ap.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
                     help="run on a Ray cluster: alone, the one this machine is in; 'local'; or a head's HOST:PORT")
-    ap.add_argument("--block-rows", type=int, default=4096, help="positions an actor takes at once (default 4096)")
+    ap.add_argument("--block-rows", type=int, default=BLOCK_ROWS,
+                    help=f"positions an actor takes at once (default {BLOCK_ROWS})")
     args = ap.parse_args(argv)
     prog = "python -m fusedenc.lc0 eval"
     out_dir = args.out is not None and (Path(args.out).suffix == "" or Path(args.out).is_dir())
