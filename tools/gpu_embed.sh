@@ -18,7 +18,7 @@ bash "$(dirname "$0")/build_core.sh" "$OUT/build.log" || exit 1
 summary=()
 if [[ $stages == *tests* ]]; then
   FUSEDENC_REQUIRE_GPU=1 timeout -s INT 240 python3 -m pytest -q -p no:cacheprovider -rfE \
-    tests/test_sentence_transformers_gpu.py tests/test_hf_gpu.py > "$OUT/gpu-tests.log" 2>&1
+    tests/test_sentence_transformers_gpu.py tests/test_hf_gpu.py tests/test_embed_gpu.py > "$OUT/gpu-tests.log" 2>&1
   summary+=("GPU tests (rc=$?): $(grep -E 'passed|failed' "$OUT/gpu-tests.log" | tail -1)")
 fi
 if [[ $stages == *loop* ]]; then
