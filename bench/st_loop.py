@@ -31,7 +31,9 @@ pass meets most shapes once); the first pass's rate is reported beside it (what 
 run of a small corpus sees: compiling, planning, new shapes run eagerly).  The sentences are
 tests/data/real_sentences (their token histogram is in the result); the corpus command's row
 also says where its last pass spent the calling thread's time, and with ``--kernels`` every
-row how much of a pass the GPU spent in kernels (one more pass, under ``torch.profiler``).
+row how much of a pass the GPU spent in kernels (one more pass, under ``torch.profiler``);
+with ``--host-profile`` the functions where the calling thread spent one more pass (``cProfile``:
+its own time, largest first; a wait shows as the lock or sync it waits in).
 """
 
 from __future__ import annotations
@@ -231,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kernels", action="store_true",
                     help="GPU: one more pass per row under torch.profiler: the GPU's kernel time in the pass")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="one more pass per row under cProfile: the calling thread's functions by their own time")
     ap.add_argument("--check-st", action="store_true", help="the loop against sentence-transformers (CPU, minilm)")
     ap.add_argument("--out-dir", default=os.environ.get(common.RESULTS_DIR_ENV) or common.DEFAULT_RESULTS_DIR)
     args = ap.parse_args(argv)
@@ -284,6 +288,8 @@ def main(argv=None) -> int:
                                               "warm_up_graphs": warm,
                                               "timed_graphs": counts_since(warm, graph_counts(patched)),
                                               "host_phases": _phases(getattr(run, "last_stats", None))})  # fmt: skip
+                    if args.host_profile:
+                        record["results"][-1]["host_profile"] = host_profile(lambda: run(sentences, b))
                     if args.kernels:  # how much of a pass the GPU works: the host's share is the rest
                         profile = eb.kernel_profile(lambda _: run(sentences, b), [None], t)
                         record["results"][-1]["kernels"] = {k: profile[k] for k in ("kernel_us_per_batch",
@@ -334,12 +340,36 @@ def table(record: dict) -> list[str]:
             out.append(f"  {'':<16} GPU kernels, one more pass: {k['kernel_us_per_batch'] / 1e3:.1f} ms "
                        f"({100 * k['busy_fraction']:.0f}% of the timed pass); longest: "
                        + "; ".join(f"{x['us_per_batch'] / 1e3:.1f} ms {x['kernel'][:40]}" for x in k["top_kernels"][:2]))
+        if r.get("host_profile"):
+            out.append(f"  {'':<16} the calling thread, one more pass under cProfile (own time): "
+                       + "; ".join(f"{100 * f['share']:.0f}% {f['function'][:50]} x{f['calls']}"
+                                   for f in r["host_profile"][:5]))  # fmt: skip
         if r.get("host_phases"):
             p = r["host_phases"]
             out.append(f"  {'':<16} the last pass on the calling thread: {p['seconds']:.3f} s, waiting for the "
                        f"tokenizer {p['tokenizer_wait_s']:.3f}, the model's calls and copies back {p['model_s']:.3f}, "
                        f"batching {p['seconds'] - p['tokenizer_wait_s'] - p['model_s']:.3f}")  # fmt: skip
     return out + [""]
+
+
+#: Functions listed by their own time in ``--host-profile``'s record (the table shows 5).
+TOP_FUNCTIONS = 15
+
+
+def host_profile(one_pass: Callable[[], Any]) -> list[dict]:
+    """The calling thread's ``TOP_FUNCTIONS`` functions by their own time over one pass of
+    ``one_pass`` under ``cProfile`` (which slows Python calls: the shares, not the seconds,
+    are what it says)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(one_pass)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
+    total = sum(v[2] for v in stats.values()) or 1.0
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:TOP_FUNCTIONS]
+    return [{"function": f"{os.path.basename(f)}:{line}({name})" if line else name, "calls": v[0],
+             "own_s": v[2], "share": v[2] / total} for (f, line, name), v in top]  # fmt: skip
 
 
 def _phases(stats) -> Optional[dict]:

@@ -122,7 +122,7 @@ def test_st_loop_tiny_and_the_loop_is_sentence_transformers(tmp_path):
         real_models.minilm_dir()
     except real_models.RealModelMissing:
         check = False
-    args = ["--device", "cpu", "--model", "tiny", "--batch-sizes", "8", "--sentences", "48", "--reps", "1",
+    args = ["--device", "cpu", "--model", "tiny", "--batch-sizes", "8", "--sentences", "48", "--reps", "1", "--host-profile",
             "--impl", "plain,patched,patched-pooled" + (",corpus,corpus:2048,corpus:w2:c16,st-plain,st-patched" if check else ""),
             "--out-dir", str(tmp_path)]  # fmt: skip
     run_bench("st_loop.py", args + (["--check-st"] if check else []), timeout=600)
@@ -131,6 +131,8 @@ def test_st_loop_tiny_and_the_loop_is_sentence_transformers(tmp_path):
     [record] = result["records"]
     for r in record["results"]:
         assert "error" not in r and r["cosine_ok"] and r["sentences_per_s"] > 0, r
+        shares = [f["share"] for f in r["host_profile"]]  # the calling thread's functions, largest first
+        assert shares and shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9, r["host_profile"]
     if check:
         assert result["st_check"]["max_abs_diff"] < 1e-5, result["st_check"]
         assert {r["impl"] for r in record["results"]} >= {"corpus:2048", "corpus:w2:c16", "st-plain", "st-patched"}
