@@ -138,8 +138,8 @@ def tokenized_chunks(texts: Sequence[str], tokenize: Callable[[list], Any], chun
     the first is handed out, so the tokenizer works while the caller runs the chunks before (a
     fast tokenizer's batch call runs outside the GIL)."""
     order = np.argsort([-len(t) for t in texts], kind="stable")
-    ends = np.cumsum(chunk_sizes(len(order), chunk))
-    chunks = [order[end - size:end] for end, size in zip(ends, chunk_sizes(len(order), chunk))]
+    sizes = chunk_sizes(len(order), chunk)
+    chunks = [order[end - size:end] for end, size in zip(np.cumsum(sizes), sizes)]
     if not chunks:
         return
 
