@@ -186,7 +186,7 @@ def test_encode_tokenizes_in_chunks_on_threads_and_keeps_input_order(model_dirs,
     """The patched encode()'s own loop: texts tokenized in many chunks on threads, batches by
     a token budget, results back in input order, equal to sentence-transformers' loop; and a
     batch the short path declines (a hook on the embeddings) runs sentence-transformers' forward."""
-    monkeypatch.setattr(sentences, "_TOKENIZE_CHUNK", 3)  # 25 texts: 9 chunks on the threads
+    monkeypatch.setattr(sentences, "TOKENIZE_CHUNK", 3)  # 25 texts: 9 chunks on the threads
     patched, ref = st_helpers.patched_pair(model_dirs[model_type], pooling="mean", normalize=True, max_seq_length=32)
     texts = _texts(gen)
     for kw in ({}, {"batch_size": 2}, {"convert_to_tensor": True}, {"convert_to_numpy": False}):
@@ -248,7 +248,7 @@ def test_encode_tokenizes_fast_only_where_a_sample_shows_the_models_own_ids(mode
     the unpatched model's with it."""
     from fusedenc.hf import fast_ids, st_tokens
 
-    monkeypatch.setattr(sentences, "_TOKENIZE_CHUNK", 8)
+    monkeypatch.setattr(sentences, "TOKENIZE_CHUNK", 8)
     patched, ref = st_helpers.patched_pair(model_dirs[model_type], pooling="mean", normalize=True, max_seq_length=32)
     texts = _texts(gen, 60)
     own = type(patched).preprocess if hasattr(type(patched), "preprocess") else type(patched).tokenize

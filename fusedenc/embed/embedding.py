@@ -20,7 +20,7 @@ from torch import nn
 from ..hf import fast_ids, real_models
 from ..hf.patch import patch_hf
 from ..hf.sentences import sentence_embeddings
-from ..hf.token_batches import padded_batch, stream_batches, tokenized_chunks
+from ..hf.token_batches import TOKENIZE_CHUNK, padded_batch, stream_batches, tokenized_chunks
 from .texts import InputError
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_model"]
@@ -28,10 +28,6 @@ __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_m
 #: Padded tokens a batch may hold (batch size x its longest sequence), TEI's default; the
 #: number of sequences a batch may hold is capped by the graphs' largest batch bucket.
 DEFAULT_MAX_BATCH_TOKENS = 16384
-#: Texts a tokenizer call takes at most (the first ones are smaller: ``chunk_sizes``): large
-#: enough to amortize its Python.  On an H200, with the small first chunk, 1,024 and 2,048 are
-#: level within the runs' noise (~5%); 1,024 as sentence-transformers' patched encode() takes.
-_TOKENIZE_CHUNK = 1024
 #: Batches whose results are copied back to the host together (one sync).
 _COPY_EVERY = 32
 
@@ -151,7 +147,7 @@ class EncodeStats:
 def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
            truncate: bool = True, row_name: Optional[Callable[[int], Any]] = None,
            progress: Optional[Callable[[int], None]] = None, workers: Optional[int] = None,
-           texts_per_chunk: int = _TOKENIZE_CHUNK) -> tuple[np.ndarray, EncodeStats]:  # fmt: skip
+           texts_per_chunk: int = TOKENIZE_CHUNK) -> tuple[np.ndarray, EncodeStats]:  # fmt: skip
     """Float32 ``[len(texts), D]`` embeddings of ``texts`` in their order, and what it took.
     ``row_name(i)`` names text ``i`` in errors; ``progress(n)`` is told of every ``n`` texts done.
 

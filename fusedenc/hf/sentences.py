@@ -33,7 +33,7 @@ from ..varlen import packing as varlen
 from . import classes as patched_classes
 from .embedded import POOLING_MODES, EmbeddedModel
 from .st_tokens import chunk_tokenizer
-from .token_batches import padded_batch, stream_batches, tokenized_chunks
+from .token_batches import TOKENIZE_CHUNK, padded_batch, stream_batches, tokenized_chunks
 
 __all__ = ["SentenceModel", "SentenceParts", "patch", "sentence_embeddings", "sentence_parts"]
 
@@ -361,11 +361,6 @@ def _pads_right(model: Any) -> bool:
     return getattr(getattr(model, "tokenizer", None), "padding_side", "right") == "right"
 
 
-#: Texts one tokenizer call takes in ``_encode_texts``: large enough to amortize its Python,
-#: small enough to spread over the threads and to start the GPU early.
-_TOKENIZE_CHUNK = 1024
-
-
 @torch.inference_mode()  # as sentence-transformers' own loop
 def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_size: int,
                   normalize: bool) -> torch.Tensor:  # fmt: skip
@@ -394,7 +389,7 @@ def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_siz
     max_length = int(getattr(model, "max_seq_length", None) or 512)
     budget = max(1, batch_size) * max_length
     done, placed = [], []
-    tokenized = tokenized_chunks(texts, chunk_tokenizer(model, texts), _TOKENIZE_CHUNK)
+    tokenized = tokenized_chunks(texts, chunk_tokenizer(model, texts), TOKENIZE_CHUNK)
     for rows, ids, types, lengths in stream_batches(((r, *t) for r, t in tokenized), budget):
         batch, mask = padded_batch(ids, lengths, pad)
         call = {"input_ids": torch.from_numpy(batch), "attention_mask": torch.from_numpy(mask)}
