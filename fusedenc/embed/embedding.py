@@ -2,13 +2,14 @@
 chunks before run, sorted by length, cut into batches by a token budget (so a batch of short
 sentences holds many and a batch of passages few), each batch handed over as host tensors to
 ``sentence_embeddings`` (one copy from pinned memory, the pooling inside the patched model's
-graph), the results copied back once per group of batches so that copies overlap the GPU's
-work.  ``encode`` is the Python API; ``python -m fusedenc embed`` (``cli.py``) runs it over a
-file."""
+graph), each batch's result copied back as it is launched (into pinned memory, without
+waiting: the GPU never idles for a copy back) and put in place once the copy is done.
+``encode`` is the Python API; ``python -m fusedenc embed`` (``cli.py``) runs it over a file."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -28,8 +29,10 @@ __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_m
 #: Padded tokens a batch may hold (batch size x its longest sequence), TEI's default; the
 #: number of sequences a batch may hold is capped by the graphs' largest batch bucket.
 DEFAULT_MAX_BATCH_TOKENS = 16384
-#: Batches whose results are copied back to the host together (one sync).
-_COPY_EVERY = 32
+#: Batches whose copies back may be in flight before the oldest is waited for: the GPU's queue
+#: is held to a few batches by the pinned input staging anyway (``graphs.feeds``); this bounds
+#: the pinned memory where it is not.
+_COPIES_IN_FLIGHT = 64
 
 
 @dataclass
@@ -185,21 +188,37 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
                              f"({len(long)} such texts; without --no-truncate they are truncated)")  # fmt: skip
     pad = tok.pad_token_id or 0
     out: Optional[np.ndarray] = None
-    pending: list[tuple[np.ndarray, torch.Tensor]] = []
+    # (rows, host embeddings, the event of their copy or None): copied back, not yet in place
+    in_flight: deque = deque()
 
-    def flush() -> None:
+    def place(keep: int) -> None:
+        """Put in place the batches whose copy back is done, and wait for the oldest until at
+        most ``keep`` are left in flight."""
         nonlocal out
-        if not pending:
+        while in_flight and (len(in_flight) > keep or in_flight[0][2] is None or in_flight[0][2].query()):
+            rows, host, copied = in_flight.popleft()
+            if copied is not None:
+                t = time.perf_counter()
+                copied.synchronize()
+                stats.model_s += time.perf_counter() - t
+            done = host.numpy()
+            if out is None:
+                out = np.empty((len(texts), done.shape[1]), dtype=np.float32)
+            out[rows] = done
+            if progress is not None:
+                progress(done.shape[0])
+
+    def copy_back(rows: np.ndarray, emb: torch.Tensor) -> None:
+        """Start ``emb``'s copy to the host behind the batch's work on the GPU's stream."""
+        emb = emb.float()
+        if emb.device.type != "cuda":
+            in_flight.append((rows, emb, None))
             return
-        t = time.perf_counter()
-        done = torch.cat([e for _, e in pending]).float().cpu().numpy()  # the one sync per group
-        stats.model_s += time.perf_counter() - t
-        if out is None:
-            out = np.empty((len(texts), done.shape[1]), dtype=np.float32)
-        out[np.concatenate([rows for rows, _ in pending])] = done
-        if progress is not None:
-            progress(done.shape[0])
-        pending.clear()
+        host = torch.empty(emb.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(emb, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(emb.device))
+        in_flight.append((rows, host, copied))
 
     def waited(tokenized):  # each chunk, with the time spent waiting for it counted
         it = iter(tokenized)
@@ -227,11 +246,10 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
             # takes without them (and the ids go over alone).
             t = time.perf_counter()
             emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask))
+            copy_back(rows, emb)
             stats.model_s += time.perf_counter() - t
-            pending.append((rows, emb))
             stats.batches += 1
-            if len(pending) >= _COPY_EVERY:
-                flush()
-        flush()
+            place(keep=_COPIES_IN_FLIGHT)
+        place(keep=0)
     stats.seconds = time.perf_counter() - t0
     return out, stats
