@@ -25,7 +25,8 @@ Normalize): ``st-plain``, ``st-compile`` (its HF model under ``torch.compile(dyn
 and ``st-patched`` (``fusedenc.patch_hf(st)``).  For fusedenc's peers the result gives the
 model's graph-cache counts over the timed passes (captures, evictions, eager calls).
 Every peer's embeddings are checked against the fp32 plain loop (cosine >= 0.9999) first.
-Timed: the wall clock of whole passes (tokenization included), the median of ``--reps``,
+Timed: the wall clock of whole passes (tokenization included), the median of ``--reps`` (each
+pass's time in the JSON: some passes on the H200 machine take 2-4x the others, for all peers),
 after two warm-up passes (fusedenc captures a shape's graph at its second call, and a sorted
 pass meets most shapes once); the first pass's rate is reported beside it (what a one-off
 run of a small corpus sees: compiling, planning, new shapes run eagerly).  The sentences are
@@ -280,8 +281,10 @@ def main(argv=None) -> int:
                     setup = t1 - t0 + first
                     warm = graph_counts(patched)
                     cos = np.sum(got * ref[b], 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref[b], axis=1)
-                    t = statistics.median(timed(run, sentences, b, device, args.reps))
+                    passes = timed(run, sentences, b, device, args.reps)
+                    t = statistics.median(passes)
                     record["results"].append({"impl": impl, "sentences_per_s": len(sentences) / t, "seconds": t,
+                                              "pass_seconds": passes,
                                               "min_cosine": float(cos.min()), "cosine_ok": bool(cos.min() >= COSINE),
                                               "setup_seconds": setup, "first_pass_seconds": first,
                                               "note": note,

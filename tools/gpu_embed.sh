@@ -22,7 +22,7 @@ if [[ $stages == *tests* ]]; then
   summary+=("GPU tests (rc=$?): $(grep -E 'passed|failed' "$OUT/gpu-tests.log" | tail -1)")
 fi
 if [[ $stages == *loop* ]]; then
-  timeout -s INT 420 python3 bench/st_loop.py --batch-sizes 32,128 --reps 2 \
+  timeout -s INT 420 python3 bench/st_loop.py --batch-sizes 32,128 --reps 3 \
     --impl compile,st-plain,st-compile,st-patched,corpus --out-dir "$OUT" "$@" > "$OUT/st_loop.log" 2>&1
   summary+=("st_loop (rc=$?)")
 fi
