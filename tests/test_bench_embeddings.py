@@ -164,3 +164,35 @@ def test_distributed_actor_only_tiny(tmp_path):
     rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
     assert [r["block_rows"] for r in rows] == [16, 64]
     assert all(r["max_abs_diff"] < 1e-4 and r["rows_per_s"] > 0 for r in rows), rows
+
+
+def test_embed_file_tiny_every_peer(tmp_path):
+    """bench/embed_file.py end to end on the CPU: the command and sentence-transformers' script
+    (plain and patched) each in its own process on one .txt file, every output checked against
+    the fp32 model, and an unknown peer a row saying so (and a non-zero exit)."""
+    pytest.importorskip("sentence_transformers")
+    from fusedenc.hf import real_models
+
+    try:
+        real_models.load_minilm_tokenizer()
+    except real_models.RealModelMissing as exc:
+        pytest.skip(f"the tiny model's folder needs the MiniLM tokenizer: {exc}")
+    args = ["--device", "cpu", "--model", "tiny", "--texts", "40", "--out-dir", str(tmp_path),
+            "--impl", "command,st-plain:8,st-patched:8"]  # fmt: skip
+    run_bench("embed_file.py", args, timeout=600)
+    [path] = list(tmp_path.glob("embed_file_tiny_*.json"))
+    result = json.loads(path.read_text(encoding="utf-8"))
+    assert result["texts"] == 40 and result["dtype"] == "float32"
+    [record] = result["records"]
+    assert [r["impl"] for r in record["results"]] == ["command", "st-plain:8", "st-patched:8"]
+    for r in record["results"]:
+        assert "error" not in r and r["cosine_ok"], r
+        assert 0 < r["embed_seconds"] < r["wall_seconds"], r  # the embedding is a part of the process
+    assert "x st-plain" in path.with_suffix(".txt").read_text(encoding="utf-8")
+
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "embed_file.py"), *args[:-1], "st-fast:8"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert bad.returncode == 1 and "unknown peer 'st-fast:8'" in bad.stdout, bad.stdout[-2000:] + bad.stderr[-2000:]
