@@ -18,6 +18,7 @@ against the fp32 model on a sample of rows first (cosine >= 0.9999).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -122,6 +123,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.texts < 1:
         ap.error("--texts must be >= 1")
+    if importlib.util.find_spec("sentence_transformers") is None:  # the model folder and two peers
+        ap.error("needs sentence-transformers: pip install sentence-transformers")
     device = common.resolve_device(args.device)
     dtype = "float16" if device.type == "cuda" else "float32"
     env = common.environment(device)
