@@ -389,11 +389,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per call; batch = tokens // seq_len (16384)")
     ap.add_argument("--ops", type=common.comma_list, default=list(OPS),
                     help=f"comma list of {', '.join(OPS)} (default all)")  # fmt: skip
+    ap.add_argument("--activation", default=None,
+                    help="FFN1's activation in every preset instead of its own, e.g. gelu_tanh (runs named NAME-ACT)")  # fmt: skip
     common.add_common_args(ap, "timed replays")
     args = ap.parse_args(argv)
     common.check_common_args(ap, args)
     if args.tokens <= 0:
         ap.error("--tokens must be positive")
+    if args.activation is not None and args.activation not in fusedenc.ACTIVATIONS:
+        ap.error(f"unknown --activation {args.activation}; choose from {', '.join(fusedenc.ACTIVATIONS)}")
     bad = [o for o in args.ops if o not in OPS]
     if bad:
         ap.error(f"unknown --ops {', '.join(bad)}; choose from {', '.join(OPS)}")
@@ -409,6 +413,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as exc:
         print(f"bench/ops.py: {exc}", file=sys.stderr)
         return 2
+    if args.activation is not None:  # the same shapes with another activation (GELU's tanh form, ...)
+        runs = [dataclasses.replace(r, preset=dataclasses.replace(r.preset, activation=args.activation),
+                                    name=f"{r.name}-{args.activation}") for r in runs]  # fmt: skip
     notes = []
     if not on_gpu:
         notes.append("no GPU: CPU timings (wall clock, no CUDA graphs)"

@@ -174,6 +174,19 @@ def test_ops_tiny(tmp_path):
                 assert case["tflops"] > 0 and case["pct_gemm_rate"] > 0, (name, case)
 
 
+def test_ops_another_activation(tmp_path):
+    """``--activation``: the preset's shapes with FFN1's activation replaced, checked against the
+    reference of that activation; an unknown one refused before anything runs."""
+    r = _run("ops.py", ["--preset", "tiny-bert", "--tokens", "64", "--reps", "20", "--ops", "ffn1",
+                        "--activation", "gelu_tanh"], tmp_path)  # fmt: skip
+    (run,) = r["runs"]
+    assert run["name"] == "tiny-bert-gelu_tanh" and r["check_passed"] is True
+    assert all("gelu_tanh" in c["case"] for c in run["ops"]["ffn1"]["cases"][:3]), run["ops"]["ffn1"]["cases"]
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ops.py"), "--activation", "gelu_fast"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and "unknown --activation gelu_fast" in bad.stderr, bad.stderr
+
+
 @pytest.mark.parametrize("script", ["nps.py", "ops.py"])
 def test_default_file_name_names_preset_dtype_and_device(script, tmp_path):
     """Without --tag (as tools/gpu_perf.sh runs them) the result files are named from the run."""

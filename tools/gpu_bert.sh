@@ -5,7 +5,8 @@
 # Always first: build the CUDA core with the Hopper kernels.
 #   tests     the sm90 GEMM and GELU-unit GPU tests (BERT_TESTS: pytest files; "all": the whole suite)
 #   ops       FFN1 per op, cuBLASLt + the GELU pass against the Hopper GELU unit, at MiniLM /
-#             bert-base / bge-large shapes (BERT_OPS_PRESETS, BERT_OPS_TOKENS)
+#             bert-base / bge-large shapes (BERT_OPS_PRESETS, BERT_OPS_TOKENS; BERT_OPS_DTYPE=bfloat16
+#             and BERT_OPS_ACTIVATION=gelu_tanh for the other units)
 #   nps       the body against torch.compile (the default mode and BERT_COMPILE_MODES, default
 #             reduce-overhead: the best at bert-base 32 lately; max-autotune-no-cudagraphs costs
 #             minutes of autotuning), with the A/B rows of the library's defaults: GELU units off,
@@ -45,8 +46,11 @@ if [[ $stages == *tests* ]]; then
 fi
 if [[ $stages == *ops* ]]; then
   for tokens in ${BERT_OPS_TOKENS:-4096 16384 65536 262144}; do
+    variant=(); tag="ffn1-${BERT_OPS_ACTIVATION:-gelu}${BERT_OPS_DTYPE:+-$BERT_OPS_DTYPE}-$tokens"
+    [ -n "${BERT_OPS_ACTIVATION:-}" ] && variant+=(--activation "$BERT_OPS_ACTIVATION")
+    [ -n "${BERT_OPS_DTYPE:-}" ] && variant+=(--dtype "$BERT_OPS_DTYPE")
     step "ops-$tokens" 120 python3 bench/ops.py --preset "${BERT_OPS_PRESETS:-minilm-s128,bert-base-s128,bge-large-s128}" \
-      --tokens "$tokens" --ops ffn1 --out-dir "$OUT" --tag "ffn1-gelu-$tokens" --no-progress --step-timeout 60
+      --tokens "$tokens" --ops ffn1 "${variant[@]}" --out-dir "$OUT" --tag "$tag" --no-progress --step-timeout 60
   done
 fi
 if [[ $stages == *nps* ]]; then
