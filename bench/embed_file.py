@@ -26,16 +26,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import common
 import embeddings as eb
 import numpy as np
 import torch
+from st_loop import COSINE, st_model
 
-HERE = Path(__file__).resolve().parent
-COSINE = 0.9999
 SAMPLE = 2048  # rows checked against the fp32 model
 # The script a sentence-transformers user writes, run as its own process.  argv: folder, texts,
 # output, batch, device, dtype, patch (0/1).  Prints the embedding part's seconds as JSON.
@@ -57,18 +55,14 @@ np.save(out, emb.astype(np.float32))
 print(json.dumps({"embed_seconds": seconds}))
 """
 # The command's last line: "... N embedded in S s: R texts/s (...); the whole command W s"
-COMMAND_LINE = re.compile(r"embedded in ([0-9.]+) s: .* the whole command ([0-9.]+) s")
+COMMAND_LINE = re.compile(r"embedded in ([0-9.]+) s: .* the whole command [0-9.]+ s")
 
 
 def model_folder(name: str, root: str) -> str:
-    """A sentence-transformers folder around ``name``'s fp32 weights and tokenizer."""
-    from sentence_transformers import SentenceTransformer, models
-
-    hf = eb.saved_model_folder(name, os.path.join(root, name + "-hf"))
-    word = models.Transformer(hf, max_seq_length=256)
-    pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode="mean")
+    """A sentence-transformers folder around ``name``'s fp32 weights and tokenizer: st_loop's
+    ``SentenceTransformer``, saved."""
     folder = os.path.join(root, name)
-    SentenceTransformer(modules=[word, pooling, models.Normalize()], device="cpu").save(folder)
+    st_model(name, torch.device("cpu"), torch.float32, 0, os.path.join(root, name + "-hf")).save(folder)
     return folder
 
 

@@ -26,7 +26,8 @@ and ``st-patched`` (``fusedenc.patch_hf(st)``).  For fusedenc's peers the result
 model's graph-cache counts over the timed passes (captures, evictions, eager calls).
 Every peer's embeddings are checked against the fp32 plain loop (cosine >= 0.9999) first.
 Timed: the wall clock of whole passes (tokenization included), the median of ``--reps`` (each
-pass's time in the JSON: some passes on the H200 machine take 2-4x the others, for all peers),
+pass's time in the JSON: some passes take 2-4x the others, for all peers; likely CPython's
+full garbage collections),
 after two warm-up passes (fusedenc captures a shape's graph at its second call, and a sorted
 pass meets most shapes once); the first pass's rate is reported beside it (what a one-off
 run of a small corpus sees: compiling, planning, new shapes run eagerly).  The sentences are

@@ -4,9 +4,10 @@
 # encode() loop against fusedenc (bench/st_loop.py), a file of texts to a file of embeddings
 # (bench/embed_file.py: the command against sentence-transformers' script, each a process) and
 # the Ray actor's work without Ray (bench/distributed.py --actor-only).  Logs and results go
-# to $OUT (or ./gpu-out); a summary is printed last.  Without the real all-MiniLM-L6-v2 installed, a folder of its tokenizer's
-# files (tokenizer.json, vocab.txt, tokenizer_config.json, special_tokens_map.json) in
-# .cache/minilm-tokenizer lets the models run with random weights of their shapes.
+# to $OUT (or ./gpu-out); a summary is printed last.  Without the real all-MiniLM-L6-v2
+# installed, a folder of its tokenizer's files (tokenizer.json, vocab.txt,
+# tokenizer_config.json, special_tokens_map.json) in .cache/minilm-tokenizer lets the models
+# run with random weights of their shapes.
 #   bash tools/gpu_embed.sh [tests,loop,file,actor] [st_loop args...]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
