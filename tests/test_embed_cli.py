@@ -151,13 +151,20 @@ def test_batches_by_tokens_respect_the_budget():
         assert len(b) == 1 or len(b) * lengths[b].max() <= 200, b
         assert (np.diff(lengths[b]) <= 0).all()  # longest first
     assert [len(b) for b in batches][0] == 1  # 300 > budget: a batch of its own
-    ids, mask = token_batches.padded_batch([list(range(14, 23)), list(range(12, 21))], np.array([5, 3]), pad=-1)
+    packed = token_batches.PackedIds.pack([list(range(14, 19)), [9, 9], list(range(12, 15))])
+    ids, mask = token_batches.padded_batch(packed.take(np.array([0, 2])), pad=-1)  # a batch leaves texts out
     assert ids.tolist() == [[14, 15, 16, 17, 18], [12, 13, 14, -1, -1]]
     assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
-    rows = [np.arange(3, 9), np.arange(1, 3)]  # numpy rows (sentence-transformers' preprocess path)
-    ids, mask = token_batches.padded_batch(rows, np.array([6, 2]), pad=0)
+    ids, mask = token_batches.padded_batch(packed.take(np.array([2, 1])), pad=0)  # and takes them in any order
+    assert ids.tolist() == [[12, 13, 14], [9, 9, 0]] and mask.sum() == 5
+    # sentence-transformers' preprocess path: the real tokens of a padded batch
+    real = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]]) != 0
+    rows = token_batches.PackedIds.from_padded(np.array([[3, 4, 5, 6, 7, 8], [1, 2, 0, 0, 0, 0]]), real)
+    ids, mask = token_batches.padded_batch(rows, pad=0)
     assert ids.tolist() == [[3, 4, 5, 6, 7, 8], [1, 2, 0, 0, 0, 0]] and mask.sum() == 8
-    ids, mask = token_batches.padded_batch([], np.zeros(0, dtype=np.int64), pad=0)
+    joined = token_batches.PackedIds.join([packed.take(np.array([1])), rows])
+    assert [r.tolist() for r in joined] == [[9, 9], [3, 4, 5, 6, 7, 8], [1, 2]]
+    ids, mask = token_batches.padded_batch(token_batches.PackedIds.pack([]), pad=0)
     assert ids.shape == mask.shape == (0, 0)
     with pytest.raises(ValueError, match="max_batch_tokens"):
         token_batches.batches_by_tokens(lengths, 0)
@@ -174,19 +181,21 @@ def test_stream_batches_cut_full_batches_across_chunks(chunk, gen):
     noisy = lengths + torch.randint(-3, 4, (n,), generator=gen).numpy()  # characters order tokens roughly
     order = np.argsort(-noisy, kind="stable")
     ids = {int(r): [int(r)] * int(lengths[r]) for r in order}
-    chunks = [(order[i:i + chunk], [ids[int(r)] for r in order[i:i + chunk]], [[7] * len(ids[int(r)]) for r in order[i:i + chunk]])
-              for i in range(0, n, chunk)]  # fmt: skip
+    pack = token_batches.PackedIds.pack
+    chunks = [(order[i:i + chunk], pack([ids[int(r)] for r in order[i:i + chunk]]),
+               pack([[7 + int(r)] * len(ids[int(r)]) for r in order[i:i + chunk]])) for i in range(0, n, chunk)]  # fmt: skip
     seen, shapes = [], []
     for rows, got_ids, got_types, got_lengths in token_batches.stream_batches(iter(chunks), budget, cap):
         assert len(rows) == len(got_ids) == len(got_types) == len(got_lengths) > 0
-        assert all(i == [int(r)] * int(lengths[r]) for r, i in zip(rows, got_ids))
-        assert all(len(t) == len(i) for t, i in zip(got_types, got_ids)) and got_lengths.tolist() == lengths[rows].tolist()
+        assert all(i.tolist() == [int(r)] * int(lengths[r]) for r, i in zip(rows, got_ids))
+        assert all(t.tolist() == [7 + int(r)] * int(lengths[r]) for r, t in zip(rows, got_types))
+        assert got_lengths.tolist() == lengths[rows].tolist()
         assert len(rows) <= cap and (len(rows) == 1 or len(rows) * got_lengths.max() <= budget)
         seen += rows.tolist()
         shapes.append(len(rows) == max(1, min(cap, budget // int(got_lengths.max()))))
     assert sorted(seen) == list(range(n))
     assert all(shapes[:-1]), f"short batches before the last: {shapes.count(False)}"
-    one = list(token_batches.stream_batches(iter([(order, [ids[int(r)] for r in order], None)]), budget, cap))
+    one = list(token_batches.stream_batches(iter([(order, pack([ids[int(r)] for r in order]), None)]), budget, cap))
     want = token_batches.batches_by_tokens(lengths[order], budget, cap)
     assert [b[0].tolist() for b in one] == [order[w].tolist() for w in want] and one[0][2] is None
     assert list(token_batches.stream_batches(iter([]), budget, cap)) == []

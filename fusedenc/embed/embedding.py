@@ -21,7 +21,7 @@ from torch import nn
 from ..hf import fast_ids, real_models
 from ..hf.patch import patch_hf
 from ..hf.sentences import sentence_embeddings
-from ..hf.token_batches import TOKENIZE_CHUNK, padded_batch, stream_batches, tokenized_chunks
+from ..hf.token_batches import TOKENIZE_CHUNK, PackedIds, padded_batch, stream_batches, tokenized_chunks
 from .texts import InputError
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_model"]
@@ -176,12 +176,13 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
     # The backend's ids where a sample of these texts shows them equal to the call's: the call's
     # Python half costs as much host time as the tokenizing (``hf.fast_ids``).
     tokenize = fast_ids.checked(texts, fast_ids.backend_ids(tok), tokenize, model.max_length)
-    chunks = tokenized_chunks(texts, tokenize, texts_per_chunk, workers)
+    chunks = tokenized_chunks(texts, lambda chunk: PackedIds.pack(tokenize(chunk)), texts_per_chunk, workers)
     if not truncate:  # every text checked before anything runs
         t = time.perf_counter()
         chunks = list(chunks)
         stats.tokenizer_wait_s += time.perf_counter() - t
-        long = {int(rows[i]): len(row) for rows, ids in chunks for i, row in enumerate(ids) if len(row) > model.max_length}
+        long = {int(rows[i]): int(ids.lengths[i]) for rows, ids in chunks
+                for i in np.flatnonzero(ids.lengths > model.max_length)}  # fmt: skip
         if long:
             where = min(long)
             raise InputError(f"{first_row(where)}: {long[where]} tokens, more than the model's {model.max_length} "
@@ -232,16 +233,18 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
 
     def truncated(tokenized):
         for rows, ids in waited(tokenized):
-            for i, row in enumerate(ids):  # keep the closing special token: the model saw [CLS] ... [SEP]
-                if len(row) > model.max_length:
-                    ids[i] = row[:model.max_length - 1] + row[-1:]
-                    stats.truncated += 1
-            stats.tokens += sum(map(len, ids))
+            over = np.flatnonzero(ids.lengths > model.max_length)
+            if len(over):  # keep the closing special token: the model saw [CLS] ... [SEP]
+                starts = ids.starts[over]
+                ids.flat[starts + model.max_length - 1] = ids.flat[starts + ids.lengths[over] - 1]
+                ids.lengths[over] = model.max_length
+                stats.truncated += len(over)
+            stats.tokens += int(ids.lengths.sum())
             yield rows, ids, None
 
     with torch.inference_mode():
-        for rows, ids, _, lengths in stream_batches(truncated(chunks), max_batch_tokens):
-            batch, mask = padded_batch(ids, lengths, pad)
+        for rows, ids, _, _ in stream_batches(truncated(chunks), max_batch_tokens):
+            batch, mask = padded_batch(ids, pad)
             # No token types: each text is one segment, all type 0, which is what the model
             # takes without them (and the ids go over alone).
             t = time.perf_counter()

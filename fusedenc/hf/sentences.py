@@ -390,11 +390,11 @@ def _encode_texts(model: nn.Module, parts: SentenceParts, texts: list, batch_siz
     budget = max(1, batch_size) * max_length
     done, placed = [], []
     tokenized = tokenized_chunks(texts, chunk_tokenizer(model, texts), TOKENIZE_CHUNK)
-    for rows, ids, types, lengths in stream_batches(((r, *t) for r, t in tokenized), budget):
-        batch, mask = padded_batch(ids, lengths, pad)
+    for rows, ids, types, _ in stream_batches(((r, *t) for r, t in tokenized), budget):
+        batch, mask = padded_batch(ids, pad)
         call = {"input_ids": torch.from_numpy(batch), "attention_mask": torch.from_numpy(mask)}
         if types is not None:
-            call["token_type_ids"] = torch.from_numpy(padded_batch(types, lengths, 0)[0])
+            call["token_type_ids"] = torch.from_numpy(padded_batch(types, 0)[0])
         pooled = hf_model._fusedenc_pooled_call(call["input_ids"], call["attention_mask"],
                                                 call.get("token_type_ids"), parts.normalize, parts.pooling[0])  # fmt: skip
         if pooled is None:  # the short path declined (a hook added, ...): sentence-transformers' forward

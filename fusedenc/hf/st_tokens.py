@@ -25,10 +25,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import fast_ids
+from .token_batches import PackedIds
 
 __all__ = ["chunk_tokenizer"]
 
-Tokenized = tuple[list, Optional[list]]  # each text's token ids, each one's token types (None: zeros)
+Tokenized = tuple[PackedIds, Optional[PackedIds]]  # the texts' token ids, their token types (None: zeros)
 
 
 def chunk_tokenizer(model: Any, texts: list) -> Callable[[list], Tokenized]:
@@ -40,29 +41,36 @@ def chunk_tokenizer(model: Any, texts: list) -> Callable[[list], Tokenized]:
     def from_preprocess(chunk: list) -> Tokenized:
         features = preprocess(chunk)
         real = features["attention_mask"].numpy() != 0
-        ids = [row[keep] for row, keep in zip(features["input_ids"].numpy(), real)]
         types = features.get("token_type_ids")
-        return ids, None if types is None else [row[keep] for row, keep in zip(types.numpy(), real)]
+        return (PackedIds.from_padded(features["input_ids"].numpy(), real),
+                None if types is None else PackedIds.from_padded(types.numpy(), real))  # fmt: skip
 
     fast = _fast_ids(model)
     if fast is None:
         return from_preprocess
 
-    def preprocess_ids(chunk: list) -> list:
+    def preprocess_ids(chunk: list) -> list:  # each text's ids, as fast_ids.checked compares them
         ids, types = from_preprocess(chunk)
-        if types is not None and any(np.any(t) for t in types):  # the fast path gives no token types
+        if types is not None and np.any(types.flat):  # the fast path gives no token types
             raise ValueError("preprocess gives token types other than 0")
-        return ids
+        return list(ids)
 
     # fast_ids.checked: preprocess itself for a short call, where the sample disagrees, or where
     # the check cannot run (a probe the module refuses, token types the fast path lacks).
-    chosen = fast_ids.checked(texts, lambda chunk: fast(chunk)[0], preprocess_ids, int(model.max_seq_length))
-    return from_preprocess if chosen is preprocess_ids else fast
+    chosen = fast_ids.checked(texts, fast, preprocess_ids, int(model.max_seq_length))
+    if chosen is preprocess_ids:
+        return from_preprocess
+
+    def packed(chunk: list) -> Tokenized:
+        return PackedIds.pack(fast(chunk)), None
+
+    packed.__name__ = fast.__name__  # which fast path: fast_backend or fast_call
+    return packed
 
 
-def _fast_ids(model: Any) -> Optional[Callable[[list], Tokenized]]:
-    """The ids of the module's fast tokenizer truncated to ``max_seq_length``: from its backend
-    (``fast_ids.backend_ids``), or its call where the backend cannot be copied."""
+def _fast_ids(model: Any) -> Optional[Callable[[list], list]]:
+    """Each text's ids from the module's fast tokenizer, truncated to ``max_seq_length``: from
+    its backend (``fast_ids.backend_ids``), or its call where the backend cannot be copied."""
     tokenizer = getattr(model, "tokenizer", None)
     max_length = getattr(model, "max_seq_length", None)
     if not getattr(tokenizer, "is_fast", False) or not isinstance(max_length, int) or max_length < 2:
@@ -70,14 +78,13 @@ def _fast_ids(model: Any) -> Optional[Callable[[list], Tokenized]]:
     backend = fast_ids.backend_ids(tokenizer, max_length)
     if backend is not None:
 
-        def fast_backend(chunk: list) -> Tokenized:
-            return backend(chunk), None
+        def fast_backend(chunk: list) -> list:
+            return backend(chunk)
 
         return fast_backend
 
-    def fast_call(chunk: list) -> Tokenized:
-        out = tokenizer(chunk, truncation=True, max_length=max_length, return_attention_mask=False,
-                        return_token_type_ids=False, verbose=False)  # fmt: skip
-        return out["input_ids"], None
+    def fast_call(chunk: list) -> list:
+        return tokenizer(chunk, truncation=True, max_length=max_length, return_attention_mask=False,
+                         return_token_type_ids=False, verbose=False)["input_ids"]  # fmt: skip
 
     return fast_call

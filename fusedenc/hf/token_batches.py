@@ -6,7 +6,8 @@ inference calls ``max_batch_tokens``) keeps each batch's work and memory bounded
 lengths, and sorting longest first keeps the padding inside each batch small.  Shared by
 ``fusedenc.embed.encode`` (a corpus) and a patched ``SentenceTransformer.encode()``, which
 also share ``tokenized_chunks`` (tokenizing on threads while the GPU runs what is ready) and
-``stream_batches`` (the budget's batches across those chunks).
+``stream_batches`` (the budget's batches across those chunks).  A chunk's token ids travel
+packed (``PackedIds``: one array and each text's place in it), not as a list a text.
 """
 
 from __future__ import annotations
@@ -14,15 +15,77 @@ from __future__ import annotations
 import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["MAX_BATCH_SEQUENCES", "TOKENIZE_CHUNK", "batches_by_tokens", "padded_batch", "stream_batches", "tokenized_chunks",
-           "tokenizer_threads"]
+__all__ = ["MAX_BATCH_SEQUENCES", "TOKENIZE_CHUNK", "PackedIds", "batches_by_tokens", "padded_batch", "stream_batches",
+           "tokenized_chunks", "tokenizer_threads"]
 
 #: Texts a batch may hold: the graphs' largest batch bucket (``graphs.feeds.BUCKETS``).
 MAX_BATCH_SEQUENCES = 1024
+
+
+@dataclass
+class PackedIds:
+    """Many texts' token ids in one int64 array: text ``j``'s are
+    ``flat[starts[j]:starts[j] + lengths[j]]``.
+
+    Why not a list of ids a text: a pass holds its texts' ids from the tokenizer to their
+    batch, long enough for each list (a tracked container) to outlive CPython's young garbage
+    collections and reach the oldest generation; 20,000 of them a pass set off a full
+    collection of every object in the process every ~5 passes (0.26 s on a 2-core CPU, ~1 pass'
+    time on a GPU).  Packed as the tokenizer returns them, the lists die young; and a batch is
+    padded by one gather instead of a Python step a text."""
+
+    flat: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def pack(cls, seqs: Sequence[Sequence[int]]) -> "PackedIds":
+        """Each of ``seqs`` (lists or arrays of ids) one after the other."""
+        lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+        flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
+        return cls(flat, _starts(lengths), lengths)
+
+    @classmethod
+    def from_padded(cls, ids: np.ndarray, real: np.ndarray) -> "PackedIds":
+        """The real tokens (``real`` true) of a padded ``[texts, length]`` batch, row by row."""
+        real = np.asarray(real, dtype=bool)
+        lengths = real.sum(axis=1, dtype=np.int64)
+        return cls(np.asarray(ids)[real].astype(np.int64), _starts(lengths), lengths)
+
+    def take(self, index: np.ndarray) -> "PackedIds":
+        """The texts at ``index``, in that order (the same ``flat``)."""
+        return PackedIds(self.flat, self.starts[index], self.lengths[index])
+
+    def row(self, j: int) -> np.ndarray:
+        return self.flat[self.starts[j]:self.starts[j] + self.lengths[j]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:  # each text's ids (for checks, not a hot path)
+        return (self.row(j) for j in range(len(self)))
+
+    def positions(self) -> np.ndarray:
+        """Where in ``flat`` each text's ids are, text after text (one index a token)."""
+        if not len(self):
+            return np.zeros(0, dtype=np.int64)
+        ends = np.cumsum(self.lengths)
+        return np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(self.starts - (ends - self.lengths), self.lengths)
+
+    @staticmethod
+    def join(parts: Sequence["PackedIds"]) -> "PackedIds":
+        """The texts of ``parts``, one after the other, in a new ``flat`` of their ids only."""
+        lengths = np.concatenate([p.lengths for p in parts])
+        return PackedIds(np.concatenate([p.flat[p.positions()] for p in parts]), _starts(lengths), lengths)
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    return np.cumsum(lengths) - lengths
 
 
 def batches_by_tokens(lengths: np.ndarray, max_batch_tokens: int,
@@ -49,10 +112,10 @@ def _full(lengths: np.ndarray, batch: np.ndarray, max_batch_tokens: int, max_seq
     return len(batch) >= max(1, min(max_sequences, max_batch_tokens // max(longest, 1)))
 
 
-def stream_batches(chunks: Iterable[tuple[np.ndarray, list, Optional[list]]], max_batch_tokens: int,
-                   max_sequences: int = MAX_BATCH_SEQUENCES) -> Iterator[tuple[np.ndarray, list, Optional[list], np.ndarray]]:  # fmt: skip
+def stream_batches(chunks: Iterable[tuple[np.ndarray, PackedIds, Optional[PackedIds]]], max_batch_tokens: int,
+                   max_sequences: int = MAX_BATCH_SEQUENCES) -> Iterator[tuple[np.ndarray, PackedIds, Optional[PackedIds], np.ndarray]]:  # fmt: skip
     """``batches_by_tokens`` over a stream of tokenized chunks ``(rows, ids, types)`` (the
-    texts' indices, each one's token ids, its token types or None in every chunk), as
+    texts' indices, their token ids, their token types or None in every chunk), as
     ``(rows, ids, types, lengths)`` of each batch.
 
     A chunk's texts join those the chunks before left over; every full batch goes out at
@@ -60,40 +123,34 @@ def stream_batches(chunks: Iterable[tuple[np.ndarray, list, Optional[list]]], ma
     first (``tokenized_chunks``), so the texts held back are about as long as the next
     chunk's longest: the batches stay full whatever the chunk size, and a pass over a corpus
     makes a few distinct batch shapes (graph keys), not one short tail per chunk."""
-    rows_left, ids_left, types_left = np.empty(0, dtype=np.int64), [], None
+    left: Optional[tuple[np.ndarray, PackedIds, Optional[PackedIds]]] = None
     for rows, ids, types in chunks:
-        rows_all = np.concatenate([rows_left, np.asarray(rows, dtype=np.int64)])
-        ids_all = ids_left + list(ids)
-        types_all = None if types is None else (types_left or []) + list(types)
-        lengths = np.fromiter(map(len, ids_all), dtype=np.int64, count=len(ids_all))
+        rows = np.asarray(rows, dtype=np.int64)
+        if left is not None and len(left[0]):
+            rows = np.concatenate([left[0], rows])
+            ids = PackedIds.join([left[1], ids])
+            types = None if types is None or left[2] is None else PackedIds.join([left[2], types])
+        lengths = ids.lengths
         cut = batches_by_tokens(lengths, max_batch_tokens, max_sequences)
         if cut and not _full(lengths, cut[-1], max_batch_tokens, max_sequences):
-            left = cut.pop()
+            held = cut.pop()
         else:
-            left = np.empty(0, dtype=np.int64)
+            held = np.empty(0, dtype=np.int64)
         for batch in cut:
-            yield (rows_all[batch], [ids_all[i] for i in batch],
-                   None if types_all is None else [types_all[i] for i in batch], lengths[batch])  # fmt: skip
-        rows_left, ids_left = rows_all[left], [ids_all[i] for i in left]
-        types_left = None if types_all is None else [types_all[i] for i in left]
-    if len(rows_left):
-        lengths = np.fromiter(map(len, ids_left), dtype=np.int64, count=len(ids_left))
-        yield rows_left, ids_left, types_left, lengths
+            yield rows[batch], ids.take(batch), None if types is None else types.take(batch), lengths[batch]
+        left = (rows[held], ids.take(held), None if types is None else types.take(held))
+    if left is not None and len(left[0]):
+        yield left[0], left[1], left[2], left[1].lengths
 
 
-def padded_batch(seqs: Sequence[Sequence[int]], lengths: np.ndarray, pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """int64 ``(ids, mask)`` ``[len(seqs), longest]`` of a batch's token ids (the first
-    ``lengths[j]`` of ``seqs[j]``, as ``stream_batches`` gives them), padded on the right with
-    ``pad``."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    longest = int(lengths.max()) if len(seqs) else 0
-    real = np.arange(longest) < lengths[:, None]
-    ids = np.full((len(seqs), longest), pad, dtype=np.int64)
-    # One flat pass over the ids, scattered row-major into the real positions: a row at a
-    # time costs ~4 us of numpy calls a sequence, a corpus pass's largest host cost after tokenizing.
-    ids[real] = np.fromiter(itertools.chain.from_iterable(s[:n] for s, n in zip(seqs, lengths.tolist())),
-                            dtype=np.int64, count=int(lengths.sum()))  # fmt: skip
-    return ids, real.astype(np.int64)
+def padded_batch(ids: PackedIds, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``(ids, mask)`` ``[len(ids), longest]`` of a batch's token ids, padded on the right
+    with ``pad``."""
+    longest = int(ids.lengths.max()) if len(ids) else 0
+    real = np.arange(longest) < ids.lengths[:, None]
+    out = np.full((len(ids), longest), pad, dtype=np.int64)
+    out[real] = ids.flat[ids.positions()]  # row-major: each text's ids in turn, as positions() lists them
+    return out, real.astype(np.int64)
 
 
 def tokenizer_threads() -> int:
