@@ -188,7 +188,10 @@ def test_embed_file_tiny_every_peer(tmp_path):
     for r in record["results"]:
         assert "error" not in r and r["cosine_ok"], r
         assert 0 < r["embed_seconds"] < r["wall_seconds"], r  # the embedding is a part of the process
-    assert "x st-plain" in path.with_suffix(".txt").read_text(encoding="utf-8")
+    first = record["first_run"]  # the untimed first run, over the distinct sentences (all 40 here)
+    assert first["texts"] == 40 and 0 < first["embed_seconds"] < first["wall_seconds"], first
+    text = path.with_suffix(".txt").read_text(encoding="utf-8")
+    assert "x st-plain" in text and "first run on a machine" in text
 
     import subprocess
     import sys

@@ -36,6 +36,8 @@ CASES = [
     ((30, 39, 1), 48, 1, 4, 24, "float16", True),  # positions up to 38 of a 40-row table
     ((45, 3), 48, 0, 0, 16, "float32", True),  # positions past the table: clamped to its last row
     ((1,), 8, 0, 0, 16, "float16", False),  # one sequence of one token
+    ((3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5, 0, 2, 8, 8, 4),
+     12, 2, 3, 16, "float16", True),  # 39 sequences (an empty one, 2 unused): a deeper search
 ]
 
 
@@ -48,6 +50,17 @@ def case_id(case) -> str:
 
 
 results, test_case_under_interpreter = interpreter_suite(__file__, CASES, case_id)
+
+
+def test_search_steps_are_one_value_up_to_2047_sequences_and_always_enough():
+    """One compiled kernel serves every batch size a graph bucket takes (up to 2,047
+    sequences); past that the halvings still reach a single candidate."""
+    from fusedenc.hf import triton_embeddings
+
+    steps = {triton_embeddings._steps(n) for n in range(1, 2048)}
+    assert steps == {triton_embeddings.SEARCH_STEPS}, steps
+    for n in (1, 2, 3, 1023, 1024, 2047, 2048, 4095, 4096, 100_000):
+        assert 2 ** triton_embeddings._steps(n) >= n + 1, n  # n + 1 candidates halve down to one
 
 
 # ------------------------------------------------------------ child side ----

@@ -72,6 +72,59 @@ def test_varlen_attention_backends(backend, head_dim, dtype, gen):
     assert_close_rule(out[:t], ref[:t], same[:t], dtype, f"{backend} hd{head_dim} seed={gen.seed_value}")
 
 
+def _compiled(kernel) -> int:
+    """Kernels Triton has compiled of ``kernel`` in this process (every device)."""
+    caches = getattr(kernel, "device_caches", None)
+    assert caches is not None, "this Triton's JITFunction has no device_caches: update _compiled"
+    return sum(len(cache[0]) for cache in caches.values())
+
+
+def test_triton_kernels_compile_once_per_model_shape(gen):
+    """A corpus pass meets many batch shapes (sequence count, padded length, token bucket); each
+    Triton kernel compile costs a first run on a machine ~0.5 s.  The packed-embeddings kernel
+    compiles once for a width and dtype across them all, the short varlen attention once per key
+    block, and every call still holds the rule (rows) and the exact scatter index."""
+    from fusedenc.attention import triton_short
+    from fusedenc.hf import triton_embeddings
+
+    d, vocab, positions = 200, 97, 130  # a width no other test uses: this test's compile is the first
+    tables = [torch.randn(vocab, d, generator=gen), torch.randn(positions, d, generator=gen),
+              torch.randn(2, d, generator=gen), 1 + 0.1 * torch.randn(d, generator=gen),
+              0.1 * torch.randn(d, generator=gen)]  # word, position, token type, gamma, beta
+    half, full = [t.half().cuda() for t in tables], [t.cuda() for t in tables]
+    kernel = triton_embeddings._packed_embeddings_kernel
+    before = _compiled(kernel)
+    for n, s, slack in [(1, 8, 0), (2, 13, 3), (5, 16, 0), (16, 40, 16), (17, 127, 5), (33, 64, 0), (100, 9, 7),
+                        (513, 24, 1), (1000, 31, 0)]:  # fmt: skip
+        lengths = torch.randint(1, s + 1, (n,), generator=gen)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
+        ids = torch.randint(0, vocab, (n, s), generator=gen).cuda()
+        tokens = int(lengths.sum()) + slack
+        got, target = triton_embeddings.packed_embeddings(ids, None, cu, tokens, *half, 1e-12)
+        want, want_target = triton_embeddings.reference_packed_embeddings(ids, None, cu, tokens, *full, 1e-12)
+        same, _ = triton_embeddings.reference_packed_embeddings(ids, None, cu, tokens, *half, 1e-12)
+        assert torch.equal(target, want_target), (n, s, slack)
+        assert_close_rule(got, want, same.half(), torch.float16, f"embeddings n={n} S={s} seed={gen.seed_value}")
+    assert _compiled(kernel) - before == 1, f"{_compiled(kernel) - before} compiles of the embeddings kernel for one width"
+
+    attention = triton_short._short_varlen_kernel
+    before = _compiled(attention)
+    blocks = set()
+    for n, longest in [(1, 7), (3, 16), (40, 9), (7, 31), (33, 20), (200, 60), (17, 33), (90, 128), (5, 100)]:
+        lengths = torch.randint(1, longest + 1, (n,), generator=gen).tolist()
+        lengths[0] = longest
+        cu = varlen.cu_seqlens_from_lengths(lengths, "cuda")
+        qkv = torch.randn(sum(lengths), 3, 12, 32, generator=gen).half().cuda()
+        q, k, v = qkv.unbind(1)
+        out = triton_short.short_varlen_attention(q, k, v, cu, longest, 32**-0.5)
+        ref = reference_varlen_attention(q.float(), k.float(), v.float(), cu)
+        assert_close_rule(out, ref, reference_varlen_attention(q, k, v, cu).half(), torch.float16,
+                          f"attention n={n} longest={longest} seed={gen.seed_value}")  # fmt: skip
+        blocks.add(triton_short.key_block(longest))
+    compiles = _compiled(attention) - before
+    assert compiles <= len(blocks), f"{compiles} compiles of the varlen attention for {len(blocks)} key blocks"
+
+
 def _stack(dtype, norm_first=False, layers=3):
     torch.manual_seed(0)
     stack = fusedenc.EncoderStack.build(layers, 768, 12, 3072, activation="gelu", norm_first=norm_first,

@@ -26,7 +26,6 @@ before a token, stay in torch.  Importing this module imports Triton: ``hf_embed
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -41,7 +40,10 @@ __all__ = ["packed_embeddings", "reference_packed_embeddings"]
 ROWS_PER_PROGRAM = 4
 
 
-@triton.jit
+# The integers that change from batch to batch are not specialized on (Triton would compile a
+# kernel for each value that is 1 or divisible by 16, and each compile takes ~0.5 s the first
+# time a machine runs it): none of them sets a vector width, they only bound and index.
+@triton.jit(do_not_specialize=["n_rows", "n_seq", "seq_len", "ids_stride"])
 def _packed_embeddings_kernel(
     ids_ptr, types_ptr, cu_ptr, word_ptr, pos_ptr, type_ptr, gamma_ptr, beta_ptr, out_ptr, target_ptr,
     n_rows, n_seq, seq_len, last_position, eps,
@@ -131,10 +133,16 @@ def packed_embeddings(
     return out, target
 
 
-@functools.lru_cache(maxsize=None)
+#: Halvings of the offsets' binary search up to 2,047 sequences a call: one value, so one compiled
+#: kernel for every batch size the graphs' buckets take (steps past the one that leaves a single
+#: candidate change nothing, and cost a load of the same few cache lines).
+SEARCH_STEPS = 11
+
+
 def _steps(sequences: int) -> int:
-    """Halvings that take ``sequences + 1`` candidates down to one."""
-    return max(1, sequences.bit_length())
+    """Halvings that take ``sequences + 1`` candidates down to one: ``SEARCH_STEPS`` for every
+    count up to 2,047, more only past it."""
+    return max(SEARCH_STEPS, sequences.bit_length())
 
 
 def _warps(d: int) -> int:
