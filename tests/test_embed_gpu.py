@@ -80,3 +80,21 @@ def test_the_command_on_the_gpu_writes_what_encode_gives(folder, gen, tmp_path, 
     want, same = _references(folder, texts)
     assert_close_rule(torch.from_numpy(np.load(out)), torch.from_numpy(want), torch.from_numpy(same), torch.float16,
                       f"the command, seed {gen.seed_value}")  # fmt: skip
+
+
+@pytest.mark.parametrize("pooling", ["cls", "max", "mean_sqrt_len_tokens"])
+def test_a_sentence_transformers_folder_pools_in_the_graph_as_it_says(folder, gen, tmp_path, pooling):
+    """A saved sentence-transformers folder of another pooling mode, read without
+    sentence-transformers (``embed.st_folder``): the graph pools as the folder says, by the rule
+    against its fp32 ``encode()`` on the CPU (the unpatched model in fp16 on the GPU the base)."""
+    ref = st_helpers.sentence_model(folder, pooling=pooling, max_seq_length=MAX_LENGTH).eval()
+    path = tmp_path / pooling
+    ref.save(str(path))
+    texts = _texts(gen, 120)
+    want = ref.encode(texts, convert_to_numpy=True)
+    same = copy.deepcopy(ref).to("cuda", torch.float16).encode(texts, convert_to_numpy=True)
+    model = fusedenc.embed.load_model(str(path), device="cuda")
+    assert (model.pooling, model.normalize) == (pooling, True)
+    emb, _ = fusedenc.embed.encode(model, texts)
+    assert_close_rule(torch.from_numpy(emb), torch.from_numpy(want), torch.from_numpy(same), torch.float16,
+                      f"{pooling}, seed {gen.seed_value}")  # fmt: skip

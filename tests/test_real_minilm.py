@@ -170,6 +170,24 @@ def test_sentence_transformers_encode_patched_equals_unpatched_cpu():
 
 
 @needs_minilm
+def test_the_command_reads_the_real_folder_as_sentence_transformers_does():
+    """``load_model("minilm")`` reads the real folder (modules.json of sentence-transformers 2:
+    mean-token flags, a Normalize without a folder, max_seq_length 256) without
+    sentence-transformers, and the corpus loop's embeddings equal its ``encode()`` on 300 real
+    sentences of every length."""
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
+    from fusedenc.embed import encode, load_model
+
+    model = load_model("minilm", device="cpu")
+    assert (model.pooling, model.normalize, model.max_length) == ("mean", True, 256)
+    assert not type(model.module).__name__.endswith("SentenceTransformer")
+    ref = st.SentenceTransformer(str(real_models.minilm_dir()), device="cpu")
+    sentences = varied(read_sentences(), ref.tokenizer, 300)
+    got, _ = encode(model, sentences)
+    torch.testing.assert_close(torch.from_numpy(got), ref.encode(sentences, convert_to_tensor=True), rtol=1e-4, atol=2e-5)
+
+
+@needs_minilm
 def test_encode_takes_the_fast_tokenizers_ids_equal_to_its_own():
     """A patched encode() of the real model tokenizes with the fast tokenizer's backend (its
     sample check passes) and those equal sentence-transformers' own tokenizing on every one of 3,000

@@ -22,6 +22,7 @@ from ..hf import fast_ids, real_models
 from ..hf.patch import patch_hf
 from ..hf.sentences import sentence_embeddings
 from ..hf.token_batches import TOKENIZE_CHUNK, PackedIds, padded_batch, stream_batches, tokenized_chunks
+from . import st_folder
 from .texts import InputError
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "EncodeStats", "Model", "encode", "load_model"]
@@ -38,7 +39,9 @@ _COPIES_IN_FLIGHT = 64
 @dataclass
 class Model:
     """A model ready to embed: the (patched) module, its fast tokenizer, the longest sequence
-    it takes, and a label for reports."""
+    it takes, a label for reports, and how a Hugging Face module's last hidden states become an
+    embedding: ``pooling`` (sentence-transformers' modes: mean, cls, max, mean_sqrt_len_tokens;
+    None for a ``SentenceTransformer`` module, whose own modules pool) and ``normalize``."""
 
     module: nn.Module
     tokenizer: Any
@@ -46,11 +49,15 @@ class Model:
     label: str
     device: torch.device
     dtype: torch.dtype
+    pooling: Optional[str] = "mean"
+    normalize: bool = True
 
 
 def load_model(spec: str, *, device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Model:
     """``spec``: ``"minilm"`` (the real-models extra's all-MiniLM-L6-v2), a sentence-transformers
-    folder (with ``modules.json``) or a Hugging Face model folder (mean pooling, normalized).
+    folder (with ``modules.json``: its pooling and normalization; read by ``st_folder`` where its
+    layout is the common one, else loaded by sentence-transformers, which must then be
+    installed) or a Hugging Face model folder (mean pooling, normalized).
     ``device``: default the GPU if there is one; ``dtype``: default float16 on a GPU, float32
     on a CPU.  The model is patched (``patch_hf``); one that is not BERT-family is refused."""
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -64,9 +71,9 @@ def load_model(spec: str, *, device: Optional[str] = None, dtype: Optional[torch
             raise InputError(str(exc)) from None
     else:
         folder = Path(spec)
-        if not folder.is_dir() or not (folder / "config.json").is_file():
-            raise InputError(f"{spec}: not a model folder (a Hugging Face or sentence-transformers folder holding "
-                             f"config.json), nor 'minilm'")  # fmt: skip
+        if not folder.is_dir() or not ((folder / "config.json").is_file() or st_folder.is_sentence_folder(folder)):
+            raise InputError(f"{spec}: not a model folder (a Hugging Face folder holding config.json or a "
+                             f"sentence-transformers folder holding modules.json), nor 'minilm'")  # fmt: skip
     try:
         import transformers
     except ImportError:
@@ -76,7 +83,7 @@ def load_model(spec: str, *, device: Optional[str] = None, dtype: Optional[torch
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     try:
-        module, tokenizer, max_length = _load(folder, dev, dt, transformers)
+        module, tokenizer, max_length, pooling, normalize = _load(folder, dev, dt, transformers)
     finally:
         transformers.logging.set_verbosity(verbosity)
         transformers.utils.logging.enable_progress_bar()
@@ -86,24 +93,37 @@ def load_model(spec: str, *, device: Optional[str] = None, dtype: Optional[torch
         patch_hf(module)
     except (TypeError, ValueError) as exc:
         raise InputError(f"{spec}: fusedenc embeds BERT-family models (BERT, RoBERTa, XLM-R, ...): {exc}") from None
-    return Model(module, tokenizer, max_length, spec, dev, dt)
+    return Model(module, tokenizer, max_length, spec, dev, dt, pooling, normalize)
 
 
-def _load(folder: Path, dev: torch.device, dt: torch.dtype, transformers: Any) -> tuple[nn.Module, Any, int]:
-    """(module, tokenizer, longest sequence) of a sentence-transformers or Hugging Face folder."""
-    if (folder / "modules.json").is_file() and _has_sentence_transformers():
-        from sentence_transformers import SentenceTransformer
+def _load(folder: Path, dev: torch.device, dt: torch.dtype,
+          transformers: Any) -> tuple[nn.Module, Any, int, Optional[str], bool]:  # fmt: skip
+    """(module, tokenizer, longest sequence, pooling, normalize) of a sentence-transformers or
+    Hugging Face folder (pooling None: a ``SentenceTransformer`` module that pools itself)."""
+    if st_folder.is_sentence_folder(folder):
+        try:
+            layout = st_folder.read_sentence_folder(folder)
+        except st_folder.Unsupported as why:
+            if not _has_sentence_transformers():
+                raise InputError(f"{folder}: {why}: running it needs sentence-transformers "
+                                 f"(pip install sentence-transformers)") from None  # fmt: skip
+            from sentence_transformers import SentenceTransformer
 
-        module = SentenceTransformer(str(folder), device=str(dev), local_files_only=True)
-        module.to(dt)
-        tokenizer = module.tokenizer
-        max_length = int(module.max_seq_length or tokenizer.model_max_length)
-    else:
-        module = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True)
-        module = module.to(device=dev, dtype=dt).eval()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        max_length = _max_length(module, tokenizer, folder)
-    return module, tokenizer, max_length
+            module = SentenceTransformer(str(folder), device=str(dev), local_files_only=True)
+            module.to(dt)
+            tokenizer = module.tokenizer
+            return module, tokenizer, int(module.max_seq_length or tokenizer.model_max_length), None, True
+        module, tokenizer = _hf_model(layout.transformer, dev, dt, transformers)
+        max_length = layout.max_seq_length or _max_length(module, tokenizer, layout.transformer)
+        return module, tokenizer, max_length, layout.pooling, layout.normalize
+    module, tokenizer = _hf_model(folder, dev, dt, transformers)
+    return module, tokenizer, _max_length(module, tokenizer, folder), "mean", True
+
+
+def _hf_model(folder: Path, dev: torch.device, dt: torch.dtype, transformers: Any) -> tuple[nn.Module, Any]:
+    module = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True)
+    module = module.to(device=dev, dtype=dt).eval()
+    return module, transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def _has_sentence_transformers() -> bool:
@@ -117,9 +137,10 @@ def _max_length(model: nn.Module, tokenizer: Any, folder: Path) -> int:
     smaller of the tokenizer's and the position table's (RoBERTa's table starts past its pad)."""
     import json
 
-    st_config = folder / "sentence_bert_config.json"
-    if st_config.is_file():
-        return int(json.loads(st_config.read_text())["max_seq_length"])
+    st_config = folder / "sentence_bert_config.json"  # sentence-transformers 6 keeps the length in the tokenizer
+    setting = json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
+    if setting is not None:
+        return int(setting)
     positions = int(getattr(model.config, "max_position_embeddings", 512))
     if getattr(model.config, "model_type", "") in ("roberta", "xlm-roberta", "camembert", "data2vec-text"):
         positions -= int(getattr(model.config, "pad_token_id", 1) or 1) + 1
@@ -188,6 +209,7 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
             raise InputError(f"{first_row(where)}: {long[where]} tokens, more than the model's {model.max_length} "
                              f"({len(long)} such texts; without --no-truncate they are truncated)")  # fmt: skip
     pad = tok.pad_token_id or 0
+    pooled_as = {} if model.pooling is None else {"pooling": model.pooling, "normalize": model.normalize}
     out: Optional[np.ndarray] = None
     # (rows, host embeddings, the event of their copy or None): copied back, not yet in place
     in_flight: deque = deque()
@@ -248,7 +270,7 @@ def encode(model: Model, texts: Sequence[str], *, max_batch_tokens: int = DEFAUL
             # No token types: each text is one segment, all type 0, which is what the model
             # takes without them (and the ids go over alone).
             t = time.perf_counter()
-            emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask))
+            emb = sentence_embeddings(model.module, torch.from_numpy(batch), torch.from_numpy(mask), **pooled_as)
             copy_back(rows, emb)
             stats.model_s += time.perf_counter() - t
             stats.batches += 1

@@ -45,13 +45,15 @@ _HF_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                         token_type_ids: Optional[torch.Tensor] = None, *, normalize: Optional[bool] = None,
-                        **features: Any) -> torch.Tensor:
+                        pooling: Optional[str] = None, **features: Any) -> torch.Tensor:
     """Float32 ``[B, D]`` sentence embeddings.
 
     ``model`` is an HF base model (``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ...)
     or a sentence-transformers ``SentenceTransformer``, patched or not.  For an HF model: each
-    sequence's mean over its real tokens' last hidden states (sentence-transformers' mean
-    pooling), L2-normalized unless ``normalize=False``.  For a ``SentenceTransformer``: what
+    sequence's last hidden states pooled as ``pooling`` says (sentence-transformers' modes:
+    ``"mean"`` over its real tokens, the default; ``"cls"``, the first token; ``"max"``;
+    ``"mean_sqrt_len_tokens"``), L2-normalized unless ``normalize=False``.  For a
+    ``SentenceTransformer`` (``pooling`` not given: its modules decide): what
     its own modules compute (its pooling mode, its ``Normalize`` module if it has one;
     ``normalize=True`` normalizes a model without one), from what its ``tokenize()`` returns
     (``sentence_embeddings(st, **st.tokenize(texts))``; the ``modality`` and ``prompt_length``
@@ -63,8 +65,13 @@ def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mas
     model's CUDA graph, so a call launches once and yields ``[B, D]``; host tensors are the
     faster hand-over there (one copy from pinned memory).  Elsewhere the model's own call,
     then the pooling.  A sequence with no real token gets zeros (mean pooling)."""
+    if pooling is not None and pooling not in POOLING_MODES:
+        raise ValueError(f"sentence_embeddings: pooling={pooling!r}: one of {', '.join(POOLING_MODES)}")
     parts = sentence_parts(model)
     if parts is not None:
+        if pooling is not None:
+            raise ValueError(f"sentence_embeddings: pooling={pooling!r} for a {type(model).__name__}: its own Pooling "
+                             f"module pools (pass pooling only with a Hugging Face model)")  # fmt: skip
         return _sentence_model_embeddings(model, parts, input_ids, attention_mask, token_type_ids, normalize, features)
     if features:
         raise TypeError(f"sentence_embeddings: unexpected arguments {sorted(features)} for a {type(model).__name__}: "
@@ -72,7 +79,8 @@ def sentence_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mas
                         f"also takes the rest of what its tokenize() returns)")  # fmt: skip
     if normalize is None:
         normalize = True
-    return _base_model_embeddings(model, input_ids, attention_mask, token_type_ids, normalize=normalize)
+    return _base_model_embeddings(model, input_ids, attention_mask, token_type_ids, normalize=normalize,
+                                  pooling=pooling or "mean")  # fmt: skip
 
 
 def _check_inputs(input_ids, attention_mask, token_type_ids, normalize) -> None:
@@ -89,10 +97,11 @@ def _check_inputs(input_ids, attention_mask, token_type_ids, normalize) -> None:
 
 
 def _base_model_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                           token_type_ids: Optional[torch.Tensor] = None, *, normalize: bool = True) -> torch.Tensor:
-    """Float32 ``[B, D]`` sentence embeddings of a BERT-family encoder: each sequence's mean over
-    its real tokens' last hidden states (sentence-transformers' mean pooling), L2-normalized
-    unless ``normalize=False`` (its ``Normalize`` module).
+                           token_type_ids: Optional[torch.Tensor] = None, *, normalize: bool = True,
+                           pooling: str = "mean") -> torch.Tensor:  # fmt: skip
+    """Float32 ``[B, D]`` sentence embeddings of a BERT-family encoder: each sequence's last
+    hidden states pooled as sentence-transformers' ``pooling`` mode does (default the mean over
+    its real tokens), L2-normalized unless ``normalize=False`` (its ``Normalize`` module).
 
     ``model`` is an HF base model (``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ...),
     patched or not; ``attention_mask`` HF's (1 = real token; None: every token real).  The
@@ -104,12 +113,12 @@ def _base_model_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_
     where it is, and the ids, token types and offsets go over in one copy from pinned memory
     (``graph_feeds.HostIdsFeed``) instead of the caller's copies and a read back.  Otherwise
     (other models, masks the short path leaves to HF, a CPU) the model's own call, then the
-    same pooling in torch.  A sequence with no real token gets zeros."""
+    same pooling in torch.  A sequence with no real token gets zeros (mean pooling)."""
     _check_inputs(input_ids, attention_mask, token_type_ids, normalize)
     _check_host_ids_in_range(model, input_ids, token_type_ids)
     with torch.no_grad():
         if isinstance(model, EmbeddedModel):
-            out = model._fusedenc_pooled_call(input_ids, attention_mask, token_type_ids, normalize)
+            out = model._fusedenc_pooled_call(input_ids, attention_mask, token_type_ids, normalize, pooling)
             if out is not None:
                 return out
         param = next(model.parameters(), None)
@@ -125,7 +134,7 @@ def _base_model_embeddings(model: nn.Module, input_ids: torch.Tensor, attention_
             raise TypeError(f"sentence_embeddings needs a base model whose first output is the last hidden state "
                             f"[B, S, D] (BertModel, RobertaModel, ...; a task head's is not): {type(model).__name__} "
                             f"returned {got} first for input_ids {tuple(input_ids.shape)}")  # fmt: skip
-        pooled = varlen.masked_mean_pool(hidden, attention_mask)
+        pooled = varlen.masked_pool(hidden, attention_mask, pooling)
         return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
 
 

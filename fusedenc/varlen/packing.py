@@ -35,6 +35,7 @@ __all__ = [
     "check_packed_rows",
     "cu_seqlens_from_lengths",
     "masked_mean_pool",
+    "masked_pool",
     "mean_pool",
     "pack",
     "packing_from_host",
@@ -249,6 +250,25 @@ def masked_mean_pool(hidden: torch.Tensor, mask: Optional[torch.Tensor],
     keep = (torch.ones(hidden.shape[:2], device=hidden.device) if mask is None else mask.to(hidden.device))
     keep = keep.unsqueeze(-1).to(dtype)
     return (hidden.to(dtype) * keep).sum(1) / keep.sum(1).clamp(min=1e-9)
+
+
+def masked_pool(hidden: torch.Tensor, mask: Optional[torch.Tensor], mode: str) -> torch.Tensor:
+    """``[B, D]`` float32: padded ``hidden`` ``[B, S, D]`` pooled over the positions ``mask``
+    keeps (HF's, 1 = real token; None: every position) as sentence-transformers' ``Pooling``
+    modes do: ``mean`` (``masked_mean_pool``), ``cls`` (the first position), ``max`` (the
+    element-wise max over real tokens; a sequence of none gives -inf), ``mean_sqrt_len_tokens``
+    (their sum over the square root of their count).  ``ValueError`` for another mode."""
+    if mode == "mean":
+        return masked_mean_pool(hidden, mask)
+    if mode == "cls":
+        return hidden[:, 0].float()
+    keep = torch.ones(hidden.shape[:2], device=hidden.device) if mask is None else mask.to(hidden.device)
+    keep = keep.unsqueeze(-1).float()
+    if mode == "max":
+        return hidden.float().masked_fill(keep == 0, float("-inf")).amax(1)
+    if mode == "mean_sqrt_len_tokens":
+        return (hidden.float() * keep).sum(1) / keep.sum(1).clamp(min=1e-9).sqrt()
+    raise ValueError(f"pooling mode {mode!r}: one of mean, cls, max, mean_sqrt_len_tokens")
 
 
 def check_packed_rows(rows: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: Optional[int]) -> int:
