@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The embedding work on a GPU machine: build the CUDA core (always: an importable module may be
-# a stale build), the sentence-transformers and one-graph GPU tests, then sentence-transformers'
+# a stale build), the sentence-transformers, one-graph and padding-free GPU tests, then sentence-transformers'
 # encode() loop against fusedenc (bench/st_loop.py), a file of texts to a file of embeddings
 # (bench/embed_file.py: the command against sentence-transformers' script, each a process) and
 # the Ray actor's work without Ray (bench/distributed.py --actor-only).  Logs and results go
@@ -19,8 +19,9 @@ shift || true
 bash "$(dirname "$0")/build_core.sh" "$OUT/build.log" || exit 1
 summary=()
 if [[ $stages == *tests* ]]; then
-  FUSEDENC_REQUIRE_GPU=1 timeout -s INT 240 python3 -m pytest -q -p no:cacheprovider -rfE \
-    tests/test_sentence_transformers_gpu.py tests/test_hf_gpu.py tests/test_embed_gpu.py > "$OUT/gpu-tests.log" 2>&1
+  FUSEDENC_REQUIRE_GPU=1 timeout -s INT 360 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/test_sentence_transformers_gpu.py tests/test_hf_gpu.py tests/test_embed_gpu.py tests/test_varlen_gpu.py \
+    > "$OUT/gpu-tests.log" 2>&1
   summary+=("GPU tests (rc=$?): $(grep -E 'passed|failed' "$OUT/gpu-tests.log" | tail -1)")
 fi
 if [[ $stages == *loop* ]]; then
