@@ -427,3 +427,55 @@ class Progress:
         self._finish_pending()
         if self._bar is not None:
             self._bar.close()
+
+
+# ------------------------------------------------------------ GPU kernels ----
+
+
+#: Kernels listed by their device time in ``--kernels``' record (the JSON; the table keeps one line).
+TOP_KERNELS = 12
+
+
+def kernel_profile(step, batches, seconds_per_pass: float) -> dict:
+    """One pass of ``step`` under ``torch.profiler`` (CUDA activity): GPU kernels and copies a
+    batch, the kernels' summed device time a batch, and that time's share of the timed pass's
+    (``seconds_per_pass``: the median of the timed passes); the ``TOP_KERNELS`` longest kernels
+    by name, with their calls and time a batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for b in batches:
+            step(b)
+        torch.cuda.synchronize()
+    kernels = copies = 0
+    device_us = 0.0
+    by_name = []
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if e.key.startswith(("Memcpy", "Memset")):
+            copies += e.count
+        else:
+            kernels += e.count
+            device_us += us
+            by_name.append((us, e.count, e.key))
+    n = len(batches)
+    if kernels == 0:
+        raise RuntimeError("the profiler recorded no GPU kernels")
+    # Where a batch's kernel time goes: what a fusion or a faster kernel would have to remove.
+    top = [{"kernel": name[:120], "per_batch": count / n, "us_per_batch": us / n}
+           for us, count, name in sorted(by_name, reverse=True)[:TOP_KERNELS]]  # fmt: skip
+    return {"kernels_per_batch": kernels / n, "copies_per_batch": copies / n, "kernel_us_per_batch": device_us / n,
+            "pass_us_per_batch": seconds_per_pass * 1e6 / n, "busy_fraction": device_us / (seconds_per_pass * 1e6),
+            "top_kernels": top}  # fmt: skip
+
+
+def kernel_note(k: dict) -> str:
+    """One line of ``kernel_profile``'s record: kernels and copies a batch, their time, how busy."""
+    if "error" in k:
+        return f"kernels: {k['error'][:80]}"
+    return (f"{k['kernels_per_batch']:.0f} kernels + {k['copies_per_batch']:.0f} copies a batch, "
+            f"{k['kernel_us_per_batch']:.0f} us of kernels in {k['pass_us_per_batch']:.0f} us "
+            f"({100 * k['busy_fraction']:.0f}% busy)")

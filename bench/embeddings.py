@@ -562,7 +562,7 @@ def main(argv=None) -> int:
 def measure(impl: str, name: str, device, dtype, seed: int, batches, batch: int, io: str, ref: torch.Tensor,
             hist: dict, reps: int, kernels: bool = False) -> dict:
     """One implementation's row: built and warmed up, checked against ``ref``, timed (and, with
-    ``kernels``, one more pass profiled: ``kernel_profile``)."""
+    ``kernels``, one more pass profiled: ``common.kernel_profile``)."""
     run, setup_s, note = build(impl, name, device, dtype, seed, batches, batch, io)
     step = with_io(run, device, io)
     emb = embed_all(step, batches)
@@ -575,7 +575,7 @@ def measure(impl: str, name: str, device, dtype, seed: int, batches, batch: int,
            "setup_seconds": setup_s, "note": note, "passes_s": passes}  # fmt: skip
     if kernels:
         try:
-            row["kernels"] = kernel_profile(step, batches, sec)
+            row["kernels"] = common.kernel_profile(step, batches, sec)
         except Exception as e:  # noqa: BLE001 - a profiler that cannot run here must not lose the row
             row["kernels"] = {"error": f"{type(e).__name__}: {e}"}
     stats = getattr(run, "graph_stats", None)
@@ -592,54 +592,6 @@ def measure(impl: str, name: str, device, dtype, seed: int, batches, batch: int,
                 f"{c.get('replays', 0)} replays, {c.get('evictions', 0)} evictions, "
                 f"{sum(v for k, v in c.items() if k.startswith('eager'))} eager calls")
     return row
-
-
-#: Kernels listed by their device time in ``--kernels``' record (the JSON; the table keeps one line).
-TOP_KERNELS = 12
-
-
-def kernel_profile(step, batches, seconds_per_pass: float) -> dict:
-    """One pass of ``step`` under ``torch.profiler`` (CUDA activity): GPU kernels and copies a
-    batch, the kernels' summed device time a batch, and that time's share of the timed pass's
-    (``seconds_per_pass``: the median of the timed passes); the ``TOP_KERNELS`` longest kernels
-    by name, with their calls and time a batch."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for b in batches:
-            step(b)
-        torch.cuda.synchronize()
-    kernels = copies = 0
-    device_us = 0.0
-    by_name = []
-    for e in prof.key_averages():
-        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
-            continue
-        us = getattr(e, "self_device_time_total", None)
-        us = e.self_cuda_time_total if us is None else us
-        if e.key.startswith(("Memcpy", "Memset")):
-            copies += e.count
-        else:
-            kernels += e.count
-            device_us += us
-            by_name.append((us, e.count, e.key))
-    n = len(batches)
-    if kernels == 0:
-        raise RuntimeError("the profiler recorded no GPU kernels")
-    # Where a batch's kernel time goes: what a fusion or a faster kernel would have to remove.
-    top = [{"kernel": name[:120], "per_batch": count / n, "us_per_batch": us / n}
-           for us, count, name in sorted(by_name, reverse=True)[:TOP_KERNELS]]  # fmt: skip
-    return {"kernels_per_batch": kernels / n, "copies_per_batch": copies / n, "kernel_us_per_batch": device_us / n,
-            "pass_us_per_batch": seconds_per_pass * 1e6 / n, "busy_fraction": device_us / (seconds_per_pass * 1e6),
-            "top_kernels": top}  # fmt: skip
-
-
-def _kernel_note(k: dict) -> str:
-    if "error" in k:
-        return f"kernels: {k['error'][:80]}"
-    return (f"{k['kernels_per_batch']:.0f} kernels + {k['copies_per_batch']:.0f} copies a batch, "
-            f"{k['kernel_us_per_batch']:.0f} us of kernels in {k['pass_us_per_batch']:.0f} us "
-            f"({100 * k['busy_fraction']:.0f}% busy)")
 
 
 def write_results(base: str, result: dict) -> None:
@@ -678,7 +630,7 @@ def table(record: dict) -> list[str]:
         out.append(f"  {r['impl']:<16} {r['sentences_per_s']:>12.0f} {r['real_tokens_per_s']:>12.0f} {ratio:>11} "
                    f"{r['min_cosine']:>11.6f}  {r['setup_seconds']:.1f}s {r['note']}{flag}".rstrip())  # fmt: skip
         if "kernels" in r:
-            out.append(f"  {'':<16} {_kernel_note(r['kernels'])}")
+            out.append(f"  {'':<16} {common.kernel_note(r['kernels'])}")
             for k in r["kernels"].get("top_kernels", [])[:4]:  # the rest in the JSON
                 out.append(f"  {'':<16}   {k['us_per_batch']:7.1f} us, {k['per_batch']:4.0f}x  {k['kernel'][:90]}")
     if not record.get("complete", True):

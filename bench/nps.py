@@ -48,6 +48,10 @@ layer's own weights, the faster of torch.mm and fusedenc.linear, i.e. the
 vendor library) captured in one CUDA graph so small batches are not
 launch-bound; ``roofline``, all matmul FLOPs (GEMMs and attention's two
 batched matmuls) at the dense GEMM rate measured on this device in this run.
+With ``--kernels`` (GPU) each point also says what the GPU did of a call: the
+kernels it launched, their summed device time against the call's (how much of
+the call the GPU was busy: the floor that fusions and fewer launches work
+against) and the longest kernels by name.
 
 Correctness, before any timing: each implementation runs the check batch (the
 smallest batch size >= 4 of the sweep) and its output is compared with an
@@ -323,6 +327,10 @@ def run_preset(run: Run, args, device: torch.device, ceilings: dict, progress: c
     return rec
 
 
+#: Calls profiled at a point with ``--kernels`` (their kernels are averaged per call).
+KERNEL_CALLS = 5
+
+
 def _time_point(impl: Impl, run: Run, batch: int, device: torch.device, args) -> dict[str, Any]:
     try:
         xs = _inputs(run, batch, device, args.seed)
@@ -331,7 +339,11 @@ def _time_point(impl: Impl, run: Run, batch: int, device: torch.device, args) ->
         sync(device)
         first_s = time.perf_counter() - t0
         timing = time_calls(impl.call, xs, reps=args.reps, warmup=args.warmup, device=device)
-        return {"first_call_s": first_s, **timing.summary()}
+        point = {"first_call_s": first_s, **timing.summary()}
+        if args.kernels:  # what the GPU does of a call: the floor fusions and launches work against
+            calls = [xs[i % len(xs)] for i in range(KERNEL_CALLS)]
+            point["kernels"] = common.kernel_profile(impl.call, calls, point["ms"] * 1e-3 * KERNEL_CALLS)
+        return point
     except torch.cuda.OutOfMemoryError:
         return {"error": "out of memory"}
     except Exception as exc:  # noqa: BLE001
@@ -423,6 +435,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (after the first call)")
     ap.add_argument("--check-slack", type=float, default=1.5, help="slack factor of the correctness rule (1.5)")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    ap.add_argument("--kernels", action="store_true",
+                    help="GPU: after timing each point, profile a few more calls: the kernels a call launches, "
+                         "their summed device time against the call's, and the longest kernels by name")  # fmt: skip
     ap.add_argument("--net", action="append", default=[],
                     help="an lc0 network file (.pb.gz), repeatable: its whole network (planes in, heads out) "
                          "goes into the table beside the presets, timed as bench/lc0.py times it")  # fmt: skip
@@ -483,6 +498,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     device, args.reps = common.start(args.device, args.reps)
     on_gpu = device.type == "cuda"
     notes: list[str] = []
+    if args.kernels and not on_gpu:
+        print("bench/nps.py: --kernels needs a GPU (it counts CUDA kernels)", file=sys.stderr)
+        return 2
 
     try:
         runs = select_runs(args.preset, args.dtype, on_gpu)

@@ -17,6 +17,8 @@ from fusedenc.tune.presets import Run
 __all__ = ["SCHEMA", "fp8_lines", "plot", "report_lines", "write_outputs"]
 
 SCHEMA = "fusedenc.bench.nps/1"
+#: Kernels of a ``--kernels`` point listed in the table (the JSON keeps ``common.TOP_KERNELS``).
+KERNEL_LINES = 6
 
 
 def _fmt_rate(v: Optional[float]) -> str:
@@ -81,6 +83,11 @@ def report_lines(rec: dict[str, Any], run: Run, on_gpu: bool = True) -> list[str
                 + (f"{_fmt(pt['pct_gemm_floor'], '.0f', '%'):>8}  " if on_gpu else "")
                 + f"{pt['first_call_s']:>9.2f}s"
             )
+            if "kernels" in pt:  # --kernels: what the GPU did of a call, the longest kernels first
+                out.append(f"   {'':>5}  {'':42s} {common.kernel_note(pt['kernels'])}")
+                for top in pt["kernels"].get("top_kernels", [])[:KERNEL_LINES]:
+                    out.append(f"   {'':>5}  {'':42s}   {top['us_per_batch']:8.1f} us, {top['per_batch']:4.0f} calls: "
+                               f"{top['kernel'][:72]}")  # fmt: skip
         if not on_gpu:
             out.append("")
             continue

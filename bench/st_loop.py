@@ -295,7 +295,7 @@ def main(argv=None) -> int:
                     if args.host_profile:
                         record["results"][-1]["host_profile"] = host_profile(lambda: run(sentences, b))
                     if args.kernels:  # how much of a pass the GPU works: the host's share is the rest
-                        profile = eb.kernel_profile(lambda _: run(sentences, b), [None], t)
+                        profile = common.kernel_profile(lambda _: run(sentences, b), [None], t)
                         record["results"][-1]["kernels"] = {k: profile[k] for k in ("kernel_us_per_batch",
                                                                                    "busy_fraction", "top_kernels")}
                 except Exception as exc:  # noqa: BLE001 - a peer that fails is a row saying so

@@ -320,3 +320,27 @@ def test_fp8_accuracy_hf_bert_gate(monkeypatch):
     for name in ("fp8", "fp8, FFN2 fp16", "fp8, static FFN2 input"):
         pooled_cos, pooled_rel = rows[name][:2]
         assert 0.9 < pooled_cos < rows["fp16"][0] and rows["fp16"][1] < pooled_rel < 30, (name, rows)
+
+
+def test_nps_kernels_needs_a_gpu_and_prints_each_points_profile(tmp_path):
+    """``--kernels``: refused on a CPU before anything runs; on a GPU each point's profile (the
+    record ``common.kernel_profile`` makes) prints under its row: the kernels of a call, their
+    summed time against the call's, the longest kernels by name."""
+    bad = subprocess.run([sys.executable, os.path.join(BENCH, "nps.py"), "--kernels", "--device", "cpu",
+                          "--preset", "tiny", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and "--kernels needs a GPU" in bad.stderr, bad.stderr
+    assert not list(tmp_path.iterdir()), "a refused run wrote files"
+    r = _run("nps.py", ["--preset", "tiny", "--batch-sizes", "2", "--reps", "20", "--impl", "torch"], tmp_path)
+    (rec,) = r["runs"]
+    rec["impls"]["torch"]["points"]["2"]["kernels"] = {
+        "kernels_per_batch": 61.0, "copies_per_batch": 2.0, "kernel_us_per_batch": 231.0, "pass_us_per_batch": 915.0,
+        "busy_fraction": 231.0 / 915.0, "top_kernels": [{"kernel": "sm90_norm_gelu_f16", "per_batch": 6.0, "us_per_batch": 88.5},
+                                                        {"kernel": "flash_fwd", "per_batch": 6.0, "us_per_batch": 40.25}]}  # fmt: skip
+    sys.path.insert(0, BENCH)
+    try:
+        import nps_report
+    finally:
+        sys.path.remove(BENCH)
+    text = "\n".join(nps_report.report_lines(rec, select_runs(["tiny"], None, False)[0], on_gpu=False))
+    assert "61 kernels + 2 copies a batch, 231 us of kernels in 915 us (25% busy)" in text, text
+    assert "88.5 us,    6 calls: sm90_norm_gelu_f16" in text and text.index("sm90_norm") < text.index("flash_fwd")

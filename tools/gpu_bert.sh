@@ -11,7 +11,8 @@
 #             reduce-overhead: the best at bert-base 32 lately; max-autotune-no-cudagraphs costs
 #             minutes of autotuning), with the A/B rows of the library's defaults: GELU units off,
 #             LayerNorm folding at every batch size / at none, folding off with the units off
-#             (BERT_NPS_PRESETS default bert-base-s128, BERT_NPS_BATCHES default 32,256,1024)
+#             (BERT_NPS_PRESETS default bert-base-s128, BERT_NPS_BATCHES default 32,256,1024;
+#             BERT_NPS_KERNELS=1: each point's kernels and their device time, bench/nps.py --kernels)
 #   small     MiniLM and bert-base at 32 sentences, the pooled one-graph call against
 #             torch.compile's, with each row's kernels a batch and their summed time
 #             (bench/embeddings.py --kernels: the floor, and how close the call gets)
@@ -57,7 +58,7 @@ if [[ $stages == *nps* ]]; then
   for preset in ${BERT_NPS_PRESETS:-bert-base-s128}; do
     step "nps-$preset" 400 python3 bench/nps.py --preset "$preset" --batch-sizes "${BERT_NPS_BATCHES:-32,256,1024}" \
       --impl torch-compile,fusedenc,fusedenc-gelu-pass,fusedenc-folded,fusedenc-unfolded,fusedenc-unfolded-gelu-pass \
-      --compile-modes "${BERT_COMPILE_MODES:-reduce-overhead}" \
+      --compile-modes "${BERT_COMPILE_MODES:-reduce-overhead}" ${BERT_NPS_KERNELS:+--kernels} \
       --out-dir "$OUT" --no-plot --no-progress --step-timeout 240
   done
 fi
