@@ -114,8 +114,8 @@ def _load(folder: Path, dev: torch.device, dt: torch.dtype,
             tokenizer = module.tokenizer
             return module, tokenizer, int(module.max_seq_length or tokenizer.model_max_length), None, True
         module, tokenizer = _hf_model(layout.transformer, dev, dt, transformers)
-        max_length = layout.max_seq_length or _max_length(module, tokenizer, layout.transformer)
-        return module, tokenizer, max_length, layout.pooling, layout.normalize
+        # The reader checked the folder's max_seq_length; _max_length reads it (or the tokenizer's).
+        return module, tokenizer, _max_length(module, tokenizer, layout.transformer), layout.pooling, layout.normalize
     module, tokenizer = _hf_model(folder, dev, dt, transformers)
     return module, tokenizer, _max_length(module, tokenizer, folder), "mean", True
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ..hf.embedded import POOLING_MODES
 
@@ -59,7 +59,6 @@ class SentenceFolder:
     transformer: Path  # the Hugging Face model folder (config.json, weights, tokenizer)
     pooling: str  # one of hf.embedded.POOLING_MODES
     normalize: bool  # a Normalize module follows the pooling
-    max_seq_length: Optional[int]  # sentence_bert_config.json's (None: the tokenizer's and the model's)
 
 
 def is_sentence_folder(folder: Path) -> bool:
@@ -99,7 +98,7 @@ def read_sentence_folder(folder: Path) -> SentenceFolder:
     prompt = options.get("default_prompt_name")
     if prompt and (options.get("prompts") or {}).get(prompt):
         raise Unsupported(f"its default prompt {prompt!r} is added to every text (config_sentence_transformers.json)")
-    return SentenceFolder(transformer, pooling, kinds[2:] == ["Normalize"], max_seq_length)
+    return SentenceFolder(transformer, pooling, kinds[2:] == ["Normalize"])
 
 
 def _kind(type_name: str) -> str:
