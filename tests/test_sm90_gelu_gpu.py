@@ -116,6 +116,26 @@ def test_units_accurate_over_the_whole_range(dtype, act, gen):
     assert_within_output_rounding(out, x, gelu_fp64(x.double(), act), dtype, act)
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("act", GELUS)
+@pytest.mark.parametrize("m", [1, 7, 130])
+def test_units_on_strided_views_and_few_rows(dtype, act, m, gen):
+    """Few rows (one partial tile, most threads storing nothing), no bias, and the output a
+    view of a wider buffer (the row stride is not the row): nothing outside the view is
+    written, every element inside is."""
+    _require_unit(dtype, act)
+    k, n = 384, 1536
+    x, w, _ = _operands(m, k, n, dtype, gen)
+    big_out = poisoned((m, n + 136), dtype, DEVICE)
+    out = big_out[:, 72 : 72 + n]
+    with fusedenc.testing.sm90_gelu_epilogue():
+        _norm_gemm(x, w, None, act, out)
+    ref = linear_formula(x, w, None, act, dtype=ref_dtype(dtype))
+    same = same_dtype_torch(x, w, None, act)
+    assert_close_rule(out, ref, same, dtype, what=f"{act} m {m}, strided, seed {gen.seed_value}")
+    assert torch.isnan(big_out[:, :72]).all() and torch.isnan(big_out[:, 72 + n :]).all()
+
+
 @pytest.mark.parametrize("act", GELUS)
 def test_extreme_inputs_and_nan(act, gen):
     _require_unit(torch.float16, act)
