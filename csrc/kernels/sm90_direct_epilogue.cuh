@@ -10,8 +10,8 @@
 // other warpgroup may start its epilogue (bench/NOTES.md: 5.2 us a tile against a 3.0 us main
 // loop).  Here each thread computes all of its values with no barrier in between and stores
 // them as it goes (fire and forget), so the arithmetic of the whole tile is one unrolled block
-// the compiler can schedule freely.  The price: 4-byte stores (two adjacent columns a thread)
-// instead of TMA's full lines; the L2 merges the halves of each sector before DRAM sees them.
+// the compiler can schedule freely.  The price: 8-byte stores (four adjacent columns a thread,
+// after one shuffle between neighbouring lanes) instead of TMA's whole lines.
 //
 // Include from the sm90 units only (device code, CUTLASS headers).
 #pragma once
@@ -76,12 +76,12 @@ class DirectNormEpilogue {
                                               cutlass::CudaHostAdapter* = nullptr) {
     return cutlass::Status::kSuccess;
   }
-  // Pairs of columns are stored as one 32-bit word: D's rows must start 4-byte aligned (the
-  // callers' shape checks ask 16 bytes of every operand already).
+  // Four columns are stored as one 8-byte word: N a multiple of 4 (a word is all in or all out)
+  // and D's rows 8-byte aligned (the callers' shape checks ask 16 bytes of every operand already).
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& args) {
     const auto n = cute::get<1>(shape);
-    return n % 2 == 0 && cute::get<0>(args.dD) % 2 == 0 && reinterpret_cast<uintptr_t>(args.ptr_D) % 4 == 0;
+    return n % 4 == 0 && cute::get<0>(args.dD) % 4 == 0 && reinterpret_cast<uintptr_t>(args.ptr_D) % 8 == 0;
   }
 
   CUTLASS_HOST_DEVICE
@@ -141,7 +141,7 @@ class DirectNormEpilogue {
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < kColGroups; ++g) {
         const int n = get<1>(tDcD(make_coord(make_coord(0, 0, g), 0, mn)));
-        const bool in = n < N;  // n even, N even: n + 1 < N too
+        const bool in = n < N;  // n even, N a multiple of 4: n + 1 < N too
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < 2; ++c) {
           col_sum[mn][g][c] = v.colsum && in ? v.colsum[n + c] : 0.f;
@@ -150,29 +150,48 @@ class DirectNormEpilogue {
       }
     }
 
+    // Two column groups at a time, so that each thread stores 8 bytes: in a quad (one row),
+    // lane q holds columns 2q, 2q + 1 of every group; the even lane of a pair keeps its word of
+    // group g0 and takes its odd neighbour's (columns 2q .. 2q + 3 of g0), the odd lane keeps its
+    // word of g1 and takes the even one's (columns 2q - 2 .. 2q + 1 of g1).  One shuffle for two
+    // words; a warp's store then writes eight rows of two whole 32-byte sectors.
+    static_assert(kColGroups % 2 == 0, "column groups come in pairs");
+    const bool odd = thread_idx & 1;
     cutlass::NumericArrayConverter<Element, float, 2, cutlass::FloatRoundStyle::round_to_nearest> to_output;
+    auto word = [&](float a, float b) {
+      cutlass::Array<float, 2> y;
+      y[0] = activate_fast<A>(a);
+      y[1] = activate_fast<A>(b);
+      const cutlass::Array<Element, 2> out = to_output(y);
+      uint32_t w;
+      memcpy(&w, &out, sizeof(w));
+      return w;
+    };
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < kMmaM; ++mm) {
       CUTLASS_PRAGMA_UNROLL
       for (int h = 0; h < kRowHalves; ++h) {
         const int m = get<0>(tDcD(make_coord(make_coord(0, h, 0), mm, 0)));
+        const float scale = row_scale[mm][h], shift = row_shift[mm][h];
         CUTLASS_PRAGMA_UNROLL
         for (int mn = 0; mn < kMmaN; ++mn) {
           CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < kColGroups; ++g) {
-            const auto at = make_coord(make_coord(0, h, g), mm, mn);
-            const auto next = make_coord(make_coord(1, h, g), mm, mn);
-            const int n = get<1>(tDcD(at));
-            cutlass::Array<float, 2> y;
-            // The norm tree's order of operations: rstd * acc + (shift * colsum + bias).
-            y[0] = fmaf(row_scale[mm][h], acc(at), fmaf(row_shift[mm][h], col_sum[mn][g][0], col_bias[mn][g][0]));
-            y[1] = fmaf(row_scale[mm][h], acc(next), fmaf(row_shift[mm][h], col_sum[mn][g][1], col_bias[mn][g][1]));
-            y[0] = activate_fast<A>(y[0]);
-            y[1] = activate_fast<A>(y[1]);
-            const cutlass::Array<Element, 2> out = to_output(y);
-            uint32_t word;
-            memcpy(&word, &out, sizeof(word));
-            if (m < M && n < N) *reinterpret_cast<uint32_t*>(&tDgD(at)) = word;
+          for (int g0 = 0; g0 < kColGroups; g0 += 2) {
+            uint32_t w[2];
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < 2; ++j) {
+              const int g = g0 + j;
+              // The norm tree's order of operations: rstd * acc + (shift * colsum + bias).
+              w[j] = word(fmaf(scale, acc(make_coord(make_coord(0, h, g), mm, mn)),
+                               fmaf(shift, col_sum[mn][g][0], col_bias[mn][g][0])),
+                          fmaf(scale, acc(make_coord(make_coord(1, h, g), mm, mn)),
+                               fmaf(shift, col_sum[mn][g][1], col_bias[mn][g][1])));
+            }
+            const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[1], 1);
+            const auto at = make_coord(make_coord(0, h, odd ? g0 + 1 : g0), mm, mn);
+            const int n = get<1>(tDcD(at)) - (odd ? 2 : 0);  // the first of this lane's four columns
+            const uint2 pair = odd ? make_uint2(got, w[1]) : make_uint2(w[0], got);
+            if (m < M && n < N) *reinterpret_cast<uint2*>(&tDgD(at) - (odd ? 2 : 0)) = pair;
           }
         }
       }
