@@ -45,12 +45,6 @@ bool norm_mish_f16(const GemmArgs& g, const NormFold& f, int sm_count);
   bool norm_gelutanh_##D(const GemmArgs& g, const NormFold& f, int sm_count);
 FUSEDENC_SM90_DTYPES(FUSEDENC_DECLARE_GELU)
 #undef FUSEDENC_DECLARE_GELU
-// The same two with the output stored from registers (sm90_direct_epilogue.cuh).
-#define FUSEDENC_DECLARE_GELU_DIRECT(D)                                          \
-  bool norm_gelu_direct_##D(const GemmArgs& g, const NormFold& f, int sm_count); \
-  bool norm_gelutanh_direct_##D(const GemmArgs& g, const NormFold& f, int sm_count);
-FUSEDENC_SM90_DTYPES(FUSEDENC_DECLARE_GELU_DIRECT)
-#undef FUSEDENC_DECLARE_GELU_DIRECT
 }  // namespace sm90
 #endif
 
@@ -78,14 +72,6 @@ struct Kernels {
   Fp8ResidualFn fp8residual = nullptr;
 };
 
-// Which GELU units: stored from registers (FUSEDENC_SM90_GELU_DIRECT=1) or through shared memory
-// and TMA (the A/B switch while both are measured).
-bool env_switch(const char* name, bool fallback);
-bool gelu_direct() {
-  static const bool direct = env_switch("FUSEDENC_SM90_GELU_DIRECT", false);
-  return direct;
-}
-
 Kernels kernels_for(DType dtype) {
   Kernels k;
 #ifdef FUSEDENC_HAVE_SM90_GEMM
@@ -94,8 +80,8 @@ Kernels kernels_for(DType dtype) {
     k.norm = &sm90::norm_##D;                      \
     k.norm_act = &sm90::norm_act_##D;              \
     k.norm_wide = &sm90::norm_wide_##D;            \
-    k.norm_gelu = gelu_direct() ? &sm90::norm_gelu_direct_##D : &sm90::norm_gelu_##D;              \
-    k.norm_gelu_tanh = gelu_direct() ? &sm90::norm_gelutanh_direct_##D : &sm90::norm_gelutanh_##D; \
+    k.norm_gelu = &sm90::norm_gelu_##D;            \
+    k.norm_gelu_tanh = &sm90::norm_gelutanh_##D;   \
     k.residual = &sm90::residual_##D;              \
     k.fp8 = &sm90::fp8_##D;                        \
   }

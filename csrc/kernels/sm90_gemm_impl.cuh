@@ -36,7 +36,6 @@
 #include <string>
 
 #include "activations.cuh"
-#include "sm90_direct_epilogue.cuh"
 #include "sm90_gemm.h"
 
 namespace fusedenc {
@@ -298,23 +297,6 @@ struct Kernel {
   using EpilogueArgs = typename GemmKernel::CollectiveEpilogue::FusionCallbacks::Arguments;  // the tree's
 };
 
-// The norm tree with its activation fixed at compile time and stored from registers
-// (sm90_direct_epilogue.cuh): 128 x 128 pingpong tiles like NormActConfig, no epilogue shared
-// memory.  Built for the GELU units, whose epilogue outlasts a short main loop.
-template <class Element, Activation A>
-struct DirectKernel {
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<DirectNormEpilogue<Element, A>>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 16 / sizeof(Element),
-      Element, cutlass::layout::ColumnMajor, 16 / sizeof(Element), float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-};
-
 // Returns false, having launched nothing, when CUTLASS cannot run this problem or the
 // workspace is too small (the caller falls back or says why); throws on a failed launch.
 template <class Gemm, class EpilogueArgs>
@@ -376,17 +358,6 @@ bool run_norm(const GemmArgs& g, const NormFold& f, int sm_count) {
        {}},
       {g.act}};                                     // act
   return launch<typename K::Gemm>(g, sm_count, t);
-}
-
-template <class Element, Activation A>
-bool run_norm_direct(const GemmArgs& g, const NormFold& f, int sm_count) {
-  DirectNormArguments t;
-  t.rstd = f.rstd;
-  t.shift = f.shift;
-  t.colsum = f.colsum;
-  t.bias = g.bias;
-  t.alpha = g.alpha;
-  return launch<typename DirectKernel<Element, A>::Gemm>(g, sm_count, t);
 }
 
 template <class Element, class Cfg = DefaultConfig>
@@ -480,10 +451,6 @@ bool run_fp8_residual(const GemmArgs& g, const float* w_scale, const ResidualNor
 #define FUSEDENC_SM90_NORM_INSTANCE(NAME, ELEMENT, CONFIG, ACT)                           \
   namespace fusedenc { namespace sm90 {                                                  \
   bool NAME(const GemmArgs& g, const NormFold& f, int sm_count) { return run_norm<ELEMENT, CONFIG, ACT>(g, f, sm_count); } \
-  } }
-#define FUSEDENC_SM90_DIRECT_INSTANCE(NAME, ELEMENT, ACT)                                      \
-  namespace fusedenc { namespace sm90 {                                                           \
-  bool NAME(const GemmArgs& g, const NormFold& f, int sm_count) { return run_norm_direct<ELEMENT, ACT>(g, f, sm_count); } \
   } }
 #define FUSEDENC_SM90_RESIDUAL_INSTANCE(NAME, ELEMENT)                                             \
   namespace fusedenc { namespace sm90 {                                                           \
