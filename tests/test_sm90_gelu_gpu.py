@@ -72,12 +72,16 @@ def test_units_match_the_fp32_reference(dtype, act, m, k, n, gen):
         _norm_gemm(x, w, b, act, out)
         ref = linear_formula(x, w, b, act, dtype=ref_dtype(dtype))
         assert_close_rule(out, ref, same_dtype_torch(x, w, b, act), dtype, what=f"{act} {m}x{k}x{n} seed {gen.seed_value}")
-        if act == "gelu":  # the plain GEMM takes the unit too
+        if act == "gelu":  # the plain GEMM takes the unit too, but at short K and few rows
             plain = poisoned((m, n), dtype, DEVICE)
             applies, why = core.sm90_gemm_applies(x, w, b, plain, act)
-            assert applies, why
-            fusedenc.linear(x, w, b, act, out=plain)
-            assert torch.equal(plain, out)  # the same kernel, the same bits
+            if k < 512 and m < 16384:
+                assert (applies, why) == (
+                    False, "exact GELU with K < 512 and under 16384 rows: faster as cuBLASLt's GEMM and the pass")
+            else:
+                assert applies, why
+                fusedenc.linear(x, w, b, act, out=plain)
+                assert torch.equal(plain, out)  # the same kernel, the same bits
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -252,6 +252,12 @@ bool sm90_gemm_applies(const GemmArgs& g, const char** why) {
   if (!k.norm) return no("no kernel for this dtype and activation in this build");
   if (const char* reason = activation_stays_on_cublaslt(g.act, g.bias != nullptr, k)) return no(reason);
   if (g.c) return no("a residual input");
+  // Measured on an H200 (fp16, FFN1 384 -> 1536 with exact GELU, the unit against cuBLASLt + the
+  // pass): 19.8 against 18.7 us at 4096 rows, a tie at 16384, 119-121 against 123-126 at 32768.
+  // With K this short the unit's epilogue outlasts its main loop (bench/NOTES.md), and with few
+  // rows the pass's extra read is in L2.  MiniLM at 32 sentences is this case.
+  if (g.act == Activation::gelu && g.k < 512 && g.m < 16384)
+    return no("exact GELU with K < 512 and under 16384 rows: faster as cuBLASLt's GEMM and the pass");
   // Measured on an H100 (the Lc0 value and moves-left heads, 16384 x 768 -> 32 and 8, mish):
   // 128-wide tiles read A at a third of the bandwidth cuBLASLt's narrow tiles reach, and the
   // pass over so few columns is cheap (25 us against 32 for both heads).
