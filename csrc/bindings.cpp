@@ -454,6 +454,8 @@ PYBIND11_MODULE(_C, m) {
         "Output dtypes the Hopper FP8 epilogue GEMM was compiled for.");
   m.def("sm90_fp8_e4m3_output_kernels", [compiled_dtypes] { return compiled_dtypes(&sm90_fp8_e4m3_output_compiled); },
         "Bias dtypes the Hopper FP8 GEMM writing e4m3 (static output scales) was compiled for.");
+  m.def("sm90_fp8_e4m3_gelu_kernels", [compiled_dtypes] { return compiled_dtypes(&sm90_fp8_e4m3_gelu_compiled); },
+        "Bias dtypes the Hopper FP8 GEMM writing e4m3 was compiled for with exact GELU.");
   m.def("clear_fp8_plan_cache", &clear_fp8_plan_cache);
 
   m.def("gemm", &gemm_binding, py::arg("device"), py::arg("stream"), py::arg("m"), py::arg("n"),

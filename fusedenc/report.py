@@ -148,6 +148,8 @@ def capabilities() -> dict[str, Any]:
         "sm90_epilogue_gemm": core.sm90_fp8_gemm_kernels() if compiled else [],
         # ... and of its form writing e4m3 with static column scales (a calibrated FFN1 -> FFN2).
         "sm90_e4m3_output": core.fp8.sm90_fp8_e4m3_output_kernels() if compiled else [],
+        # ... and that form with exact GELU (a unit of its own: BERT-family FFN1s in the fold).
+        "sm90_e4m3_output_gelu": core.fp8.sm90_fp8_e4m3_gelu_kernels() if compiled else [],
         # ... and the residual kernel of the FP8 mode with LayerNorms folded (fusedenc.encoder.fp8_fold).
         "sm90_folded_layer_norm": [n for n in ("float16", "bfloat16")
                                    if compiled and core.fp8.sm90_fp8_residual_compiled(getattr(torch, n))],

@@ -126,6 +126,8 @@ def test_the_fp8_section_says_what_this_build_holds():
     assert fp8["sm90_e4m3_output"] == (core.fp8.sm90_fp8_e4m3_output_kernels() if compiled else [])
     # The e4m3-output form is a form of the epilogue GEMM: never listed without it.
     assert set(fp8["sm90_e4m3_output"]) <= set(fp8["sm90_epilogue_gemm"])
+    assert fp8["sm90_e4m3_output_gelu"] == (core.fp8.sm90_fp8_e4m3_gelu_kernels() if compiled else [])
+    assert set(fp8["sm90_e4m3_output_gelu"]) <= set(fp8["sm90_e4m3_output"])
     folded = [n for n in ("float16", "bfloat16") if compiled and core.fp8.sm90_fp8_residual_compiled(getattr(torch, n))]
     assert fp8["sm90_folded_layer_norm"] == folded and set(folded) <= set(fp8["sm90_e4m3_output"])
     if not torch.cuda.is_available():

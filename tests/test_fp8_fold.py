@@ -184,8 +184,8 @@ def _require_fold_kernels(activation: str = "swish") -> None:
         pytest.skip("the FP8 LayerNorm fold's kernels run on compute capability 9.0 only")
     if not core.fp8.sm90_fp8_residual_compiled(torch.float16):
         pytest.skip("this build has no Hopper FP8 residual GEMM (built without CUTLASS?)")
-    if ("float16", activation) not in core.sm90_gemm_kernels():
-        pytest.skip(f"this build has no sm90 epilogue GEMM for float16 {activation} (built without CUTLASS?)")
+    if activation not in fp8_fold._epilogue_activations():
+        pytest.skip(f"this build has no sm90 FP8 epilogue GEMM for float16 {activation} (built without CUTLASS?)")
 
 
 def _gpu_pending(gen, rows, d):
@@ -206,7 +206,8 @@ def _fast_accumulation_error(codes, w):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("activation,e4m3_out", [("none", False), ("swish", False), ("swish", True), ("mish", True)])
+@pytest.mark.parametrize("activation,e4m3_out",
+                         [("none", False), ("swish", False), ("swish", True), ("mish", True), ("gelu", True)])
 def test_gpu_norm_kernel_matches_the_math(activation, e4m3_out, gen):
     require_fp8_gpu()
     rows = _gpu_pending(gen, 16384, 768)
@@ -214,12 +215,21 @@ def test_gpu_norm_kernel_matches_the_math(activation, e4m3_out, gen):
     b = randn((1024,), torch.float16, "cuda", gen=gen)
     folded = fp8_fold.fold_weight(w, b, rows.rows.gamma, rows.rows.beta, rows.scale)
     out_scale = (torch.rand(1024, generator=gen) + 0.5).cuda() if e4m3_out else None
+    if e4m3_out and torch.cuda.get_device_capability() == (9, 0) and activation in fp8_fold._epilogue_activations():
+        # Where the kernel is built it must be the one that runs (the torch math below also passes).
+        probe = torch.empty((16384, 1024), dtype=torch.uint8, device="cuda")
+        ok, why = core.sm90_fp8_gemm_applies(rows.codes.view(torch.uint8), rows.rows.rstd, folded.weight.q.view(torch.uint8),
+                                             folded.weight.scale, folded.bias, probe, activation, True, out_scale,
+                                             rows.rows.shift, folded.colsum)  # fmt: skip
+        assert ok, why
     got = fp8_fold.norm_linear(rows, folded, activation, out_dtype=torch.float16, out_scale=out_scale)
     # the same math in torch (fast_accum=False: the kernels accumulate fast only)
     ref = fp8_fold.norm_linear(rows, folded, activation, out_dtype=torch.float16, out_scale=out_scale, fast_accum=False)
     want = _normalize_then_multiply(rows, w, b, activation)
-    # swish and mish have slopes below 1.1: the sums' error, times rstd, bounds the output's
-    acc_err = 1.1 * rows.rows.rstd.max().item() * _fast_accumulation_error(rows.codes, folded.weight)
+    # swish and mish have slopes below 1.1, GELU below 1.13: the sums' error, times rstd and
+    # that slope, bounds the output's
+    slope = 1.13 if activation == "gelu" else 1.1
+    acc_err = slope * rows.rows.rstd.max().item() * _fast_accumulation_error(rows.codes, folded.weight)
     if e4m3_out:
         want = want * out_scale
         assert got.dtype == fp8.E4M3
@@ -269,9 +279,12 @@ def test_gpu_residual_kernel_matches_the_math(pending, codes_out, rows, gen):
 
 
 @pytest.mark.gpu
-def test_gpu_folded_stack_runs_the_kernels_and_is_as_accurate_as_the_passes(gen):
-    _require_fold_kernels()
+@pytest.mark.parametrize("activation", ["swish", "gelu"])
+def test_gpu_folded_stack_runs_the_kernels_and_is_as_accurate_as_the_passes(activation, gen):
+    _require_fold_kernels(activation)
     s = random_stack(4, 768, 24, 2304, gen, device="cuda")
+    for b in s.blocks:
+        b.activation = activation
     sample = randn((256, 64, 768), torch.float16, "cuda", gen=gen)
     x = randn((256, 64, 768), torch.float16, "cuda", gen=gen)
     ref = stack_formula(s.blocks, x.float(), dtype=torch.float32)
@@ -298,19 +311,21 @@ def test_gpu_folded_stack_runs_the_kernels_and_is_as_accurate_as_the_passes(gen)
 
 @pytest.mark.gpu
 def test_gpu_fold_stays_off_where_a_kernel_would_not_run(gen):
-    """Exact GELU is not in the FP8 epilogue, slow accumulation not in the kernels, 64 positions
-    too few tiles: each keeps the LayerNorm passes (no GEMM may fall back to torch math)."""
+    """tanh-GELU is not in the FP8 epilogue, slow accumulation not in the kernels, 64 positions
+    too few tiles: each keeps the LayerNorm passes (no GEMM may fall back to torch math).
+    Exact GELU folds where its e4m3-output unit is built."""
     _require_fold_kernels()
     x = randn((256, 64, 768), torch.float16, "cuda", gen=gen)
     sample = randn((64, 64, 768), torch.float16, "cuda", gen=gen)
     swish = random_stack(2, 768, 12, 1536, gen, device="cuda").quantize("fp8", calibration=sample, fast_accum=True)
     assert fp8_fold.applies(swish.blocks, x.view(-1, 768))
     assert not fp8_fold.applies(swish.blocks, x[:64].reshape(-1, 768))  # 64 positions: too few tiles
-    gelu = random_stack(2, 768, 12, 1536, gen, device="cuda")
-    for b in gelu.blocks:
-        b.activation = "gelu"
-    gelu.quantize("fp8", calibration=sample, fast_accum=True)
-    assert not fp8_fold.applies(gelu.blocks, x.view(-1, 768))
+    for act, folds in (("gelu_tanh", False), ("gelu", "float16" in core.fp8.sm90_fp8_e4m3_gelu_kernels())):
+        other = random_stack(2, 768, 12, 1536, gen, device="cuda")
+        for b in other.blocks:
+            b.activation = act
+        other.quantize("fp8", calibration=sample, fast_accum=True)
+        assert fp8_fold.applies(other.blocks, x.view(-1, 768)) == folds, act
     slow = random_stack(2, 768, 12, 1536, gen, device="cuda").quantize("fp8", calibration=sample)
     assert not fp8_fold.applies(slow.blocks, x.view(-1, 768))
 

@@ -34,6 +34,9 @@ FUSEDENC_SM90_DTYPES(FUSEDENC_DECLARE)
 bool fp8out_f16(const GemmArgs& g, const Fp8Vectors& v, int sm_count);
 bool fp8residual_f16(const GemmArgs& g, const float* w_scale, const ResidualNorm& r, const Fp8Codes& codes,
                      int sm_count);
+// fp16 only: the e4m3-output kernel with exact GELU fixed at compile time (the FP8 fold of
+// BERT-family FFN1s: its codes feed FFN2, so no pass could apply GELU after it).
+bool fp8out_gelu_f16(const GemmArgs& g, const Fp8Vectors& v, int sm_count);
 // fp16 only: the activation tile with swish and with mish fixed at compile time (the Lc0
 // nets' FFN activations; bf16 runs them in the run-time switch of norm_act).
 bool norm_swish_f16(const GemmArgs& g, const NormFold& f, int sm_count);
@@ -69,6 +72,7 @@ struct Kernels {
   ResidualFn residual = nullptr;
   Fp8Fn fp8 = nullptr;
   Fp8Fn fp8out = nullptr;  // the FP8 kernel writing e4m3 (its dtype: the bias's)
+  Fp8Fn fp8out_gelu = nullptr;  // and with exact GELU
   Fp8ResidualFn fp8residual = nullptr;
 };
 
@@ -91,6 +95,7 @@ Kernels kernels_for(DType dtype) {
     k.norm_swish = &sm90::norm_swish_f16;
     k.norm_mish = &sm90::norm_mish_f16;
     k.fp8out = &sm90::fp8out_f16;
+    k.fp8out_gelu = &sm90::fp8out_gelu_f16;
     k.fp8residual = &sm90::fp8residual_f16;
   }
 #else
@@ -290,6 +295,7 @@ GemmArgs fp8_as_gemm(const Fp8GemmArgs& f) {
 
 bool sm90_fp8_gemm_compiled(DType out_dtype) { return kernels_for(out_dtype).fp8 != nullptr; }
 bool sm90_fp8_e4m3_output_compiled(DType dtype) { return kernels_for(dtype).fp8out != nullptr; }
+bool sm90_fp8_e4m3_gelu_compiled(DType dtype) { return kernels_for(dtype).fp8out_gelu != nullptr; }
 
 bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
   auto no = [&](const char* reason) {
@@ -300,8 +306,10 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
   if (folded && (!f.shift || !f.colsum)) return no("a folded LayerNorm needs both shift and colsum");
   if (f.out_scale) {
     // e4m3 output: only this kernel writes it, for every activation its epilogue has.
-    if (!kernels_for(f.out_dtype).fp8out) return no("no e4m3-output FP8 kernel for this dtype in this build");
-    if (!in_epilogue(f.act)) return no("an activation the kernel's epilogue does not have");
+    const Kernels k = kernels_for(f.out_dtype);
+    if (!k.fp8out) return no("no e4m3-output FP8 kernel for this dtype in this build");
+    if (!in_epilogue(f.act) && !(f.act == Activation::gelu && k.fp8out_gelu))
+      return no("an activation the kernel's epilogue does not have");
     if (f.n % 16 || f.ldd % 16 || reinterpret_cast<uintptr_t>(f.d) % 16 || reinterpret_cast<uintptr_t>(f.out_scale) % 4)
       return no("e4m3 output: n, its row stride or its address not a multiple of 16 bytes");
   } else {
@@ -333,7 +341,7 @@ Fp8Vectors fp8_vectors(const Fp8GemmArgs& f) {
 bool sm90_fp8_gemm(const Fp8GemmArgs& f) {
   DeviceGuard guard(f.device);
   const Kernels k = kernels_for(f.out_dtype);
-  Fp8Fn fn = f.out_scale ? k.fp8out : k.fp8;
+  Fp8Fn fn = f.out_scale ? (f.act == Activation::gelu ? k.fp8out_gelu : k.fp8out) : k.fp8;
   if (!fn) throw std::invalid_argument("fusedenc sm90 fp8 gemm: no kernel for this output dtype");
   return fn(fp8_as_gemm(f), fp8_vectors(f), launch_sms(f.device));
 }

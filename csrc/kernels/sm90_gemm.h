@@ -118,13 +118,16 @@ bool sm90_fold_applies(const GemmArgs& args, const char** why = nullptr);
 // Its main loop accumulates fast (Hopper's FP8 accumulator, as cuBLASLt's fast_accum), so
 // only calls that ask for fast accumulation come here; accurate ones stay on cuBLASLt.
 // With out_scale (e4m3 output) it is the only kernel that writes it: every activation its
-// epilogue has (none included), fp16 bias, n and D's row stride multiples of 16.
+// epilogue has (none included) and exact GELU where its unit is built, fp16 bias, n and D's
+// row stride multiples of 16.
 bool sm90_fp8_gemm_applies(const Fp8GemmArgs& args, const char** why = nullptr);
 // Returns false, having launched nothing, where CUTLASS refuses the problem.
 bool sm90_fp8_gemm(const Fp8GemmArgs& args);
 bool sm90_fp8_gemm_compiled(DType out_dtype);
 // Whether this build holds the e4m3-output form (out_scale) for a bias of `dtype`.
 bool sm90_fp8_e4m3_output_compiled(DType dtype);
+// ... and with exact GELU (not in that kernel's run-time switch: a unit of its own).
+bool sm90_fp8_e4m3_gelu_compiled(DType dtype);
 
 // The FP8 mode with LayerNorms folded (fusedenc.fp8): the residual GEMM on e4m3 operands,
 // D = alpha * (w_scale[n] * (A W^T) + bias) + R with ResidualNorm's R and statistics and,

@@ -207,11 +207,12 @@ template <class Tile, class Element>
 using Fp8Tree = fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, Element, float, kRound>, Fp8Sum<Tile, Element>>;
 
 // e4m3(out_scale[n] * act(...)): the activation in fp32 (not rounded to 16 bits first), one
-// saturating conversion (cvt.rn.satfinite).
-template <class Tile, class Element>
+// saturating conversion (cvt.rn.satfinite).  Act: the run-time switch, or one activation fixed
+// at compile time (exact GELU, which the switch lacks: the FP8 fold of BERT-family FFN1s).
+template <class Tile, class Element, template <class> class Act = RuntimeActivation>
 using Fp8OutTree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, cutlass::float_e4m3_t, float, kRound>,
     RowVec<Tile, float>,  // out_scale
-    fusion::Sm90EVT<fusion::Sm90Compute<RuntimeActivation, float, float, kRound>, Fp8Sum<Tile, Element>>>;
+    fusion::Sm90EVT<fusion::Sm90Compute<Act, float, float, kRound>, Fp8Sum<Tile, Element>>>;
 
 // The FP8 residual: z = alpha * (w_scale[n] * acc + bias) + R (R as in ResidualTree), its row
 // statistics, then D = code_scale[n] * aux(inv_code_scale[n] * z) where aux stores e4m3 codes
@@ -402,9 +403,9 @@ bool run_fp8(const GemmArgs& g, const Fp8Vectors& v, int sm_count) {
   return launch<typename K::Gemm>(g, sm_count, t);
 }
 
-template <class Element>
+template <class Element, template <class> class Act = RuntimeActivation>
 bool run_fp8_out(const GemmArgs& g, const Fp8Vectors& v, int sm_count) {
-  using K = Kernel<Element, Fp8OutTree<typename Fp8Config::TileShape, Element>, false, Fp8Config,
+  using K = Kernel<Element, Fp8OutTree<typename Fp8Config::TileShape, Element, Act>, false, Fp8Config,
                    cutlass::float_e4m3_t, cutlass::float_e4m3_t>;
   typename K::EpilogueArgs t{
       {v.out_scale, 1.f, {}},                        // out_scale *
@@ -463,6 +464,10 @@ bool run_fp8_residual(const GemmArgs& g, const float* w_scale, const ResidualNor
 #define FUSEDENC_SM90_FP8_OUT_INSTANCE(NAME, ELEMENT)                                              \
   namespace fusedenc { namespace sm90 {                                                           \
   bool NAME(const GemmArgs& g, const Fp8Vectors& v, int sm_count) { return run_fp8_out<ELEMENT>(g, v, sm_count); } \
+  } }
+#define FUSEDENC_SM90_FP8_OUT_ACT_INSTANCE(NAME, ELEMENT, ACT)                                     \
+  namespace fusedenc { namespace sm90 {                                                           \
+  bool NAME(const GemmArgs& g, const Fp8Vectors& v, int sm_count) { return run_fp8_out<ELEMENT, ACT>(g, v, sm_count); } \
   } }
 #define FUSEDENC_SM90_FP8_RESIDUAL_INSTANCE(NAME, ELEMENT)                                         \
   namespace fusedenc { namespace sm90 {                                                           \

@@ -89,6 +89,13 @@ def sm90_fp8_e4m3_output_kernels() -> list[str]:
     return [str(d) for d in module.sm90_fp8_e4m3_output_kernels()] if module else []
 
 
+def sm90_fp8_e4m3_gelu_kernels() -> list[str]:
+    """Bias dtypes of the e4m3-output Hopper FP8 GEMM built with exact GELU (the FP8 fold of
+    BERT-family FFN1s; the kernel's run-time activation switch lacks GELU); empty without it."""
+    module = native_module()
+    return [str(d) for d in module.sm90_fp8_e4m3_gelu_kernels()] if module else []
+
+
 def fp8_quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, stream: int) -> None:
     """Rows of 2-D ``x`` (unit column stride) into e4m3 codes ``q`` (uint8 view) and fp32 ``scale``."""
     rows, k = x.shape

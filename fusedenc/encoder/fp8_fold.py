@@ -97,8 +97,8 @@ def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
     dev, t = rows.device.index, rows.shape[0]
     in_epilogue = _epilogue_activations()
     for b in blocks:
-        # FFN1's activation must be one the FP8 epilogue applies (not exact GELU, tanh, ...):
-        # the folded FFN1 writes e4m3 codes, which no pass after it could make.
+        # FFN1's activation must be one the FP8 epilogue applies (exact GELU in its own unit;
+        # not tanh, selu, ...): the folded FFN1 writes e4m3 codes, which no pass after it could make.
         if b.activation not in in_epilogue or not norm_fold.fills_gpu(rows, b.d_model):
             return False
         if not core.sm90_fold_fits(dev, rows.dtype, t, b.d_model, b.d_model, True):  # device and alignment rules
@@ -108,9 +108,13 @@ def applies(blocks: Sequence[Any], rows: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _epilogue_activations() -> frozenset:
-    """The activations the Hopper epilogue applies to fp16 outputs: a property of the build,
-    asked once (``applies`` runs on every stack call)."""
-    return frozenset(act for dtype, act in core.sm90_gemm_kernels() if dtype == "float16")
+    """The activations the Hopper FP8 epilogue applies to FFN1's e4m3 output for an fp16 stack
+    (its run-time switch has the 16-bit kernels' list; exact GELU has a unit of its own): a
+    property of the build, asked once (``applies`` runs on every stack call)."""
+    acts = {act for dtype, act in core.sm90_gemm_kernels() if dtype == "float16"}
+    if "float16" in core.fp8.sm90_fp8_e4m3_gelu_kernels():
+        acts.add("gelu")
+    return frozenset(acts)
 
 
 def _native(device: torch.device) -> bool:
