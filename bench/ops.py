@@ -178,7 +178,9 @@ def build_ops(run: Run, batch: int, device: torch.device, wanted: list[str]) -> 
         unit_why = common.gelu_unit_reason(device, dt, p.activation)
         hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
         if hopper and "sm90" in caps and "Triton" not in how:
-            how = f"{caps['sm90']['kernel']} where the GEMM fills the chip, else {how}"
+            # Exact GELU at short K and few rows stays on cuBLASLt + the pass (sm90_gemm.cpp's rule).
+            rule = " with K >= 512 or 16384+ rows" if p.activation == "gelu" else ""
+            how = f"{caps['sm90']['kernel']} where the GEMM fills the chip{rule}, else {how}"
 
         def ffn1_set(g):
             return dict(x=rnd(g, t, d), w=weight(g, f, d), b=rnd(g, f, scale=0.1))
