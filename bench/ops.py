@@ -178,9 +178,12 @@ def build_ops(run: Run, batch: int, device: torch.device, wanted: list[str]) -> 
         unit_why = common.gelu_unit_reason(device, dt, p.activation)
         hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
         if hopper and "sm90" in caps and "Triton" not in how:
-            # Exact GELU at short K and few rows stays on cuBLASLt + the pass (sm90_gemm.cpp's rule).
-            rule = " with K >= 512 or 16384+ rows" if p.activation == "gelu" else ""
-            how = f"{caps['sm90']['kernel']} where the GEMM fills the chip{rule}, else {how}"
+            # The library's own routing answer at this shape (empty tensors: only their shapes,
+            # strides and addresses are read), so the label cannot drift from sm90_gemm.cpp.
+            probe = [torch.empty(*shape, device=device, dtype=dt) for shape in ((t, d), (f, d), (f,), (t, f))]
+            runs, why = core.sm90_gemm_applies(*probe, canonical_activation(p.activation))
+            del probe
+            how = caps["sm90"]["kernel"] if runs else f"{how}; not {caps['sm90']['kernel']}: {why}"
 
         def ffn1_set(g):
             return dict(x=rnd(g, t, d), w=weight(g, f, d), b=rnd(g, f, scale=0.1))

@@ -297,6 +297,16 @@ bool sm90_fp8_gemm_compiled(DType out_dtype) { return kernels_for(out_dtype).fp8
 bool sm90_fp8_e4m3_output_compiled(DType dtype) { return kernels_for(dtype).fp8out != nullptr; }
 bool sm90_fp8_e4m3_gelu_compiled(DType dtype) { return kernels_for(dtype).fp8out_gelu != nullptr; }
 
+namespace {
+// The e4m3-output FP8 kernel that applies `act` (null: none built for this dtype, or its
+// epilogue lacks `act`).  Both the routing question and the launch read it, so a call that
+// skipped sm90_fp8_gemm_applies throws instead of running the run-time switch's identity case.
+Fp8Fn fp8_e4m3_kernel(const Kernels& k, Activation act) {
+  if (act == Activation::gelu) return k.fp8out_gelu;
+  return in_epilogue(act) ? k.fp8out : nullptr;
+}
+}  // namespace
+
 bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
   auto no = [&](const char* reason) {
     if (why) *why = reason;
@@ -308,8 +318,7 @@ bool sm90_fp8_gemm_applies(const Fp8GemmArgs& f, const char** why) {
     // e4m3 output: only this kernel writes it, for every activation its epilogue has.
     const Kernels k = kernels_for(f.out_dtype);
     if (!k.fp8out) return no("no e4m3-output FP8 kernel for this dtype in this build");
-    if (!in_epilogue(f.act) && !(f.act == Activation::gelu && k.fp8out_gelu))
-      return no("an activation the kernel's epilogue does not have");
+    if (!fp8_e4m3_kernel(k, f.act)) return no("an activation the kernel's epilogue does not have");
     if (f.n % 16 || f.ldd % 16 || reinterpret_cast<uintptr_t>(f.d) % 16 || reinterpret_cast<uintptr_t>(f.out_scale) % 4)
       return no("e4m3 output: n, its row stride or its address not a multiple of 16 bytes");
   } else {
@@ -341,8 +350,8 @@ Fp8Vectors fp8_vectors(const Fp8GemmArgs& f) {
 bool sm90_fp8_gemm(const Fp8GemmArgs& f) {
   DeviceGuard guard(f.device);
   const Kernels k = kernels_for(f.out_dtype);
-  Fp8Fn fn = f.out_scale ? (f.act == Activation::gelu ? k.fp8out_gelu : k.fp8out) : k.fp8;
-  if (!fn) throw std::invalid_argument("fusedenc sm90 fp8 gemm: no kernel for this output dtype");
+  Fp8Fn fn = f.out_scale ? fp8_e4m3_kernel(k, f.act) : k.fp8;
+  if (!fn) throw std::invalid_argument("fusedenc sm90 fp8 gemm: no kernel for this output dtype and activation");
   return fn(fp8_as_gemm(f), fp8_vectors(f), launch_sms(f.device));
 }
 
